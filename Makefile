@@ -1,0 +1,64 @@
+# comet - build of the C library, the CLI and the tests; the CUDA sources are
+# compiled for sm_90a whenever nvcc is found, so compile errors in GPU code
+# show up on machines without a GPU.
+#
+#   make            library, CLI, tests (and CUDA objects when nvcc exists)
+#   make test       build and run every test
+#   make bench      build and run `comet bench` on the default model
+#   make clean
+
+CC      ?= cc
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -pthread -Iinclude
+LDLIBS  += -lm -pthread
+BUILD   := build
+
+NVCC    ?= $(shell command -v nvcc 2>/dev/null)
+NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude -Xptxas -warn-spills
+
+LIB_SRC := $(wildcard src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c)
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o)
+WL_OBJ  := $(BUILD)/src/workload/workload.o
+CU_SRC  := $(wildcard src/cuda/*.cu)
+CU_OBJ  := $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.o))
+TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wildcard tests/test_*.c)))
+GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
+
+all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(CU_OBJ) $(GPU_TESTS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@ 2>&1 | tee $@.log; \
+	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C7510|C7511|C7515' $@.log
+
+$(BUILD)/libcomet.a: $(LIB_OBJ)
+	$(AR) rcs $@ $^
+
+$(BUILD)/comet: $(BUILD)/tools/comet.o $(WL_OBJ) $(BUILD)/libcomet.a
+	$(CC) $(CFLAGS) $^ $(LDLIBS) -o $@
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+	$(CC) $(CFLAGS) $^ $(LDLIBS) -o $@
+
+# GPU tests: built whenever nvcc exists, they skip at run time without a GPU.
+$(BUILD)/tests/%: tests/%.cu $(CU_OBJ) $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) $^ -lcudart -o $@
+
+test: all
+	@tests/run.sh $(BUILD)
+
+bench: $(BUILD)/comet
+	$(BUILD)/comet bench
+
+clean:
+	rm -rf $(BUILD)
+
+.PHONY: all test bench clean
+.SECONDARY:
+SHELL := /bin/bash
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,215 @@
+/*
+ * comet.h - the public C API of comet: Mixture-of-Experts layers across GPUs
+ * with fine-grained computation-communication overlap.
+ *
+ * This header is the whole public API and its documentation. What is not
+ * declared here is private. C99, usable from C++ (extern "C").
+ *
+ * Vocabulary
+ *   W        number of ranks in a world, W = TP x EP.
+ *   rank     0..W-1; rank = ep * TP + tp (TP is the inner index).
+ *   T        tokens held by one rank in one forward call (may differ per rank),
+ *            T <= max_tokens_per_rank.
+ *   E        num_experts (global); E_local = E / EP experts per rank.
+ *   F        ffn (per expert, unsliced); F_local = F / TP.
+ *   H        hidden.
+ *
+ * Semantics of one forward call (the contract every backend meets)
+ *   Rank (ep, tp) holds experts [ep*E_local, (ep+1)*E_local) and, of each, the
+ *   tp-th slice of the ffn dimension. For each token t of each rank:
+ *
+ *     y[t] = sum_j topk_w[t,j] * FFN_{topk_idx[t,j]}(x[t])
+ *     FFN_e(x) = act(x W1_e^T) W2_e^T
+ *
+ *   with these rounding points, which are part of the contract:
+ *     1. GEMM0 (x W1^T) accumulates in fp32; the activation is computed in fp32
+ *        and its output h stored in bf16 (the layer's input dtype).
+ *     2. GEMM1 (h W2^T) accumulates in fp32; its output o is stored in bf16.
+ *     3. On each rank r, the partial p_r[t] = sum over the slots j of token t
+ *        whose expert lives on r, in ascending j, of topk_w[t,j] * o_j, in fp32
+ *        (acc = fmaf(w, o, acc), starting from 0).
+ *     4. On the token's home rank, y[t] = sum over the ranks r that hold at least
+ *        one of t's experts, in ascending r, of p_r[t], in fp32, then stored in
+ *        bf16 (round to nearest even). Tokens with no contributing rank cannot
+ *        exist (topk >= 1).
+ *   The sum order is fixed, so results are bitwise deterministic run to run.
+ *   With TP > 1 every rank of the owning EP group contributes its ffn slice.
+ *
+ *   Valid: any topk in [1, E]; any E divisible by EP; ffn divisible by TP;
+ *   experts receiving no tokens; T = 0..max_tokens_per_rank, T not a multiple
+ *   of any tile size. The topk expert ids of one token must be distinct.
+ *   Invalid input returns an error status, sets the last-error message, and
+ *   writes nothing to any output.
+ *
+ * Threads and ranks
+ *   A world is a group of W ranks. Collective calls (comet_layer_create,
+ *   comet_layer_forward, comet_layer_destroy) must be made by every rank of the
+ *   world, each from its own thread (CPU backend) or process/device (CUDA
+ *   backend), in the same order. Each rank's calls for one layer come from one
+ *   thread at a time.
+ */
+#ifndef COMET_H
+#define COMET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COMET_VERSION_MAJOR 0
+#define COMET_VERSION_MINOR 1
+#define COMET_VERSION_PATCH 0
+#define COMET_VERSION_CODE \
+    (COMET_VERSION_MAJOR * 10000 + COMET_VERSION_MINOR * 100 + COMET_VERSION_PATCH)
+
+/* ---------------------------------------------------------------------------
+ * Status codes. Every public call returns one; comet_last_error() gives the
+ * message of the most recent failure on the calling thread.
+ * ------------------------------------------------------------------------- */
+typedef enum {
+    COMET_SUCCESS = 0,
+    COMET_ERR_INVALID_ARGUMENT = 1, /* null pointer, bad config value, bad flag */
+    COMET_ERR_INVALID_SHAPE = 2,    /* tensor shape/dtype mismatch, buffer too small, T > max */
+    COMET_ERR_INVALID_ROUTING = 3,  /* expert id out of range or repeated in a row */
+    COMET_ERR_PEER_FAILED = 4,      /* another rank of the collective call failed */
+    COMET_ERR_UNSUPPORTED = 5,      /* backend, dtype or feature not available in this build */
+    COMET_ERR_OUT_OF_MEMORY = 6,
+    COMET_ERR_TIMEOUT = 7,          /* a wait between ranks or workers timed out */
+    COMET_ERR_SYSTEM = 8,           /* thread or OS call failed */
+    COMET_ERR_CUDA = 9,
+    COMET_ERR_NCCL = 10,
+    COMET_ERR_INTERNAL = 11,
+    COMET_NUM_STATUS = 12
+} comet_status_t;
+
+/* Short constant name of a status, e.g. "COMET_ERR_INVALID_SHAPE". */
+const char *comet_status_string(comet_status_t status);
+/* Message of the last failed call on this thread ("" if none). Valid until
+ * the next comet call on this thread. */
+const char *comet_last_error(void);
+/* COMET_VERSION_CODE of the library actually loaded. */
+int comet_version(void);
+
+/* ---------------------------------------------------------------------------
+ * Tensors: a pointer with its dtype and shape, so every call can check that
+ * what it was given is what it needs. Row-major, densely packed.
+ * ------------------------------------------------------------------------- */
+typedef enum {
+    COMET_DTYPE_BF16 = 0, /* uint16_t storage, bfloat16 */
+    COMET_DTYPE_FP16 = 1, /* reserved: not yet supported by any backend */
+    COMET_DTYPE_FP32 = 2,
+    COMET_DTYPE_INT32 = 3
+} comet_dtype_t;
+
+#define COMET_MAX_DIMS 4
+
+typedef struct {
+    void *data;                     /* host pointer (CPU backend) or device pointer (CUDA) */
+    comet_dtype_t dtype;
+    int ndim;                       /* 1..COMET_MAX_DIMS */
+    int64_t shape[COMET_MAX_DIMS];  /* shape[0] outermost */
+} comet_tensor_t;
+
+/* Convenience constructors. */
+comet_tensor_t comet_tensor_2d(void *data, comet_dtype_t dtype, int64_t d0, int64_t d1);
+comet_tensor_t comet_tensor_3d(void *data, comet_dtype_t dtype, int64_t d0, int64_t d1,
+                               int64_t d2);
+
+/* ---------------------------------------------------------------------------
+ * Worlds: a group of ranks that run layers together.
+ * ------------------------------------------------------------------------- */
+typedef enum {
+    COMET_BACKEND_CPU = 0,  /* ranks are threads of one process; the specification engine */
+    COMET_BACKEND_CUDA = 1  /* one GPU per rank, NCCL underneath (not yet in this build) */
+} comet_backend_t;
+
+typedef struct comet_world comet_world_t;
+
+/* Create a world of num_ranks ranks living in this process (CPU backend:
+ * every rank is a thread that calls the collective functions). Not collective:
+ * one thread creates it and hands it to the rank threads. */
+comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks,
+                                        comet_backend_t backend);
+/* Destroy a world after all its layers are destroyed. NULL is a no-op. */
+comet_status_t comet_world_destroy(comet_world_t *world);
+int comet_world_size(const comet_world_t *world);
+
+/* ---------------------------------------------------------------------------
+ * Layer configuration.
+ * ------------------------------------------------------------------------- */
+typedef enum {
+    COMET_ACT_SILU_GATED = 0, /* h = silu(g) * u, W1 rows [0,F_local) gate, [F_local,2F_local) up */
+    COMET_ACT_GELU = 1        /* h = gelu(g) (erf form), W1 has F_local rows */
+} comet_activation_t;
+
+typedef struct {
+    uint32_t struct_size;        /* [in] sizeof(comet_layer_config_t): set by the initializer */
+    int64_t hidden;              /* [in] H */
+    int64_t ffn;                 /* [in] F, per expert, before TP slicing */
+    int64_t num_experts;         /* [in] E, global */
+    int64_t topk;                /* [in] experts per token, 1..E */
+    comet_activation_t activation;
+    comet_dtype_t dtype;         /* [in] activations and weights; BF16 */
+    int tp;                      /* [in] tensor-parallel degree (slices ffn) */
+    int ep;                      /* [in] expert-parallel degree (splits experts) */
+    int64_t max_tokens_per_rank; /* [in] upper bound on T; sizes every buffer */
+    int tile_m;                  /* [in] row-block height of the plans; 0 = backend default */
+} comet_layer_config_t;
+
+#define COMET_LAYER_CONFIG_INIT                                                   \
+    {                                                                             \
+        sizeof(comet_layer_config_t), 0, 0, 0, 0, COMET_ACT_SILU_GATED,           \
+            COMET_DTYPE_BF16, 1, 1, 0, 0                                          \
+    }
+
+/* Check a config on its own (without a world): COMET_SUCCESS or the status and
+ * a message naming the offending field. world_size 0 skips the TP*EP check. */
+comet_status_t comet_layer_config_check(const comet_layer_config_t *cfg, int world_size);
+
+typedef struct comet_layer comet_layer_t;
+
+/* Collective: create the layer on this rank. All ranks must pass equal configs. */
+comet_status_t comet_layer_create(comet_layer_t **layer, comet_world_t *world, int rank,
+                                  const comet_layer_config_t *cfg);
+/* Collective. NULL is a no-op (and not collective). */
+comet_status_t comet_layer_destroy(comet_layer_t *layer);
+
+/* ---------------------------------------------------------------------------
+ * Forward.
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    uint32_t struct_size;    /* [in] sizeof(comet_forward_args_t): set by the initializer */
+    comet_tensor_t x;        /* [in]  (T, H) bf16: this rank's tokens */
+    comet_tensor_t topk_idx; /* [in]  (T, topk) int32: global expert ids, distinct per row */
+    comet_tensor_t topk_w;   /* [in]  (T, topk) fp32: routing weights */
+    comet_tensor_t w1;       /* [in]  (E_local, 2*F_local, H) bf16 gated, (E_local, F_local, H) gelu */
+    comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16 */
+    comet_tensor_t y;        /* [out] (T, H) bf16 */
+    void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
+    int n_comm;              /* [in]  communication workers / blocks; 0 = tuner's choice */
+    int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
+} comet_forward_args_t;
+
+#define COMET_FORWARD_ARGS_INIT \
+    {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0}
+
+/* Collective: every rank calls it with its own tokens. On failure no output is
+ * written on any rank: a rank whose own input is invalid returns the specific
+ * status; the others return COMET_ERR_PEER_FAILED. */
+comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
+
+/* ---------------------------------------------------------------------------
+ * Reference: the specification as plain loops, for every rank at once, in the
+ * calling thread. inputs[r] holds rank r's x, topk_idx, topk_w, w1, w2 and y
+ * (other fields ignored). Validates everything before writing any y.
+ * ------------------------------------------------------------------------- */
+comet_status_t comet_reference_forward(const comet_layer_config_t *cfg, int world_size,
+                                       const comet_forward_args_t *inputs);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_H */

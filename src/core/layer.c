@@ -1,0 +1,49 @@
+/*
+ * layer.c - the public layer calls: argument checks common to every backend,
+ * then dispatch to the backend chosen when the world was created.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "runtime.h"
+#include "status.h"
+#include "validate.h"
+
+comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,
+                                  const comet_layer_config_t *cfg) {
+    comet_clear_error();
+    if (!out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    *out = NULL;
+    if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
+    if (rank < 0 || rank >= world->size)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d is outside [0, %d)", rank, world->size);
+    comet_dims_t dims;
+    COMET_TRY(comet_dims_from_config(cfg, world->size, rank, &dims));
+    comet_layer_t *l = calloc(1, sizeof *l);
+    if (!l) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "layer: no memory");
+    l->world = world;
+    l->rank = rank;
+    l->cfg = *cfg;
+    l->dims = dims;
+    comet_status_t st = comet_cpu_layer_create(l);
+    if (st != COMET_SUCCESS) {
+        free(l);
+        return st;
+    }
+    *out = l;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_destroy(comet_layer_t *l) {
+    comet_clear_error();
+    if (!l) return COMET_SUCCESS;
+    comet_cpu_layer_destroy(l);
+    free(l);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    return comet_cpu_layer_forward(l, args);
+}

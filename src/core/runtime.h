@@ -1,0 +1,54 @@
+/*
+ * runtime.h - the objects behind the public handles (comet_world_t,
+ * comet_layer_t) and the calls a backend implements. Not part of the public
+ * API.
+ *
+ * A world of the CPU backend is W threads of one process. Collective calls
+ * meet in a rendezvous: the i-th collective create on every rank receives the
+ * same shared object, which stands for memory that every rank can load and
+ * store (on GPUs: NCCL symmetric windows).
+ */
+#ifndef COMET_RUNTIME_H
+#define COMET_RUNTIME_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "comet.h"
+#include "../plan/plan.h"
+
+typedef struct comet_rendezvous comet_rendezvous_t;
+
+struct comet_world {
+    int size;
+    comet_backend_t backend;
+    int timeout_ms;          /* every wait between ranks or workers; env COMET_TIMEOUT_MS */
+    int cpu_workers;         /* compute workers per rank (CPU backend); env COMET_CPU_WORKERS */
+    atomic_int aborted;      /* set once any wait timed out: every other wait gives up */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t *next_seq;       /* [size] collective sequence number of each rank */
+    comet_rendezvous_t *pending;
+};
+
+struct comet_layer {
+    comet_world_t *world;
+    int rank;
+    comet_layer_config_t cfg;
+    comet_dims_t dims;
+    void *backend_state;
+};
+
+/* Collective meeting point. The first rank to arrive creates the shared object
+ * with make(arg); every rank gets it in *shared once all size ranks arrived.
+ * key is compared across ranks (e.g. a config): a mismatch fails every rank. */
+typedef void *(*comet_make_fn)(void *arg);
+comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
+                                      comet_make_fn make, void *arg, void **shared);
+
+/* CPU backend (src/cpu/engine.c). */
+comet_status_t comet_cpu_layer_create(comet_layer_t *layer);
+void comet_cpu_layer_destroy(comet_layer_t *layer);
+comet_status_t comet_cpu_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
+
+#endif /* COMET_RUNTIME_H */

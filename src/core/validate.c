@@ -1,0 +1,193 @@
+/*
+ * validate.c - checks of configs, tensors and routing (see validate.h).
+ */
+#include "validate.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "status.h"
+
+#define COMET_DEFAULT_TILE_M 128
+
+static const char *dtype_name(comet_dtype_t t) {
+    switch (t) {
+    case COMET_DTYPE_BF16: return "bf16";
+    case COMET_DTYPE_FP16: return "fp16";
+    case COMET_DTYPE_FP32: return "fp32";
+    case COMET_DTYPE_INT32: return "int32";
+    }
+    return "unknown-dtype";
+}
+
+comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world_size, int rank,
+                                      comet_dims_t *d) {
+    if (!cfg) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config is NULL");
+    if (cfg->struct_size != sizeof(comet_layer_config_t))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "config.struct_size is %u, expected %zu: initialize it with "
+                          "COMET_LAYER_CONFIG_INIT",
+                          cfg->struct_size, sizeof(comet_layer_config_t));
+    if (cfg->hidden < 1) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.hidden %lld < 1", (long long)cfg->hidden);
+    if (cfg->ffn < 1) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.ffn %lld < 1", (long long)cfg->ffn);
+    if (cfg->num_experts < 1)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.num_experts %lld < 1", (long long)cfg->num_experts);
+    if (cfg->topk < 1 || cfg->topk > cfg->num_experts)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.topk %lld is outside [1, num_experts=%lld]",
+                          (long long)cfg->topk, (long long)cfg->num_experts);
+    if (cfg->activation != COMET_ACT_SILU_GATED && cfg->activation != COMET_ACT_GELU)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.activation %d is not a comet_activation_t",
+                          (int)cfg->activation);
+    if (cfg->dtype != COMET_DTYPE_BF16)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "config.dtype %s: only bf16 is supported",
+                          dtype_name(cfg->dtype));
+    if (cfg->tp < 1 || cfg->ep < 1)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.tp=%d and config.ep=%d must be >= 1", cfg->tp, cfg->ep);
+    if ((int64_t)cfg->tp * cfg->ep > COMET_MAX_RANKS)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "tp*ep = %lld exceeds %d ranks",
+                          (long long)cfg->tp * cfg->ep, COMET_MAX_RANKS);
+    if (world_size > 0 && cfg->tp * cfg->ep != world_size)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.tp*config.ep = %d*%d = %d but the world has %d ranks",
+                          cfg->tp, cfg->ep, cfg->tp * cfg->ep, world_size);
+    if (cfg->num_experts % cfg->ep != 0)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.num_experts %lld is not divisible by config.ep %d",
+                          (long long)cfg->num_experts, cfg->ep);
+    if (cfg->ffn % cfg->tp != 0)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.ffn %lld is not divisible by config.tp %d",
+                          (long long)cfg->ffn, cfg->tp);
+    if (cfg->max_tokens_per_rank < 1)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.max_tokens_per_rank %lld < 1",
+                          (long long)cfg->max_tokens_per_rank);
+    if (cfg->tile_m < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.tile_m %d < 0", cfg->tile_m);
+
+    int w = cfg->tp * cfg->ep;
+    if (rank < 0 || rank >= w)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d is outside [0, %d)", rank, w);
+
+    comet_dims_t x;
+    memset(&x, 0, sizeof x);
+    x.world_size = w;
+    x.rank = rank;
+    x.tp = cfg->tp;
+    x.ep = cfg->ep;
+    x.tp_rank = rank % cfg->tp;
+    x.ep_rank = rank / cfg->tp;
+    x.hidden = cfg->hidden;
+    x.ffn_local = cfg->ffn / cfg->tp;
+    x.num_experts = cfg->num_experts;
+    x.experts_local = cfg->num_experts / cfg->ep;
+    x.topk = cfg->topk;
+    x.w1_rows = cfg->activation == COMET_ACT_SILU_GATED ? 2 * x.ffn_local : x.ffn_local;
+    x.max_tokens = cfg->max_tokens_per_rank;
+    x.tile_m = cfg->tile_m ? cfg->tile_m : COMET_DEFAULT_TILE_M;
+    x.max_rows = (int64_t)w * x.max_tokens * (x.topk < x.experts_local ? x.topk : x.experts_local);
+    x.max_rows_padded = x.max_rows + x.experts_local * (x.tile_m - 1);
+    x.max_blocks = x.max_rows / x.tile_m + x.experts_local;
+    x.activation = cfg->activation;
+    /* Plans index rows, slots and tokens with int32. */
+    if (x.max_rows_padded > INT32_MAX || (int64_t)w * x.max_tokens * x.topk > INT32_MAX)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "config too large: %lld rows per rank do not fit the plan's int32 indices",
+                          (long long)x.max_rows_padded);
+    if (d) *d = x;
+    return COMET_SUCCESS;
+}
+
+/* Check one tensor: data present (unless empty), dtype and exact shape. */
+static comet_status_t check_tensor(const comet_tensor_t *t, const char *name, comet_dtype_t dtype,
+                                   int ndim, const int64_t *shape) {
+    char want[128], got[128];
+    int64_t numel = 1;
+    for (int i = 0; i < ndim; i++) numel *= shape[i];
+    int ok = t->dtype == dtype && t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    if (!ok) {
+        int n = snprintf(want, sizeof want, "%s (", dtype_name(dtype));
+        for (int i = 0; i < ndim; i++)
+            n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", i ? ", " : "", (long long)shape[i]);
+        snprintf(want + n, sizeof want - (size_t)n, ")");
+        if (t->ndim < 1 || t->ndim > COMET_MAX_DIMS) {
+            snprintf(got, sizeof got, "%s with ndim %d", dtype_name(t->dtype), t->ndim);
+        } else {
+            n = snprintf(got, sizeof got, "%s (", dtype_name(t->dtype));
+            for (int i = 0; i < t->ndim; i++)
+                n += snprintf(got + n, sizeof got - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+            snprintf(got + n, sizeof got - (size_t)n, ")");
+        }
+        return comet_fail(COMET_ERR_INVALID_SHAPE, "%s: expected %s, got %s", name, want, got);
+    }
+    if (!t->data && numel > 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "%s.data is NULL", name);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *a,
+                                        int64_t *num_tokens) {
+    if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "forward args are NULL");
+    if (a->struct_size != sizeof(comet_forward_args_t))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "args.struct_size is %u, expected %zu: initialize it with COMET_FORWARD_ARGS_INIT",
+                          a->struct_size, sizeof(comet_forward_args_t));
+    if (a->n_comm < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < 0", a->n_comm);
+    if (a->chunk_cols < 0 || a->chunk_cols > d->hidden)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.chunk_cols %d is outside [0, hidden=%lld]",
+                          a->chunk_cols, (long long)d->hidden);
+    if (a->x.ndim != 2 || a->x.dtype != COMET_DTYPE_BF16)
+        return comet_fail(COMET_ERR_INVALID_SHAPE, "x: expected a 2-d bf16 tensor (T, hidden=%lld)",
+                          (long long)d->hidden);
+    const int64_t t = a->x.shape[0];
+    if (t < 0 || t > d->max_tokens)
+        return comet_fail(COMET_ERR_INVALID_SHAPE, "x: %lld tokens, outside [0, max_tokens_per_rank=%lld]",
+                          (long long)t, (long long)d->max_tokens);
+    const int64_t sx[2] = {t, d->hidden}, sk[2] = {t, d->topk};
+    const int64_t s1[3] = {d->experts_local, d->w1_rows, d->hidden};
+    const int64_t s2[3] = {d->experts_local, d->hidden, d->ffn_local};
+    COMET_TRY(check_tensor(&a->x, "x", COMET_DTYPE_BF16, 2, sx));
+    COMET_TRY(check_tensor(&a->topk_idx, "topk_idx", COMET_DTYPE_INT32, 2, sk));
+    COMET_TRY(check_tensor(&a->topk_w, "topk_w", COMET_DTYPE_FP32, 2, sk));
+    COMET_TRY(check_tensor(&a->w1, "w1", COMET_DTYPE_BF16, 3, s1));
+    COMET_TRY(check_tensor(&a->w2, "w2", COMET_DTYPE_BF16, 3, s2));
+    COMET_TRY(check_tensor(&a->y, "y", COMET_DTYPE_BF16, 2, sx));
+
+    const int32_t *idx = (const int32_t *)a->topk_idx.data;
+    for (int64_t i = 0; i < t; i++) {
+        for (int64_t j = 0; j < d->topk; j++) {
+            int32_t e = idx[i * d->topk + j];
+            if (e < 0 || e >= d->num_experts)
+                return comet_fail(COMET_ERR_INVALID_ROUTING,
+                                  "topk_idx[%lld, %lld] = %d is outside [0, num_experts=%lld)",
+                                  (long long)i, (long long)j, (int)e, (long long)d->num_experts);
+            for (int64_t k = 0; k < j; k++)
+                if (idx[i * d->topk + k] == e)
+                    return comet_fail(COMET_ERR_INVALID_ROUTING,
+                                      "topk_idx[%lld] repeats expert %d (slots %lld and %lld)",
+                                      (long long)i, (int)e, (long long)k, (long long)j);
+        }
+    }
+    *num_tokens = t;
+    return COMET_SUCCESS;
+}
+
+comet_tensor_t comet_tensor_2d(void *data, comet_dtype_t dtype, int64_t d0, int64_t d1) {
+    comet_tensor_t t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dtype;
+    t.ndim = 2;
+    t.shape[0] = d0;
+    t.shape[1] = d1;
+    return t;
+}
+
+comet_tensor_t comet_tensor_3d(void *data, comet_dtype_t dtype, int64_t d0, int64_t d1, int64_t d2) {
+    comet_tensor_t t = comet_tensor_2d(data, dtype, d0, d1);
+    t.ndim = 3;
+    t.shape[2] = d2;
+    return t;
+}
+
+comet_status_t comet_layer_config_check(const comet_layer_config_t *cfg, int world_size) {
+    comet_clear_error();
+    if (world_size < 0)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world_size %d < 0", world_size);
+    return comet_dims_from_config(cfg, world_size, 0, NULL);
+}

@@ -1,0 +1,35 @@
+/*
+ * validate.h - every check of caller input, in one place, shared by all
+ * backends and the reference: configs, tensors and routing. Each check either
+ * passes or returns a status with a message naming the field and the values;
+ * none writes anything but the dims it is asked to fill.
+ */
+#ifndef COMET_VALIDATE_H
+#define COMET_VALIDATE_H
+
+#include "comet.h"
+#include "../plan/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest world size the runtime accepts. */
+#define COMET_MAX_RANKS 1024
+
+/* Check cfg for a world of world_size ranks (0: skip the TP*EP check) and, if
+ * dims is not NULL, fill it for rank. */
+comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world_size, int rank,
+                                      comet_dims_t *dims);
+
+/* Check one rank's forward arguments against its dims: tensors present, of the
+ * right dtype and shape, T <= max_tokens, expert ids in [0, E) and distinct per
+ * row. On success *num_tokens = T. */
+comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *args,
+                                        int64_t *num_tokens);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_VALIDATE_H */

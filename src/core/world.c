@@ -1,0 +1,135 @@
+/*
+ * world.c - worlds (groups of ranks in this process) and the rendezvous that
+ * pairs up collective calls across rank threads.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "runtime.h"
+#include "status.h"
+#include "validate.h"
+
+struct comet_rendezvous {
+    int64_t seq;
+    int arrived;
+    int mismatch;             /* a rank brought a different key */
+    int released;             /* ranks that have left with the shared object */
+    void *shared;
+    void *key;
+    size_t key_bytes;
+    comet_rendezvous_t *next;
+};
+
+static int env_int(const char *name, int fallback, int lo, int hi) {
+    const char *s = getenv(name);
+    if (!s || !*s) return fallback;
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (*end || v < lo || v > hi) return fallback;
+    return (int)v;
+}
+
+comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, comet_backend_t backend) {
+    comet_clear_error();
+    if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
+    *world = NULL;
+    if (num_ranks < 1 || num_ranks > COMET_MAX_RANKS)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "num_ranks %d is outside [1, %d]", num_ranks, COMET_MAX_RANKS);
+    if (backend == COMET_BACKEND_CUDA)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "the CUDA backend is not in this build yet; use COMET_BACKEND_CPU");
+    if (backend != COMET_BACKEND_CPU)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "backend %d is not a comet_backend_t", (int)backend);
+    comet_world_t *w = calloc(1, sizeof *w);
+    int64_t *seq = calloc((size_t)num_ranks, sizeof *seq);
+    if (!w || !seq) {
+        free(w), free(seq);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "world: no memory");
+    }
+    w->size = num_ranks;
+    w->backend = backend;
+    w->timeout_ms = env_int("COMET_TIMEOUT_MS", 60000, 1, 3600 * 1000);
+    w->cpu_workers = env_int("COMET_CPU_WORKERS", 2, 1, 256);
+    w->next_seq = seq;
+    atomic_init(&w->aborted, 0);
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    *world = w;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_world_destroy(comet_world_t *w) {
+    comet_clear_error();
+    if (!w) return COMET_SUCCESS;
+    if (w->pending) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has a collective call in progress");
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w->next_seq);
+    free(w);
+    return COMET_SUCCESS;
+}
+
+int comet_world_size(const comet_world_t *w) { return w ? w->size : 0; }
+
+comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
+                                      comet_make_fn make, void *arg, void **shared) {
+    *shared = NULL;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += w->timeout_ms / 1000;
+    deadline.tv_nsec += (long)(w->timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+
+    pthread_mutex_lock(&w->mu);
+    int64_t seq = w->next_seq[rank]++;
+    comet_rendezvous_t *rv = w->pending;
+    while (rv && rv->seq != seq) rv = rv->next;
+    if (!rv) {
+        rv = calloc(1, sizeof *rv);
+        void *k = rv ? malloc(key_bytes) : NULL;
+        void *obj = k ? make(arg) : NULL;
+        if (!rv || !k || !obj) {
+            free(rv), free(k);
+            w->next_seq[rank]--;
+            pthread_mutex_unlock(&w->mu);
+            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the shared state of collective call %lld",
+                              rank, (long long)seq);
+        }
+        memcpy(k, key, key_bytes);
+        rv->seq = seq;
+        rv->key = k;
+        rv->key_bytes = key_bytes;
+        rv->shared = obj;
+        rv->next = w->pending;
+        w->pending = rv;
+    } else if (rv->key_bytes != key_bytes || memcmp(rv->key, key, key_bytes) != 0) {
+        rv->mismatch = 1;
+    }
+    rv->arrived++;
+    pthread_cond_broadcast(&w->cv);
+    int err = 0;
+    while (rv->arrived < w->size && err == 0) err = pthread_cond_timedwait(&w->cv, &w->mu, &deadline);
+    if (rv->arrived < w->size) {
+        /* Leave the record for late ranks; this world is unusable now. */
+        atomic_store(&w->aborted, 1);
+        int arrived = rv->arrived;
+        pthread_mutex_unlock(&w->mu);
+        return comet_fail(COMET_ERR_TIMEOUT, "rank %d: collective call %lld: only %d of %d ranks arrived within %d ms",
+                          rank, (long long)seq, arrived, w->size, w->timeout_ms);
+    }
+    int mismatch = rv->mismatch;
+    *shared = rv->shared;
+    if (++rv->released == w->size) { /* last one out removes the record */
+        comet_rendezvous_t **pp = &w->pending;
+        while (*pp != rv) pp = &(*pp)->next;
+        *pp = rv->next;
+        free(rv->key);
+        free(rv);
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (mismatch)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "rank %d: ranks passed different arguments to collective call %lld", rank, (long long)seq);
+    return COMET_SUCCESS;
+}

@@ -1,0 +1,523 @@
+/*
+ * engine.c - the multi-rank CPU engine: W ranks as threads of one process,
+ * each with n_comm communication workers and n_compute compute workers that
+ * follow the protocol the fused GPU kernels follow. Its output is bitwise
+ * identical to the reference (reference.c), so plan and protocol bugs show up
+ * on machines without GPUs.
+ *
+ * Shared ("symmetric") memory, one cpu_sym_t per rank, carved in make_shared:
+ *   x           (max_T, H) bf16    this rank's tokens, staged for peers to pull
+ *   topk_idx    (max_T, topk) i32  its routing, read by every peer's planner
+ *   topk_w      (max_T, topk) f32
+ *   partials    (W, max_T, H) f32  [q][t] written by rank q: its top-k partial
+ *   partial_flag (W, H) u64        [q][c] = epoch once rank q wrote chunk c
+ *   entry, done                    epoch flags (below)
+ * Private memory per rank: the plan, the expert-grouped rows a (rows, H), the
+ * activations h (rows, F_local), the expert outputs o (rows, H), a ready flag
+ * per row block, and completion counters of layer 0 and of each layer-1 chunk.
+ *
+ * Flags are monotone epoch counters, never reset: producers publish with a
+ * release store (or add), consumers spin with acquire loads; every spin has a
+ * timeout that names rank, role and tile. One forward, epoch k, on rank r:
+ *   1. wait done[q] >= k-1 for all q (nobody still reads my stage)
+ *   2. stage x/topk into my shared slot, store my input status, entry = k
+ *   3. wait entry[q] >= k for all q; any failed status -> every rank returns
+ *      an error having written nothing
+ *   4. build the plan from every rank's staged routing
+ *   5. layer 0: comm workers copy rows into a, block by block in local-first
+ *      order, and set block_ready[b] = k; compute workers run GEMM0 tiles in
+ *      the same order, each after block_ready[b] >= k, then count l0_done
+ *   6. layer 1: compute workers run GEMM1 tiles chunk by chunk over all blocks
+ *      and add to l1_done[c]; comm workers, once chunk c is complete, do each
+ *      token's top-k reduce over its rows here and store the partial into the
+ *      token's home rank, then partial_flag = k; the home rank, once every rank
+ *      flagged chunk c, sums the partials in ascending rank order into y
+ *   7. done = k
+ * Comm workers do their tasks in the order send(0), send(1), recv(0),
+ * send(2), recv(1), ...: a recv(c) waits only on sends(c) of peers, which no
+ * later task precedes, so the protocol cannot deadlock.
+ */
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../core/runtime.h"
+#include "../core/status.h"
+#include "../core/validate.h"
+#include "../tuner/tuner.h"
+#include "cpu_math.h"
+
+#define GEMM0_TILE_N 32 /* activation columns per layer-0 tile */
+
+typedef _Atomic uint64_t flag_t;
+
+typedef struct {
+    comet_bf16_t *x;
+    int32_t *topk_idx;
+    float *topk_w;
+    float *partials;
+    flag_t *partial_flag;
+    int64_t token_count;
+    int status;
+    int chunk_cols;
+    char message[256];
+    flag_t entry;
+    flag_t done;
+} cpu_sym_t;
+
+typedef struct {
+    atomic_int refs;
+    int world_size;
+    cpu_sym_t *rank; /* [W] */
+    void *block;     /* one allocation for all rank buffers */
+} cpu_shared_t;
+
+typedef struct {
+    cpu_shared_t *sh;
+    void *plan_ws;
+    comet_plan_t plan;
+    comet_bf16_t *a, *h, *o;
+    flag_t *block_ready; /* [max_blocks] */
+    flag_t l0_done;
+    uint64_t l0_base;
+    flag_t *l1_done;     /* [H] */
+    uint64_t *l1_base;   /* [H] */
+    uint64_t epoch;
+    /* the call in flight */
+    const comet_bf16_t *w1, *w2;
+    comet_bf16_t *y;
+    int64_t num_tokens;
+    int n_comm, n_compute, chunk_cols, n_chunks;
+    /* first failure of a worker */
+    pthread_mutex_t err_mu;
+    comet_status_t err;
+    char err_msg[512];
+} cpu_layer_t;
+
+/* ---------------------------------------------------------------------------
+ * Waiting
+ * ------------------------------------------------------------------------- */
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static void record_error(comet_layer_t *l, comet_status_t st, const char *msg) {
+    cpu_layer_t *L = l->backend_state;
+    pthread_mutex_lock(&L->err_mu);
+    if (L->err == COMET_SUCCESS) {
+        L->err = st;
+        snprintf(L->err_msg, sizeof L->err_msg, "%s", msg);
+    }
+    pthread_mutex_unlock(&L->err_mu);
+}
+
+/* Spin until *flag >= target (acquire). On timeout, or when another wait of
+ * the world timed out, record "rank R <role> <worker>: <what>" and return -1. */
+static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char *role, int worker,
+                    const char *what_fmt, ...) COMET_PRINTF(6, 7);
+static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char *role, int worker,
+                    const char *what_fmt, ...) {
+    double start = 0;
+    for (uint64_t spin = 0;; spin++) {
+        uint64_t v = atomic_load_explicit(flag, memory_order_acquire);
+        if (v >= target) return 0;
+        if ((spin & 63) != 63) continue;
+        sched_yield();
+        if ((spin & 1023) != 1023) continue;
+        if (start == 0) start = now_ms();
+        int aborted = atomic_load(&l->world->aborted);
+        int timed_out = now_ms() - start > l->world->timeout_ms;
+        if (!aborted && !timed_out) continue;
+        char what[256], msg[512];
+        va_list ap;
+        va_start(ap, what_fmt);
+        vsnprintf(what, sizeof what, what_fmt, ap);
+        va_end(ap);
+        if (timed_out) {
+            atomic_store(&l->world->aborted, 1);
+            snprintf(msg, sizeof msg, "rank %d %s %d: timed out after %d ms waiting for %s (flag %llu < %llu)",
+                     l->rank, role, worker, l->world->timeout_ms, what, (unsigned long long)v,
+                     (unsigned long long)target);
+        } else {
+            snprintf(msg, sizeof msg, "rank %d %s %d: gave up waiting for %s: another wait of the world timed out",
+                     l->rank, role, worker, what);
+        }
+        record_error(l, COMET_ERR_TIMEOUT, msg);
+        return -1;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Create / destroy
+ * ------------------------------------------------------------------------- */
+
+static size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+
+static size_t sym_bytes(const comet_dims_t *d) {
+    const size_t w = (size_t)d->world_size, t = (size_t)d->max_tokens, hd = (size_t)d->hidden;
+    return align64(t * hd * sizeof(comet_bf16_t)) + 2 * align64(t * (size_t)d->topk * 4) +
+           align64(w * t * hd * sizeof(float)) + align64(w * hd * sizeof(flag_t));
+}
+
+static void *make_shared(void *arg) {
+    const comet_dims_t *d = arg;
+    const size_t w = (size_t)d->world_size, t = (size_t)d->max_tokens, hd = (size_t)d->hidden;
+    cpu_shared_t *sh = calloc(1, sizeof *sh);
+    cpu_sym_t *ranks = calloc(w, sizeof *ranks);
+    char *block = calloc(w, sym_bytes(d));
+    if (!sh || !ranks || !block) {
+        free(sh), free(ranks), free(block);
+        return NULL;
+    }
+    atomic_init(&sh->refs, (int)w);
+    sh->world_size = (int)w;
+    sh->rank = ranks;
+    sh->block = block;
+    for (size_t q = 0; q < w; q++) {
+        char *p = block + q * sym_bytes(d);
+        cpu_sym_t *s = &ranks[q];
+        s->x = (comet_bf16_t *)p, p += align64(t * hd * sizeof(comet_bf16_t));
+        s->topk_idx = (int32_t *)p, p += align64(t * (size_t)d->topk * 4);
+        s->topk_w = (float *)p, p += align64(t * (size_t)d->topk * 4);
+        s->partials = (float *)p, p += align64(w * t * hd * sizeof(float));
+        s->partial_flag = (flag_t *)p;
+        for (size_t i = 0; i < w * hd; i++) atomic_init(&s->partial_flag[i], 0);
+        atomic_init(&s->entry, 0);
+        atomic_init(&s->done, 0);
+    }
+    return sh;
+}
+
+static void release_shared(cpu_shared_t *sh) {
+    if (sh && atomic_fetch_sub(&sh->refs, 1) == 1) {
+        free(sh->block);
+        free(sh->rank);
+        free(sh);
+    }
+}
+
+static void free_private(cpu_layer_t *L) {
+    free(L->plan_ws);
+    free(L->a), free(L->h), free(L->o);
+    free(L->block_ready), free(L->l1_done), free(L->l1_base);
+    pthread_mutex_destroy(&L->err_mu);
+    free(L);
+}
+
+comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
+    const comet_dims_t *d = &l->dims;
+    cpu_layer_t *L = calloc(1, sizeof *L);
+    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer", l->rank);
+    pthread_mutex_init(&L->err_mu, NULL);
+    const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden;
+    L->plan_ws = aligned_alloc(64, align64(comet_plan_workspace_bytes(d)));
+    L->a = malloc(rows * hd * sizeof(comet_bf16_t) + 1);
+    L->h = malloc(rows * (size_t)d->ffn_local * sizeof(comet_bf16_t) + 1);
+    L->o = malloc(rows * hd * sizeof(comet_bf16_t) + 1);
+    L->block_ready = malloc((size_t)d->max_blocks * sizeof(flag_t));
+    L->l1_done = malloc(hd * sizeof(flag_t));
+    L->l1_base = calloc(hd, sizeof(uint64_t));
+    if (!L->plan_ws || !L->a || !L->h || !L->o || !L->block_ready || !L->l1_done || !L->l1_base) {
+        free_private(L);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
+    }
+    comet_plan_carve(d, L->plan_ws, &L->plan);
+    for (int64_t b = 0; b < d->max_blocks; b++) atomic_init(&L->block_ready[b], 0);
+    for (size_t c = 0; c < hd; c++) atomic_init(&L->l1_done[c], 0);
+    atomic_init(&L->l0_done, 0);
+
+    /* Collective: every rank must bring the same config. */
+    void *shared = NULL;
+    comet_dims_t key = *d;
+    key.rank = key.tp_rank = key.ep_rank = 0;
+    comet_status_t st = comet_world_rendezvous(l->world, l->rank, &key, sizeof key, make_shared, &key, &shared);
+    if (st != COMET_SUCCESS) {
+        release_shared(shared);
+        free_private(L);
+        return st;
+    }
+    L->sh = shared;
+    l->backend_state = L;
+    return COMET_SUCCESS;
+}
+
+void comet_cpu_layer_destroy(comet_layer_t *l) {
+    cpu_layer_t *L = l->backend_state;
+    if (!L) return;
+    release_shared(L->sh);
+    free_private(L);
+    l->backend_state = NULL;
+}
+
+/* ---------------------------------------------------------------------------
+ * Workers
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    comet_layer_t *l;
+    int index;
+} worker_t;
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static void *compute_worker(void *arg) {
+    worker_t *wk = arg;
+    comet_layer_t *l = wk->l;
+    cpu_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    const comet_plan_t *p = &L->plan;
+    const int64_t hd = d->hidden, fl = d->ffn_local, nb = p->totals->num_blocks;
+    const int64_t nt0 = (fl + GEMM0_TILE_N - 1) / GEMM0_TILE_N;
+
+    /* Layer 0: GEMM0 + activation, blocks in local-first order. */
+    uint64_t mine = 0;
+    for (int64_t i = wk->index; i < nb * nt0; i += L->n_compute) {
+        int32_t b = p->l0_order[i / nt0];
+        const comet_plan_block_t *blk = &p->blocks[b];
+        int64_t n0 = (i % nt0) * GEMM0_TILE_N, n1 = min64(n0 + GEMM0_TILE_N, fl);
+        if (wait_geq(l, &L->block_ready[b], L->epoch, "gemm worker", wk->index,
+                     "rows of block %d (expert %d, rows %d..%d, stage %d)", b, blk->expert, blk->row_start,
+                     blk->row_start + blk->num_rows - 1, blk->stage))
+            return NULL;
+        const comet_bf16_t *w1_e = L->w1 + (int64_t)blk->expert * d->w1_rows * hd;
+        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
+            comet_cpu_gemm0_row(d, L->a + row * hd, w1_e, n0, n1, L->h + row * fl);
+        mine++;
+    }
+    atomic_fetch_add_explicit(&L->l0_done, mine, memory_order_release);
+    if (wait_geq(l, &L->l0_done, L->l0_base + (uint64_t)(nb * nt0), "gemm worker", wk->index,
+                 "layer 0 to finish (%lld tiles)", (long long)(nb * nt0)))
+        return NULL;
+
+    /* Layer 1: GEMM1, column chunk by column chunk across all blocks. */
+    for (int64_t i = wk->index; i < L->n_chunks * nb; i += L->n_compute) {
+        int64_t c = i / nb;
+        const comet_plan_block_t *blk = &p->blocks[p->l0_order[i % nb]];
+        int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
+        const comet_bf16_t *w2_e = L->w2 + (int64_t)blk->expert * hd * fl;
+        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
+            comet_cpu_gemm1_row(d, L->h + row * fl, w2_e, c0, c1, L->o + row * hd);
+        atomic_fetch_add_explicit(&L->l1_done[c], 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Top-k reduce of chunk c for the tokens of home rank h that have rows here,
+ * stored into h's partials, then flagged. */
+static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
+    cpu_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    const comet_plan_t *p = &L->plan;
+    const int64_t hd = d->hidden, topk = d->topk, nb = p->totals->num_blocks;
+    if (wait_geq(l, &L->l1_done[c], L->l1_base[c] + (uint64_t)nb, "comm worker", worker,
+                 "GEMM1 tiles of chunk %lld (%lld blocks)", (long long)c, (long long)nb))
+        return -1;
+    int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
+    cpu_sym_t *home = &L->sh->rank[h];
+    const int32_t *ros = p->row_of_slot + (int64_t)h * d->max_tokens * topk;
+    const int32_t *list = p->send_tokens + (int64_t)h * d->max_tokens;
+    for (int32_t i = 0; i < p->send_count[h]; i++) {
+        int64_t t = list[i];
+        float *acc = home->partials + ((int64_t)l->rank * d->max_tokens + t) * hd;
+        for (int64_t col = c0; col < c1; col++) acc[col] = 0.0f;
+        for (int64_t j = 0; j < topk; j++) {
+            int32_t row = ros[t * topk + j];
+            if (row >= 0) comet_cpu_topk_accumulate(acc, p->rows[row].weight, L->o + row * hd, c0, c1);
+        }
+    }
+    atomic_store_explicit(&home->partial_flag[(int64_t)l->rank * hd + c], L->epoch, memory_order_release);
+    return 0;
+}
+
+/* Sum chunk c of every local token's partials, ascending rank, into y. */
+static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
+    cpu_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    const comet_plan_t *p = &L->plan;
+    const int64_t hd = d->hidden, topk = d->topk;
+    cpu_sym_t *me = &L->sh->rank[l->rank];
+    for (int q = 0; q < d->world_size; q++)
+        if (wait_geq(l, &me->partial_flag[(int64_t)q * hd + c], L->epoch, "comm worker", worker,
+                     "partials of chunk %lld from rank %d", (long long)c, q))
+            return -1;
+    int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
+    for (int64_t t = 0; t < L->num_tokens; t++) {
+        const int32_t *groups = p->home_groups + t * topk;
+        for (int64_t col = c0; col < c1; col++) {
+            float acc = 0.0f;
+            for (int32_t g = 0; g < p->home_group_count[t]; g++)
+                for (int tp = 0; tp < d->tp; tp++) {
+                    int64_t q = (int64_t)groups[g] * d->tp + tp;
+                    acc += me->partials[(q * d->max_tokens + t) * hd + col];
+                }
+            L->y[t * hd + col] = comet_f32_to_bf16(acc);
+        }
+    }
+    return 0;
+}
+
+static void *comm_worker(void *arg) {
+    worker_t *wk = arg;
+    comet_layer_t *l = wk->l;
+    cpu_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    const comet_plan_t *p = &L->plan;
+    const int64_t hd = d->hidden, nb = p->totals->num_blocks;
+    const int w = d->world_size, n = L->n_comm;
+
+    /* Layer 0: pull rows, block by block in local-first order. */
+    for (int64_t i = wk->index; i < nb; i += n) {
+        int32_t b = p->l0_order[i];
+        const comet_plan_block_t *blk = &p->blocks[b];
+        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++) {
+            const comet_plan_row_t *pr = &p->rows[row];
+            memcpy(L->a + row * hd, L->sh->rank[pr->src_rank].x + (int64_t)pr->src_token * hd,
+                   (size_t)hd * sizeof(comet_bf16_t));
+        }
+        atomic_store_explicit(&L->block_ready[b], L->epoch, memory_order_release);
+    }
+
+    /* Layer 1: send(0), send(1), recv(0), send(2), recv(1), ..., recv(C-1). */
+    for (int64_t c = 0; c <= L->n_chunks; c++) {
+        for (int hi = 0; c < L->n_chunks && hi < w; hi++)
+            if ((c * w + hi) % n == wk->index && send_chunk(l, wk->index, c, (l->rank + 1 + hi) % w)) return NULL;
+        if (c >= 1 && (c - 1) % n == wk->index && recv_chunk(l, wk->index, c - 1)) return NULL;
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------
+ * Forward
+ * ------------------------------------------------------------------------- */
+
+static comet_status_t run_workers(comet_layer_t *l) {
+    cpu_layer_t *L = l->backend_state;
+    int total = L->n_comm + L->n_compute;
+    pthread_t *threads = malloc(sizeof(pthread_t) * (size_t)total);
+    worker_t *args = malloc(sizeof(worker_t) * (size_t)total);
+    if (!threads || !args) {
+        free(threads), free(args);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for workers", l->rank);
+    }
+    int started = 0;
+    comet_status_t st = COMET_SUCCESS;
+    for (; started < total; started++) {
+        int comm = started < L->n_comm;
+        args[started].l = l;
+        args[started].index = comm ? started : started - L->n_comm;
+        if (pthread_create(&threads[started], NULL, comm ? comm_worker : compute_worker, &args[started])) {
+            /* Workers already running would wait forever for the missing ones. */
+            atomic_store(&l->world->aborted, 1);
+            st = comet_fail(COMET_ERR_SYSTEM, "rank %d: could not start worker thread %d of %d", l->rank,
+                            started, total);
+            break;
+        }
+    }
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    free(threads), free(args);
+    if (st == COMET_SUCCESS && L->err != COMET_SUCCESS) st = comet_fail_copy(L->err, L->err_msg);
+    return st;
+}
+
+/* Wait until every rank's flag (entry or done) reaches target. */
+static comet_status_t wait_all_ranks(comet_layer_t *l, int use_done, uint64_t target) {
+    cpu_layer_t *L = l->backend_state;
+    for (int q = 0; q < l->dims.world_size; q++) {
+        flag_t *f = use_done ? &L->sh->rank[q].done : &L->sh->rank[q].entry;
+        if (wait_geq(l, f, target, "host", 0, "rank %d to %s epoch %llu", q,
+                     use_done ? "finish" : "enter", (unsigned long long)target))
+            return comet_fail_copy(L->err, L->err_msg);
+    }
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+    cpu_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    cpu_sym_t *me = &L->sh->rank[l->rank];
+    int64_t t = 0;
+    comet_status_t own = comet_check_forward_args(d, args, &t);
+    comet_tuning_t tune = {0, 0};
+    if (own == COMET_SUCCESS) {
+        tune.n_comm = args->n_comm;
+        tune.chunk_cols = args->chunk_cols;
+        comet_tuner_pick(d, t, &tune);
+    }
+
+    const uint64_t epoch = ++L->epoch;
+    L->err = COMET_SUCCESS;
+    COMET_TRY(wait_all_ranks(l, 1, epoch - 1));
+
+    /* Stage inputs (or the failure) for the peers. */
+    me->status = own;
+    snprintf(me->message, sizeof me->message, "%s", own == COMET_SUCCESS ? "" : comet_last_error());
+    if (own == COMET_SUCCESS) {
+        memcpy(me->x, args->x.data, (size_t)(t * d->hidden) * sizeof(comet_bf16_t));
+        memcpy(me->topk_idx, args->topk_idx.data, (size_t)(t * d->topk) * sizeof(int32_t));
+        memcpy(me->topk_w, args->topk_w.data, (size_t)(t * d->topk) * sizeof(float));
+        me->token_count = t;
+        me->chunk_cols = tune.chunk_cols;
+    }
+    atomic_store_explicit(&me->entry, epoch, memory_order_release);
+    COMET_TRY(wait_all_ranks(l, 0, epoch));
+
+    /* Any failure anywhere: every rank returns without writing. */
+    comet_status_t st = COMET_SUCCESS;
+    char msg[512];
+    if (own != COMET_SUCCESS) {
+        st = own;
+        snprintf(msg, sizeof msg, "%s", me->message);
+    }
+    for (int q = 0; q < d->world_size && st == COMET_SUCCESS; q++) {
+        cpu_sym_t *peer = &L->sh->rank[q];
+        if (peer->status != COMET_SUCCESS) {
+            st = COMET_ERR_PEER_FAILED;
+            snprintf(msg, sizeof msg, "rank %d failed with %s: %s", q,
+                     comet_status_string((comet_status_t)peer->status), peer->message);
+        } else if (peer->chunk_cols != tune.chunk_cols) {
+            st = COMET_ERR_INVALID_ARGUMENT;
+            snprintf(msg, sizeof msg, "chunk_cols differ across ranks: %d on rank %d, %d on rank %d",
+                     tune.chunk_cols, l->rank, peer->chunk_cols, q);
+        }
+    }
+    if (st != COMET_SUCCESS) {
+        atomic_store_explicit(&me->done, epoch, memory_order_release);
+        return comet_fail_copy(st, msg);
+    }
+
+    /* Plan from every rank's staged routing. */
+    const int w = d->world_size;
+    const int32_t *idx[COMET_MAX_RANKS];
+    const float *wt[COMET_MAX_RANKS];
+    int64_t counts[COMET_MAX_RANKS];
+    for (int q = 0; q < w; q++) {
+        idx[q] = L->sh->rank[q].topk_idx;
+        wt[q] = L->sh->rank[q].topk_w;
+        counts[q] = L->sh->rank[q].token_count;
+    }
+    comet_plan_input_t in = {counts, idx, wt};
+    comet_plan_build(d, &in, &L->plan);
+
+    L->w1 = args->w1.data;
+    L->w2 = args->w2.data;
+    L->y = args->y.data;
+    L->num_tokens = t;
+    L->n_comm = tune.n_comm;
+    L->n_compute = l->world->cpu_workers;
+    L->chunk_cols = tune.chunk_cols;
+    L->n_chunks = (int)((d->hidden + tune.chunk_cols - 1) / tune.chunk_cols);
+    COMET_TRY(run_workers(l));
+
+    const int64_t nb = L->plan.totals->num_blocks;
+    L->l0_base += (uint64_t)(nb * ((d->ffn_local + GEMM0_TILE_N - 1) / GEMM0_TILE_N));
+    for (int c = 0; c < L->n_chunks; c++) L->l1_base[c] += (uint64_t)nb;
+    atomic_store_explicit(&me->done, epoch, memory_order_release);
+    return COMET_SUCCESS;
+}

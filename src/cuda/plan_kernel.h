@@ -1,0 +1,26 @@
+/*
+ * plan_kernel.h - C interface of the device plan builder (plan_kernel.cu).
+ */
+#ifndef COMET_PLAN_KERNEL_H
+#define COMET_PLAN_KERNEL_H
+
+#include <cuda_runtime.h>
+
+#include "../plan/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Build rank d->rank's plan on the device into workspace (device memory of
+ * comet_plan_workspace_bytes(d)). in's arrays (token_count, the pointer
+ * arrays and what they point to) must be device-accessible. Asynchronous on
+ * stream; returns the launch status. */
+cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
+                                  cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_PLAN_KERNEL_H */

@@ -1,0 +1,300 @@
+/*
+ * workload.c - model presets, routing generators, random inputs and the
+ * multi-rank problem runner (see workload.h).
+ */
+#include "workload.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../core/numerics.h"
+#include "../core/status.h"
+#include "../core/validate.h"
+
+const comet_model_t comet_models[] = {
+    {"mixtral-8x7b", 4096, 14336, 8, 2},
+    {"qwen2-moe", 2048, 1408, 64, 4},
+    {"phi-3.5-moe", 4096, 6400, 16, 2},
+    {"deepseek-v3", 7168, 2048, 256, 8},
+};
+const int comet_num_models = (int)(sizeof comet_models / sizeof comet_models[0]);
+
+const comet_model_t *comet_model_find(const char *name) {
+    for (int i = 0; i < comet_num_models; i++)
+        if (strcmp(comet_models[i].name, name) == 0) return &comet_models[i];
+    return NULL;
+}
+
+/* ---- random numbers ------------------------------------------------------- */
+
+uint64_t comet_rng_next(comet_rng_t *r) {
+    uint64_t z = (r->state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double comet_rng_uniform(comet_rng_t *r) { return (double)(comet_rng_next(r) >> 11) * 0x1.0p-53; }
+
+double comet_rng_normal(comet_rng_t *r) {
+    double u = comet_rng_uniform(r), v = comet_rng_uniform(r);
+    return sqrt(-2.0 * log(1.0 - u)) * cos(6.283185307179586 * v);
+}
+
+static void fill_bf16(uint16_t *a, int64_t n, double scale, comet_rng_t *r) {
+    for (int64_t i = 0; i < n; i++) a[i] = comet_f32_to_bf16((float)((2.0 * comet_rng_uniform(r) - 1.0) * scale));
+}
+
+/* ---- routing ---------------------------------------------------------------
+ * Expert popularity: 1 + skew * N(0,1), floored at 0.01, and 0 for the
+ * zero_experts chosen at random. Each token draws topk distinct experts in
+ * proportion to popularity; its weights are a softmax of random logits. */
+static comet_status_t draw_routing(comet_problem_t *p, const comet_routing_opts_t *ro, comet_rng_t *rng) {
+    const int64_t e_num = p->cfg.num_experts, topk = p->cfg.topk;
+    if (ro->skew < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "routing skew %g < 0", ro->skew);
+    if (ro->zero_experts < 0 || e_num - ro->zero_experts < topk)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "routing: %lld empty experts leave fewer than topk=%lld of %lld experts",
+                          (long long)ro->zero_experts, (long long)topk, (long long)e_num);
+    double *pop = malloc(sizeof(double) * (size_t)e_num);
+    double *mass = malloc(sizeof(double) * (size_t)e_num);
+    double *logit = malloc(sizeof(double) * (size_t)topk);
+    if (!pop || !mass || !logit) {
+        free(pop), free(mass), free(logit);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "routing: no memory");
+    }
+    for (int64_t e = 0; e < e_num; e++) {
+        double v = 1.0 + ro->skew * comet_rng_normal(rng);
+        pop[e] = v < 0.01 ? 0.01 : v;
+    }
+    for (int64_t z = 0; z < ro->zero_experts;) { /* distinct random experts */
+        int64_t e = (int64_t)(comet_rng_next(rng) % (uint64_t)e_num);
+        if (pop[e] > 0) pop[e] = 0, z++;
+    }
+    for (int s = 0; s < p->world_size; s++) {
+        for (int64_t t = 0; t < p->tokens[s]; t++) {
+            int32_t *idx = p->topk_idx[s] + t * topk;
+            float *w = p->topk_w[s] + t * topk;
+            double left = 0, norm = 0;
+            for (int64_t e = 0; e < e_num; e++) left += (mass[e] = pop[e]);
+            for (int64_t j = 0; j < topk; j++) {
+                double u = comet_rng_uniform(rng) * left, acc = 0;
+                int64_t pick = -1;
+                for (int64_t e = 0; e < e_num; e++) {
+                    if (mass[e] <= 0) continue;
+                    pick = e;
+                    if ((acc += mass[e]) > u) break;
+                }
+                left -= mass[pick];
+                mass[pick] = 0;
+                idx[j] = (int32_t)pick;
+                logit[j] = exp(comet_rng_normal(rng));
+                norm += logit[j];
+            }
+            for (int64_t j = 0; j < topk; j++) w[j] = (float)(logit[j] / norm);
+        }
+    }
+    free(pop), free(mass), free(logit);
+    return COMET_SUCCESS;
+}
+
+/* ---- problems --------------------------------------------------------------- */
+
+void comet_problem_slice_weights(comet_problem_t *p) {
+    const comet_layer_config_t *cfg = &p->cfg;
+    const int64_t hd = cfg->hidden, f = cfg->ffn, el = cfg->num_experts / cfg->ep, fl = f / cfg->tp;
+    const int64_t rows_full = cfg->activation == COMET_ACT_SILU_GATED ? 2 * f : f;
+    const int64_t w1_rows = cfg->activation == COMET_ACT_SILU_GATED ? 2 * fl : fl;
+    for (int s = 0; s < p->world_size; s++) { /* rank s = (ep, tp) */
+        int ep = s / cfg->tp, tp = s % cfg->tp;
+        for (int64_t le = 0; le < el; le++) {
+            int64_t e = ep * el + le;
+            for (int64_t n = 0; n < w1_rows; n++) {
+                /* gate rows then up rows, each the tp-th slice of F */
+                int64_t src = n < fl ? tp * fl + n : f + tp * fl + (n - fl);
+                memcpy(p->w1[s] + (le * w1_rows + n) * hd, p->w1_full + (e * rows_full + src) * hd, (size_t)hd * 2);
+            }
+            for (int64_t c = 0; c < hd; c++)
+                memcpy(p->w2[s] + (le * hd + c) * fl, p->w2_full + (e * hd + c) * f + tp * fl, (size_t)fl * 2);
+        }
+    }
+}
+
+void comet_problem_destroy(comet_problem_t *p) {
+    if (!p) return;
+    for (int s = 0; p->x && s < p->world_size; s++) {
+        free(p->x[s]), free(p->w1[s]), free(p->w2[s]), free(p->topk_idx[s]), free(p->topk_w[s]);
+        free(p->y[s]), free(p->y_ref[s]);
+    }
+    free(p->x), free(p->w1), free(p->w2), free(p->topk_idx), free(p->topk_w), free(p->y), free(p->y_ref);
+    free(p->w1_full), free(p->w2_full), free(p->tokens), free(p->args), free(p->ref_args);
+    free(p);
+}
+
+static void *alloc_n(int64_t n, size_t size) { return malloc((size_t)(n > 0 ? n : 1) * size); }
+
+comet_status_t comet_problem_create(comet_problem_t **out, const comet_layer_config_t *cfg, int world_size,
+                                    const int64_t *tokens, const comet_routing_opts_t *ro) {
+    *out = NULL;
+    comet_dims_t d;
+    COMET_TRY(comet_dims_from_config(cfg, world_size, 0, &d));
+    comet_problem_t *p = calloc(1, sizeof *p);
+    if (!p) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "problem: no memory");
+    p->cfg = *cfg;
+    p->world_size = world_size;
+    const int w = world_size;
+    const int64_t hd = d.hidden, f = cfg->ffn, e_num = d.num_experts, el = d.experts_local, fl = d.ffn_local;
+    const int64_t rows_full = cfg->activation == COMET_ACT_SILU_GATED ? 2 * f : f;
+    p->tokens = calloc((size_t)w, sizeof(int64_t));
+    p->x = calloc((size_t)w, sizeof(void *)), p->w1 = calloc((size_t)w, sizeof(void *));
+    p->w2 = calloc((size_t)w, sizeof(void *)), p->topk_idx = calloc((size_t)w, sizeof(void *));
+    p->topk_w = calloc((size_t)w, sizeof(void *)), p->y = calloc((size_t)w, sizeof(void *));
+    p->y_ref = calloc((size_t)w, sizeof(void *));
+    p->args = calloc((size_t)w, sizeof(comet_forward_args_t));
+    p->ref_args = calloc((size_t)w, sizeof(comet_forward_args_t));
+    p->w1_full = alloc_n(e_num * rows_full * hd, 2);
+    p->w2_full = alloc_n(e_num * hd * f, 2);
+    int ok = p->tokens && p->x && p->w1 && p->w2 && p->topk_idx && p->topk_w && p->y && p->y_ref && p->args &&
+             p->ref_args && p->w1_full && p->w2_full;
+    for (int s = 0; ok && s < w; s++) {
+        int64_t t = tokens[s];
+        if (t < 0 || t > cfg->max_tokens_per_rank) {
+            comet_problem_destroy(p);
+            return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem: rank %d has %lld tokens, max %lld", s,
+                              (long long)t, (long long)cfg->max_tokens_per_rank);
+        }
+        p->tokens[s] = t;
+        p->x[s] = alloc_n(t * hd, 2), p->y[s] = alloc_n(t * hd, 2), p->y_ref[s] = alloc_n(t * hd, 2);
+        p->topk_idx[s] = alloc_n(t * d.topk, 4), p->topk_w[s] = alloc_n(t * d.topk, 4);
+        p->w1[s] = alloc_n(el * d.w1_rows * hd, 2), p->w2[s] = alloc_n(el * hd * fl, 2);
+        ok = p->x[s] && p->y[s] && p->y_ref[s] && p->topk_idx[s] && p->topk_w[s] && p->w1[s] && p->w2[s];
+    }
+    if (!ok) {
+        comet_problem_destroy(p);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "problem: no memory");
+    }
+
+    comet_rng_t rng = {ro->seed * 0x2545f4914f6cdd1dull + 1};
+    fill_bf16(p->w1_full, e_num * rows_full * hd, 1.0 / sqrt((double)hd), &rng);
+    fill_bf16(p->w2_full, e_num * hd * f, 1.0 / sqrt((double)f), &rng);
+    comet_problem_slice_weights(p);
+    for (int s = 0; s < w; s++) {
+        comet_forward_args_t a = COMET_FORWARD_ARGS_INIT;
+        int64_t t = p->tokens[s];
+        a.x = comet_tensor_2d(p->x[s], COMET_DTYPE_BF16, t, hd);
+        a.topk_idx = comet_tensor_2d(p->topk_idx[s], COMET_DTYPE_INT32, t, d.topk);
+        a.topk_w = comet_tensor_2d(p->topk_w[s], COMET_DTYPE_FP32, t, d.topk);
+        a.w1 = comet_tensor_3d(p->w1[s], COMET_DTYPE_BF16, el, d.w1_rows, hd);
+        a.w2 = comet_tensor_3d(p->w2[s], COMET_DTYPE_BF16, el, hd, fl);
+        a.y = comet_tensor_2d(p->y[s], COMET_DTYPE_BF16, t, hd);
+        p->args[s] = a;
+        a.y.data = p->y_ref[s];
+        p->ref_args[s] = a;
+    }
+    comet_status_t st = comet_problem_redraw(p, ro);
+    if (st != COMET_SUCCESS) {
+        comet_problem_destroy(p);
+        return st;
+    }
+    *out = p;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_problem_redraw(comet_problem_t *p, const comet_routing_opts_t *ro) {
+    comet_rng_t rng = {ro->seed * 0x9e3779b97f4a7c15ull + 7};
+    for (int s = 0; s < p->world_size; s++) fill_bf16(p->x[s], p->tokens[s] * p->cfg.hidden, 1.0, &rng);
+    return draw_routing(p, ro, &rng);
+}
+
+void comet_problem_poison(comet_problem_t *p) {
+    for (int s = 0; s < p->world_size; s++) {
+        memset(p->y[s], 0xff, (size_t)(p->tokens[s] * p->cfg.hidden) * 2);
+        memset(p->y_ref[s], 0xff, (size_t)(p->tokens[s] * p->cfg.hidden) * 2);
+    }
+}
+
+int64_t comet_problem_count_mismatch(const comet_problem_t *p) {
+    int64_t bad = 0;
+    for (int s = 0; s < p->world_size; s++)
+        for (int64_t i = 0; i < p->tokens[s] * p->cfg.hidden; i++) bad += p->y[s][i] != p->y_ref[s][i];
+    return bad;
+}
+
+/* ---- running every rank ------------------------------------------------------ */
+
+typedef struct {
+    comet_problem_t *p;
+    comet_world_t *world;
+    comet_run_t *run;
+    int rank;
+    double *ms; /* [repeats] this rank's time per call */
+} rank_job_t;
+
+static double wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static void *rank_main(void *arg) {
+    rank_job_t *job = arg;
+    comet_run_t *run = job->run;
+    comet_layer_t *layer = NULL;
+    comet_status_t st = comet_layer_create(&layer, job->world, job->rank, &job->p->cfg);
+    comet_forward_args_t a = job->p->args[job->rank];
+    if (run->n_comm) a.n_comm = run->n_comm;
+    if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
+    for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
+        double t0 = wall_ms();
+        st = comet_layer_forward(layer, &a);
+        job->ms[i] = wall_ms() - t0;
+    }
+    if (job->rank < 64) {
+        run->status[job->rank] = st;
+        snprintf(run->message[job->rank], sizeof run->message[0], "%s", st ? comet_last_error() : "");
+    }
+    comet_layer_destroy(layer);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
+    const int w = p->world_size;
+    if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
+    if (run->repeats < 1) run->repeats = 1;
+    pthread_t th[64];
+    rank_job_t jobs[64];
+    double *ms = calloc((size_t)(w * run->repeats), sizeof(double));
+    double *slowest = calloc((size_t)run->repeats, sizeof(double));
+    if (!ms || !slowest) {
+        free(ms), free(slowest);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
+    }
+    int started = 0;
+    for (; started < w; started++) {
+        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats};
+        if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
+    }
+    for (int s = 0; s < started; s++) pthread_join(th[s], NULL);
+    if (started < w) {
+        free(ms), free(slowest);
+        return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
+    }
+    for (int i = 0; i < run->repeats; i++)
+        for (int s = 0; s < w; s++)
+            if (ms[s * run->repeats + i] > slowest[i]) slowest[i] = ms[s * run->repeats + i];
+    qsort(slowest, (size_t)run->repeats, sizeof(double), cmp_double);
+    run->ms_median = slowest[run->repeats / 2];
+    free(ms), free(slowest);
+    for (int s = 0; s < w; s++)
+        if (run->status[s] != COMET_SUCCESS) return comet_fail_copy(run->status[s], run->message[s]);
+    return COMET_SUCCESS;
+}

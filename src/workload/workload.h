@@ -1,0 +1,92 @@
+/*
+ * workload.h - what the CLI, the tests and the benchmarks run: model presets,
+ * routing generators (uniform, skewed, with empty experts), random inputs,
+ * and a whole multi-rank problem with every rank's inputs and outputs. Not
+ * part of the library API: it is the shared harness around it.
+ */
+#ifndef COMET_WORKLOAD_H
+#define COMET_WORKLOAD_H
+
+#include <stdint.h>
+
+#include "comet.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- models ---------------------------------------------------------------- */
+typedef struct {
+    const char *name;
+    int64_t hidden, ffn, num_experts, topk;
+} comet_model_t;
+
+extern const comet_model_t comet_models[];
+extern const int comet_num_models;
+/* Preset by name, or NULL. */
+const comet_model_t *comet_model_find(const char *name);
+
+/* ---- random numbers (splitmix64: small, seedable, same on every machine) --- */
+typedef struct {
+    uint64_t state;
+} comet_rng_t;
+uint64_t comet_rng_next(comet_rng_t *r);
+double comet_rng_uniform(comet_rng_t *r);  /* [0, 1) */
+double comet_rng_normal(comet_rng_t *r);
+
+/* ---- routing ---------------------------------------------------------------- */
+typedef struct {
+    double skew;          /* relative std of expert popularity; 0 = uniform */
+    int64_t zero_experts; /* this many experts (chosen at random) get no tokens */
+    uint64_t seed;
+} comet_routing_opts_t;
+
+/* ---- a multi-rank problem ----------------------------------------------------
+ * Global weights W1 (E, w1_rows_full, H), W2 (E, H, F) are drawn once; each
+ * rank gets its experts' TP slices, laid out as include/comet.h documents. */
+typedef struct {
+    comet_layer_config_t cfg;
+    int world_size;
+    int64_t *tokens;          /* [W] T of each rank */
+    uint16_t *w1_full;        /* (E, 2F or F, H) bf16 */
+    uint16_t *w2_full;        /* (E, H, F) bf16 */
+    uint16_t **x, **w1, **w2; /* [W] per-rank inputs */
+    int32_t **topk_idx;
+    float **topk_w;
+    uint16_t **y, **y_ref;    /* [W] outputs of the backend under test, of the reference */
+    comet_forward_args_t *args;     /* [W] inputs + y */
+    comet_forward_args_t *ref_args; /* [W] inputs + y_ref */
+} comet_problem_t;
+
+/* tokens: [W] tokens per rank (each <= cfg->max_tokens_per_rank). */
+comet_status_t comet_problem_create(comet_problem_t **p, const comet_layer_config_t *cfg, int world_size,
+                                    const int64_t *tokens, const comet_routing_opts_t *routing);
+void comet_problem_destroy(comet_problem_t *p);
+/* Cut every rank's w1/w2 out of w1_full/w2_full again (after a test edits them). */
+void comet_problem_slice_weights(comet_problem_t *p);
+/* Fill y and y_ref with a NaN pattern, so unwritten outputs are caught. */
+void comet_problem_poison(comet_problem_t *p);
+/* Draw fresh x and routing for every rank (weights stay). */
+comet_status_t comet_problem_redraw(comet_problem_t *p, const comet_routing_opts_t *routing);
+/* Elements of y that differ bitwise from y_ref, over every rank. */
+int64_t comet_problem_count_mismatch(const comet_problem_t *p);
+
+/* ---- running every rank -------------------------------------------------- */
+typedef struct {
+    int n_comm, chunk_cols; /* when not 0, override every rank's args */
+    int repeats;            /* forward calls per rank (>= 1) */
+    comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
+    char message[64][256];
+    double ms_median;       /* median over repeats of the slowest rank's call */
+} comet_run_t;
+
+/* Create the layer on every rank of world (one thread per rank), run the
+ * forward run->repeats times, destroy the layers. Returns the first failing
+ * rank's status, else COMET_SUCCESS. */
+comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_WORKLOAD_H */

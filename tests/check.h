@@ -1,0 +1,27 @@
+/*
+ * check.h - the tests' tiny harness: CHECK records a pass or a failure (with
+ * file, line and a printf message), check_summary prints
+ * "<name>: N passed, N failed" and gives the exit code.
+ */
+#ifndef COMET_CHECK_H
+#define COMET_CHECK_H
+
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void check_record(int ok, const char *file, int line, const char *expr, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int check_summary(const char *name);
+/* Prints "skipped (<why>)" and counts it in the summary. */
+void check_skip(const char *what, const char *why);
+
+#define CHECK(cond, ...) check_record(!!(cond), __FILE__, __LINE__, #cond, __VA_ARGS__)
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_CHECK_H */

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# run.sh BUILD_DIR - run every test binary and the CLI checks, then print one
+# closing line "total: N passed, N failed" (exit 1 if anything failed).
+set -u
+build=${1:-build}
+passed=0 failed=0 skipped=0
+for t in "$build"/tests/test_*; do
+    [ -x "$t" ] || continue
+    out=$("$t" 2>&1); rc=$?
+    printf '%s\n' "$out"
+    line=$(printf '%s\n' "$out" | grep -E '^[a-z_]+: [0-9]+ passed, [0-9]+ failed' | tail -n 1)
+    if [ -z "$line" ]; then
+        echo "FAIL $t: exited $rc without a summary"; failed=$((failed + 1)); continue
+    fi
+    p=$(sed -E 's/.*: ([0-9]+) passed.*/\1/' <<<"$line"); f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
+    s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || true)
+    passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + ${s:-0}))
+    [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && { echo "FAIL $t: exit code $rc"; failed=$((failed + 1)); }
+done
+for src in tests/test_*.cu; do # GPU tests need nvcc to be built at all
+    name=$(basename "$src" .cu)
+    [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: nvcc not found)"; skipped=$((skipped + 1)); }
+done
+out=$(tests/test_cli.sh "$build" 2>&1); rc=$?
+printf '%s\n' "$out"
+line=$(printf '%s\n' "$out" | grep -E '^test_cli: ' | tail -n 1)
+p=$(sed -E 's/.*: ([0-9]+) passed.*/\1/' <<<"$line"); f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
+passed=$((passed + ${p:-0})); failed=$((failed + ${f:-1}))
+if [ "$skipped" -gt 0 ]; then
+    echo "total: $passed passed, $failed failed, $skipped skipped"
+else
+    echo "total: $passed passed, $failed failed"
+fi
+[ "$failed" -eq 0 ]

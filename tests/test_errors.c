@@ -1,0 +1,325 @@
+/*
+ * test_errors.c - bad input gets the documented status, a message naming what
+ * is wrong, and writes nothing:
+ *   configs:  every field out of range, E not divisible by EP, ffn not
+ *             divisible by TP, topk > E or < 1, world size mismatch
+ *   forward:  expert id out of range or negative or repeated, null data,
+ *             wrong or too-small shapes and dtypes, T above the maximum,
+ *             struct sizes, chunk widths that differ across ranks; the rank
+ *             with the bad input gets the specific status, its peers
+ *             COMET_ERR_PEER_FAILED, every output keeps its poison, and the
+ *             next valid call on the same layers is correct
+ *   waits:    a rank that never arrives makes the others time out with a
+ *             message naming rank and role
+ *   misc:     status strings, NULL handles, the reference's own checks
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/workload/workload.h"
+#include "check.h"
+
+static int has(const char *haystack, const char *needle) { return strstr(haystack, needle) != NULL; }
+
+static comet_layer_config_t base_config(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 16, cfg.ffn = 8, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = 2;
+    cfg.max_tokens_per_rank = 6, cfg.tile_m = 4;
+    return cfg;
+}
+
+static void test_config(void) {
+    comet_layer_config_t c;
+#define EXPECT(stmt, status, text)                                                                     \
+    do {                                                                                               \
+        c = base_config();                                                                             \
+        stmt;                                                                                          \
+        comet_status_t st = comet_layer_config_check(&c, 2);                                           \
+        CHECK(st == (status) && has(comet_last_error(), text), "%s: got %s \"%s\"", #stmt,            \
+              comet_status_string(st), comet_last_error());                                            \
+    } while (0)
+    EXPECT((void)0, COMET_SUCCESS, "");
+    EXPECT(c.hidden = 0, COMET_ERR_INVALID_ARGUMENT, "hidden");
+    EXPECT(c.ffn = -3, COMET_ERR_INVALID_ARGUMENT, "ffn");
+    EXPECT(c.num_experts = 0, COMET_ERR_INVALID_ARGUMENT, "num_experts");
+    EXPECT(c.topk = 0, COMET_ERR_INVALID_ARGUMENT, "topk");
+    EXPECT(c.topk = 5, COMET_ERR_INVALID_ARGUMENT, "topk");
+    EXPECT(c.num_experts = 5, COMET_ERR_INVALID_ARGUMENT, "not divisible by config.ep");
+    EXPECT((c.tp = 2, c.ep = 1, c.ffn = 7), COMET_ERR_INVALID_ARGUMENT, "not divisible by config.tp");
+    EXPECT(c.tp = 2, COMET_ERR_INVALID_ARGUMENT, "world has 2 ranks");
+    EXPECT(c.ep = 0, COMET_ERR_INVALID_ARGUMENT, "config.ep");
+    EXPECT(c.max_tokens_per_rank = 0, COMET_ERR_INVALID_ARGUMENT, "max_tokens_per_rank");
+    EXPECT(c.tile_m = -1, COMET_ERR_INVALID_ARGUMENT, "tile_m");
+    EXPECT(c.activation = (comet_activation_t)7, COMET_ERR_INVALID_ARGUMENT, "activation");
+    EXPECT(c.dtype = COMET_DTYPE_FP16, COMET_ERR_UNSUPPORTED, "only bf16");
+    EXPECT(c.struct_size = 8, COMET_ERR_INVALID_ARGUMENT, "COMET_LAYER_CONFIG_INIT");
+#undef EXPECT
+    CHECK(comet_layer_config_check(NULL, 2) == COMET_ERR_INVALID_ARGUMENT, "NULL config");
+}
+
+/* ---- forward with one bad rank -------------------------------------------- */
+typedef struct {
+    comet_problem_t *p;
+    comet_world_t *world;
+    comet_forward_args_t bad[2];
+    comet_status_t first[2], second[2];
+    char msg[2][512];
+} bad_job_t;
+
+typedef struct {
+    bad_job_t *job;
+    int rank;
+} bad_rank_t;
+
+static void *bad_rank_main(void *arg) {
+    bad_rank_t *br = arg;
+    bad_job_t *j = br->job;
+    int r = br->rank;
+    comet_layer_t *layer = NULL;
+    comet_status_t st = comet_layer_create(&layer, j->world, r, &j->p->cfg);
+    if (st) {
+        j->first[r] = j->second[r] = st;
+        return NULL;
+    }
+    j->first[r] = comet_layer_forward(layer, &j->bad[r]);
+    snprintf(j->msg[r], sizeof j->msg[r], "%s", comet_last_error());
+    j->second[r] = comet_layer_forward(layer, &j->p->args[r]);
+    comet_layer_destroy(layer);
+    return NULL;
+}
+
+static int64_t untouched(const comet_problem_t *p) {
+    int64_t n = 0;
+    for (int s = 0; s < p->world_size; s++)
+        for (int64_t i = 0; i < p->tokens[s] * p->cfg.hidden; i++) n += p->y[s][i] == 0xffff;
+    return n;
+}
+
+typedef void (*edit_fn)(comet_forward_args_t *, comet_problem_t *);
+
+/* Rank 1's args with its routing redirected to a private copy (so edits of the
+ * data cannot leak into later good calls), then edited. */
+static comet_forward_args_t bad_args(comet_problem_t *p, edit_fn edit, int32_t *idx_copy) {
+    comet_forward_args_t a = p->args[1];
+    memcpy(idx_copy, p->topk_idx[1], sizeof(int32_t) * (size_t)(p->tokens[1] * p->cfg.topk));
+    a.topk_idx.data = idx_copy;
+    edit(&a, p);
+    return a;
+}
+
+/* Run a forward where rank 1 passes edited args; expect status want on rank 1
+ * with text in its message, PEER_FAILED on rank 0 (or want_peer), nothing
+ * written; then a good call on the same layers must match the reference. */
+static void expect_bad_forward(comet_problem_t *p, const char *what, edit_fn edit, comet_status_t want,
+                               comet_status_t want_peer, const char *text) {
+    bad_job_t j;
+    int32_t idx_copy[64];
+    memset(&j, 0, sizeof j);
+    j.p = p;
+    j.bad[0] = p->args[0];
+    j.bad[1] = bad_args(p, edit, idx_copy);
+    comet_world_create_local(&j.world, 2, COMET_BACKEND_CPU);
+    bad_rank_t br[2] = {{&j, 0}, {&j, 1}};
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, bad_rank_main, &br[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    CHECK(j.first[1] == want && has(j.msg[1], text), "%s: rank 1 got %s \"%s\"", what,
+          comet_status_string(j.first[1]), j.msg[1]);
+    CHECK(j.first[0] == want_peer, "%s: rank 0 got %s \"%s\"", what, comet_status_string(j.first[0]), j.msg[0]);
+    CHECK(want_peer != COMET_ERR_PEER_FAILED || has(j.msg[0], "rank 1"), "%s: peer message names rank 1: %s", what, j.msg[0]);
+    CHECK(j.second[0] == COMET_SUCCESS && j.second[1] == COMET_SUCCESS, "%s: the next good call failed: %s / %s", what,
+          comet_status_string(j.second[0]), comet_status_string(j.second[1]));
+    comet_reference_forward(&p->cfg, 2, p->ref_args);
+    CHECK(comet_problem_count_mismatch(p) == 0, "%s: next good call differs from the reference", what);
+    comet_world_destroy(j.world);
+}
+
+/* The bad call alone: every output must keep its poison. */
+static void expect_nothing_written(comet_problem_t *p, const char *what, edit_fn edit) {
+    comet_world_t *world;
+    int32_t idx_copy[64];
+    comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
+    comet_problem_poison(p);
+    comet_forward_args_t saved = p->args[1];
+    p->args[1] = bad_args(p, edit, idx_copy);
+    comet_run_t run;
+    memset(&run, 0, sizeof run);
+    comet_status_t st = comet_problem_run(p, world, &run);
+    p->args[1] = saved;
+    CHECK(st != COMET_SUCCESS, "%s: bad call succeeded", what);
+    int64_t total = p->tokens[0] * p->cfg.hidden + p->tokens[1] * p->cfg.hidden;
+    CHECK(untouched(p) == total, "%s: %lld of %lld outputs were written", what, (long long)(total - untouched(p)),
+          (long long)total);
+    comet_world_destroy(world);
+}
+
+static void e_range(comet_forward_args_t *a, comet_problem_t *p) { ((int32_t *)a->topk_idx.data)[3] = 4; (void)p; }
+static void e_negative(comet_forward_args_t *a, comet_problem_t *p) { ((int32_t *)a->topk_idx.data)[0] = -1; (void)p; }
+static void e_repeat(comet_forward_args_t *a, comet_problem_t *p) {
+    int32_t *idx = a->topk_idx.data;
+    idx[5] = idx[4];
+    (void)p;
+}
+static void e_null_x(comet_forward_args_t *a, comet_problem_t *p) { a->x.data = NULL; (void)p; }
+static void e_small_y(comet_forward_args_t *a, comet_problem_t *p) { a->y.shape[0] -= 1; (void)p; }
+static void e_w1_shape(comet_forward_args_t *a, comet_problem_t *p) { a->w1.shape[1] = 3; (void)p; }
+static void e_w_dtype(comet_forward_args_t *a, comet_problem_t *p) { a->topk_w.dtype = COMET_DTYPE_BF16; (void)p; }
+static void e_too_many(comet_forward_args_t *a, comet_problem_t *p) {
+    a->x.shape[0] = a->y.shape[0] = a->topk_idx.shape[0] = a->topk_w.shape[0] = p->cfg.max_tokens_per_rank + 1;
+}
+static void e_size(comet_forward_args_t *a, comet_problem_t *p) { a->struct_size = 4; (void)p; }
+static void e_chunk(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = (int)p->cfg.hidden + 1; }
+static void e_ncomm(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = -2; (void)p; }
+static void e_chunk_differs(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = 5; (void)p; }
+
+static void test_forward(void) {
+    comet_layer_config_t cfg = base_config();
+    int64_t tokens[2] = {6, 5};
+    comet_routing_opts_t ro = {0, 0, 3};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) {
+        CHECK(0, "problem: %s", comet_last_error());
+        return;
+    }
+    struct {
+        const char *what;
+        edit_fn edit;
+        comet_status_t want, peer;
+        const char *text;
+    } cases[] = {
+        {"expert id out of range", e_range, COMET_ERR_INVALID_ROUTING, COMET_ERR_PEER_FAILED, "topk_idx[1, 1] = 4"},
+        {"negative expert id", e_negative, COMET_ERR_INVALID_ROUTING, COMET_ERR_PEER_FAILED, "= -1"},
+        {"repeated expert", e_repeat, COMET_ERR_INVALID_ROUTING, COMET_ERR_PEER_FAILED, "repeats expert"},
+        {"null x", e_null_x, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "x.data is NULL"},
+        {"y too small", e_small_y, COMET_ERR_INVALID_SHAPE, COMET_ERR_PEER_FAILED, "y: expected bf16 (5, 16), got bf16 (4, 16)"},
+        {"w1 wrong shape", e_w1_shape, COMET_ERR_INVALID_SHAPE, COMET_ERR_PEER_FAILED, "w1: expected"},
+        {"topk_w wrong dtype", e_w_dtype, COMET_ERR_INVALID_SHAPE, COMET_ERR_PEER_FAILED, "topk_w"},
+        {"tokens above max", e_too_many, COMET_ERR_INVALID_SHAPE, COMET_ERR_PEER_FAILED, "max_tokens_per_rank=6"},
+        {"struct size", e_size, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "COMET_FORWARD_ARGS_INIT"},
+        {"chunk too wide", e_chunk, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
+        {"negative n_comm", e_ncomm, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "n_comm"},
+        {"chunk differs across ranks", e_chunk_differs, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_INVALID_ARGUMENT,
+         "chunk_cols differ across ranks"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        expect_nothing_written(p, cases[i].what, cases[i].edit);
+        expect_bad_forward(p, cases[i].what, cases[i].edit, cases[i].want, cases[i].peer, cases[i].text);
+    }
+    /* the reference checks the same things and writes nothing */
+    comet_problem_poison(p);
+    ((int32_t *)p->ref_args[1].topk_idx.data)[2] = 9;
+    comet_status_t st = comet_reference_forward(&p->cfg, 2, p->ref_args);
+    CHECK(st == COMET_ERR_INVALID_ROUTING && has(comet_last_error(), "rank 1"), "reference bad routing: %s %s",
+          comet_status_string(st), comet_last_error());
+    int64_t poisoned = 0;
+    for (int s = 0; s < 2; s++)
+        for (int64_t i = 0; i < p->tokens[s] * cfg.hidden; i++) poisoned += p->y_ref[s][i] == 0xffff;
+    CHECK(poisoned == (6 + 5) * cfg.hidden, "reference wrote %lld outputs on bad input", (long long)((6 + 5) * cfg.hidden - poisoned));
+    CHECK(comet_reference_forward(&p->cfg, 2, NULL) == COMET_ERR_INVALID_ARGUMENT, "reference NULL inputs");
+    comet_problem_destroy(p);
+}
+
+/* ---- handles, worlds, collective mismatch ------------------------------------ */
+typedef struct {
+    comet_world_t *world;
+    comet_layer_config_t cfg;
+    int rank;
+    comet_status_t st;
+    char msg[512];
+} create_job_t;
+
+static void *create_rank(void *arg) {
+    create_job_t *j = arg;
+    comet_layer_t *l = NULL;
+    j->st = comet_layer_create(&l, j->world, j->rank, &j->cfg);
+    snprintf(j->msg, sizeof j->msg, "%s", comet_last_error());
+    comet_layer_destroy(l);
+    return NULL;
+}
+
+static void *forward_alone(void *arg) {
+    create_job_t *j = arg;
+    comet_layer_t *l = NULL;
+    j->st = comet_layer_create(&l, j->world, j->rank, &j->cfg);
+    if (j->st == COMET_SUCCESS && j->rank == 0) {
+        uint16_t x[16], y[16], w1[2 * 8 * 16 * 2], w2[2 * 16 * 8];
+        int32_t idx[2] = {0, 1};
+        float w[2] = {0.5f, 0.5f};
+        memset(x, 0x3f, sizeof x), memset(w1, 0x3c, sizeof w1), memset(w2, 0x3c, sizeof w2);
+        comet_forward_args_t a = COMET_FORWARD_ARGS_INIT;
+        a.x = comet_tensor_2d(x, COMET_DTYPE_BF16, 1, 16);
+        a.topk_idx = comet_tensor_2d(idx, COMET_DTYPE_INT32, 1, 2);
+        a.topk_w = comet_tensor_2d(w, COMET_DTYPE_FP32, 1, 2);
+        a.w1 = comet_tensor_3d(w1, COMET_DTYPE_BF16, 2, 16, 16);
+        a.w2 = comet_tensor_3d(w2, COMET_DTYPE_BF16, 2, 16, 8);
+        a.y = comet_tensor_2d(y, COMET_DTYPE_BF16, 1, 16);
+        j->st = comet_layer_forward(l, &a);
+        snprintf(j->msg, sizeof j->msg, "%s", comet_last_error());
+    }
+    /* rank 1 never calls forward; the world is aborted afterwards, so the
+     * layers are leaked with it rather than destroyed mid-protocol */
+    return NULL;
+}
+
+static void test_handles(void) {
+    comet_world_t *w = NULL;
+    CHECK(comet_world_create_local(&w, 0, COMET_BACKEND_CPU) == COMET_ERR_INVALID_ARGUMENT && w == NULL, "0 ranks");
+    CHECK(comet_world_create_local(&w, 2, COMET_BACKEND_CUDA) == COMET_ERR_UNSUPPORTED && has(comet_last_error(), "CUDA"),
+          "CUDA backend absent: %s", comet_last_error());
+    CHECK(comet_world_create_local(NULL, 2, COMET_BACKEND_CPU) == COMET_ERR_INVALID_ARGUMENT, "NULL out");
+    CHECK(comet_world_destroy(NULL) == COMET_SUCCESS && comet_layer_destroy(NULL) == COMET_SUCCESS, "destroy(NULL)");
+    CHECK(comet_layer_forward(NULL, NULL) == COMET_ERR_INVALID_ARGUMENT, "forward on NULL layer");
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    comet_layer_t *l = NULL;
+    comet_layer_config_t cfg = base_config();
+    CHECK(comet_layer_create(&l, w, 2, &cfg) == COMET_ERR_INVALID_ARGUMENT && l == NULL, "rank out of range");
+    CHECK(comet_layer_create(&l, NULL, 0, &cfg) == COMET_ERR_INVALID_ARGUMENT, "NULL world");
+    CHECK(comet_world_size(w) == 2, "world size");
+
+    /* ranks that disagree on the config all fail */
+    create_job_t jobs[2] = {{w, cfg, 0, 0, ""}, {w, cfg, 1, 0, ""}};
+    jobs[1].cfg.ffn = 16;
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, create_rank, &jobs[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    CHECK(jobs[0].st == COMET_ERR_INVALID_ARGUMENT && jobs[1].st == COMET_ERR_INVALID_ARGUMENT &&
+              has(jobs[0].msg, "different arguments"), "config mismatch: %s / %s (%s)", comet_status_string(jobs[0].st),
+          comet_status_string(jobs[1].st), jobs[0].msg);
+    /* and the world still works afterwards */
+    jobs[1].cfg = cfg;
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, create_rank, &jobs[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    CHECK(jobs[0].st == COMET_SUCCESS && jobs[1].st == COMET_SUCCESS, "create after a mismatch: %s", jobs[0].msg);
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy world");
+
+    /* status strings: one per code, distinct */
+    int distinct = 1;
+    for (int a = 0; a < COMET_NUM_STATUS; a++)
+        for (int b = 0; b < a; b++) distinct &= strcmp(comet_status_string(a), comet_status_string(b)) != 0;
+    CHECK(distinct, "status strings distinct");
+    CHECK(strcmp(comet_status_string((comet_status_t)99), "COMET_ERR_UNKNOWN") == 0, "unknown status");
+    CHECK(comet_version() == COMET_VERSION_CODE, "version");
+}
+
+static void test_timeout(void) {
+    setenv("COMET_TIMEOUT_MS", "300", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    create_job_t jobs[2] = {{w, base_config(), 0, 0, ""}, {w, base_config(), 1, 0, ""}};
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, forward_alone, &jobs[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    CHECK(jobs[0].st == COMET_ERR_TIMEOUT && has(jobs[0].msg, "rank 0 host") && has(jobs[0].msg, "rank 1 to enter"),
+          "missing rank: %s \"%s\"", comet_status_string(jobs[0].st), jobs[0].msg);
+    /* the aborted world is not destroyed: its layers are still referenced */
+}
+
+int main(void) {
+    test_config();
+    test_forward();
+    test_handles();
+    test_timeout();
+    return check_summary("test_errors");
+}

@@ -1,0 +1,273 @@
+/*
+ * comet.c - the command-line tool.
+ *
+ *   comet bench [flags]   time one MoE layer forward and check it against the reference
+ *   comet check [flags]   run one configuration once and compare it with the reference
+ *   comet help | --help | --version
+ *
+ * With no GPU backend (this build), both run the multi-rank CPU engine: ranks
+ * are threads, and the default model is scaled down so that a run takes
+ * seconds; the tool says so in its output.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comet.h"
+#include "../src/workload/workload.h"
+
+typedef struct {
+    const char *model;
+    int64_t tokens; /* M over all ranks; 0 = default */
+    int tp, ep;     /* 0 = default */
+    int64_t topk, experts, hidden, ffn; /* 0 = from the model */
+    int scale;      /* divide hidden and ffn; 0 = default for the backend */
+    comet_activation_t activation;
+    double skew;
+    int64_t zero_experts;
+    int n_comm, chunk_cols;
+    uint64_t seed;
+    int iters, warmup;
+    const char *backend;
+} options_t;
+
+static const char *const flag_help =
+    "  --model NAME       mixtral-8x7b (default), qwen2-moe, phi-3.5-moe, deepseek-v3\n"
+    "  --tokens M         tokens over all ranks (default: 256 on the CPU engine)\n"
+    "  --tp N, --ep N     parallel layout; TP*EP ranks (default on CPU: TP=1, EP=2)\n"
+    "  --topk K           experts per token (default: the model's)\n"
+    "  --experts E        number of experts (default: the model's)\n"
+    "  --hidden H, --ffn F  layer sizes (default: the model's, divided by --scale)\n"
+    "  --scale S          divide the model's hidden and ffn by S (default 8 on CPU, 1 on GPU)\n"
+    "  --activation A     silu (gated, default) or gelu\n"
+    "  --skew S           relative std of expert popularity (0 = uniform, default)\n"
+    "  --zero-experts N   N experts receive no tokens (default 0)\n"
+    "  --n-comm N         communication workers per rank (0 = tuner, default)\n"
+    "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
+    "  --seed S           random seed for inputs and routing (default 1)\n"
+    "  --backend B        auto (default), cpu, cuda\n";
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: comet <command> [flags]\n\n"
+            "commands:\n"
+            "  bench    time one MoE layer forward on every rank and check it against the reference\n"
+            "  check    run one configuration once and compare it bitwise with the reference\n"
+            "  help     this text; `comet <command> --help` for a command's flags\n\n"
+            "comet runs Mixture-of-Experts layers across GPUs with computation-communication\n"
+            "overlap. This build has the CPU engine only (ranks as threads); the CUDA backend\n"
+            "follows.\n");
+}
+
+static void command_usage(const char *cmd, FILE *f) {
+    if (strcmp(cmd, "bench") == 0)
+        fprintf(f, "usage: comet bench [flags]\n\nTime the forward of one MoE layer (median over --iters after --warmup)\n"
+                   "and check the output bitwise against the reference.\n\nflags:\n%s"
+                   "  --iters N          timed runs (default 5 on CPU)\n  --warmup N         untimed runs first (default 1)\n",
+                flag_help);
+    else
+        fprintf(f, "usage: comet check [flags]\n\nRun one configuration once and compare its output bitwise with the\n"
+                   "reference; exit status 0 only if every element matches.\n\nflags:\n%s",
+                flag_help);
+}
+
+static int parse_int(const char *flag, const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long v = s ? strtoll(s, &end, 10) : 0;
+    if (!s || errno || *end || v < lo || v > hi) {
+        fprintf(stderr, "comet: %s needs a whole number in [%lld, %lld], got '%s'\n", flag, (long long)lo,
+                (long long)hi, s ? s : "");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Returns 0 ok, 1 help printed, -1 error. */
+static int parse(const char *cmd, int argc, char **argv, options_t *o) {
+    memset(o, 0, sizeof *o);
+    o->model = "mixtral-8x7b";
+    o->seed = 1;
+    o->iters = -1, o->warmup = -1;
+    o->backend = "auto";
+    for (int i = 0; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int64_t n;
+        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) {
+            command_usage(cmd, stdout);
+            return 1;
+        }
+#define INT_FLAG(name, lo, hi, dst)                                   \
+    if (strcmp(f, name) == 0) {                                       \
+        if (parse_int(name, v, lo, hi, &n)) return -1;                \
+        dst = n;                                                      \
+        i++;                                                          \
+        continue;                                                     \
+    }
+        INT_FLAG("--tokens", 1, 1 << 24, o->tokens)
+        INT_FLAG("--tp", 1, 1024, o->tp)
+        INT_FLAG("--ep", 1, 1024, o->ep)
+        INT_FLAG("--topk", 1, 1 << 16, o->topk)
+        INT_FLAG("--experts", 1, 1 << 16, o->experts)
+        INT_FLAG("--hidden", 1, 1 << 20, o->hidden)
+        INT_FLAG("--ffn", 1, 1 << 20, o->ffn)
+        INT_FLAG("--scale", 1, 1024, o->scale)
+        INT_FLAG("--zero-experts", 0, 1 << 16, o->zero_experts)
+        INT_FLAG("--n-comm", 0, 1024, o->n_comm)
+        INT_FLAG("--chunk", 0, 1 << 20, o->chunk_cols)
+        INT_FLAG("--seed", 0, INT64_MAX, o->seed)
+        INT_FLAG("--iters", 1, 100000, o->iters)
+        INT_FLAG("--warmup", 0, 100000, o->warmup)
+#undef INT_FLAG
+        if (strcmp(f, "--model") == 0 && v) {
+            if (!comet_model_find(v)) {
+                fprintf(stderr, "comet: unknown model '%s'; presets:", v);
+                for (int m = 0; m < comet_num_models; m++) fprintf(stderr, " %s", comet_models[m].name);
+                fprintf(stderr, "\n");
+                return -1;
+            }
+            o->model = v, i++;
+        } else if (strcmp(f, "--activation") == 0 && v && (strcmp(v, "silu") == 0 || strcmp(v, "gelu") == 0)) {
+            o->activation = strcmp(v, "gelu") == 0 ? COMET_ACT_GELU : COMET_ACT_SILU_GATED, i++;
+        } else if (strcmp(f, "--skew") == 0 && v) {
+            char *end;
+            o->skew = strtod(v, &end);
+            if (*end || o->skew < 0 || o->skew > 10) {
+                fprintf(stderr, "comet: --skew needs a number in [0, 10], got '%s'\n", v);
+                return -1;
+            }
+            i++;
+        } else if (strcmp(f, "--backend") == 0 && v &&
+                   (strcmp(v, "auto") == 0 || strcmp(v, "cpu") == 0 || strcmp(v, "cuda") == 0)) {
+            o->backend = v, i++;
+        } else {
+            fprintf(stderr, "comet %s: unknown flag or bad value: '%s'%s%s\n", cmd, f, v ? " " : "", v ? v : "");
+            command_usage(cmd, stderr);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Fill in defaults and build the config. */
+static int configure(const options_t *o, comet_layer_config_t *cfg, int64_t *tokens, int *world) {
+    if (strcmp(o->backend, "cuda") == 0) {
+        fprintf(stderr, "comet: the CUDA backend is not in this build yet; use --backend cpu\n");
+        return -1;
+    }
+    const comet_model_t *m = comet_model_find(o->model);
+    int scale = o->scale ? o->scale : 8;
+    int tp = o->tp ? o->tp : 1, ep = o->ep ? o->ep : (o->tp ? 1 : 2);
+    *cfg = (comet_layer_config_t)COMET_LAYER_CONFIG_INIT;
+    cfg->hidden = o->hidden ? o->hidden : m->hidden / scale;
+    cfg->ffn = o->ffn ? o->ffn : m->ffn / scale;
+    cfg->num_experts = o->experts ? o->experts : m->num_experts;
+    cfg->topk = o->topk ? o->topk : m->topk;
+    cfg->activation = o->activation;
+    cfg->tp = tp, cfg->ep = ep;
+    *world = tp * ep;
+    int64_t total = o->tokens ? o->tokens : 256;
+    cfg->max_tokens_per_rank = (total + *world - 1) / *world;
+    for (int s = 0; s < *world && s < 64; s++) tokens[s] = total / *world + (s < total % *world);
+    if (*world > 64) {
+        fprintf(stderr, "comet: the CPU engine runs at most 64 ranks\n");
+        return -1;
+    }
+    if (comet_layer_config_check(cfg, *world) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        return -1;
+    }
+    printf("backend: CPU engine (%d ranks as threads of one process; no GPU backend in this build)\n", *world);
+    if (!o->hidden && !o->ffn && scale != 1)
+        printf("model: %s scaled down 1/%d in hidden and ffn (hidden %lld, ffn %lld) so the CPU run takes seconds\n",
+               m->name, scale, (long long)cfg->hidden, (long long)cfg->ffn);
+    return 0;
+}
+
+static int run(const char *cmd, int argc, char **argv) {
+    int is_bench = strcmp(cmd, "bench") == 0;
+    options_t o;
+    int pr = parse(cmd, argc, argv, &o);
+    if (pr) return pr > 0 ? 0 : 2;
+    comet_layer_config_t cfg;
+    int64_t tokens[64];
+    int world;
+    if (configure(&o, &cfg, tokens, &world)) return 2;
+
+    comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        return 2;
+    }
+    comet_problem_poison(p);
+    comet_world_t *w;
+    comet_world_create_local(&w, world, COMET_BACKEND_CPU);
+    comet_run_t r;
+    memset(&r, 0, sizeof r);
+    r.n_comm = o.n_comm, r.chunk_cols = o.chunk_cols;
+    int warmup = o.warmup >= 0 ? o.warmup : 1, iters = o.iters > 0 ? o.iters : 5;
+    comet_status_t st = COMET_SUCCESS;
+    if (is_bench && warmup > 0) {
+        r.repeats = warmup;
+        st = comet_problem_run(p, w, &r);
+    }
+    if (st == COMET_SUCCESS) {
+        r.repeats = is_bench ? iters : 1;
+        st = comet_problem_run(p, w, &r);
+    }
+    comet_world_destroy(w);
+    if (st != COMET_SUCCESS) {
+        fprintf(stderr, "comet: forward failed: %s: %s\n", comet_status_string(st), comet_last_error());
+        comet_problem_destroy(p);
+        return 1;
+    }
+    double flops = 0;
+    int64_t elements = 0;
+    for (int s = 0; s < world; s++) elements += p->tokens[s] * cfg.hidden;
+    for (int s = 0; s < world; s++)
+        flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden *
+                 (double)cfg.ffn * (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
+    st = comet_reference_forward(&p->cfg, world, p->ref_args);
+    if (st != COMET_SUCCESS) {
+        fprintf(stderr, "comet: reference failed: %s\n", comet_last_error());
+        comet_problem_destroy(p);
+        return 1;
+    }
+    int64_t wrong = comet_problem_count_mismatch(p);
+    int64_t total = 0;
+    for (int s = 0; s < world; s++) total += p->tokens[s];
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E", "hidden",
+           "ffn", "n_comm", "ms", "GFLOP/s", "check vs reference");
+    char ncomm[16];
+    snprintf(ncomm, sizeof ncomm, o.n_comm ? "%d" : "auto", o.n_comm);
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %9.2f  %s (%lld of %lld elements differ)\n", o.model,
+           (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
+           (long long)cfg.ffn, ncomm, r.ms_median, flops / (r.ms_median * 1e6), wrong ? "WRONG" : "ok", (long long)wrong,
+           (long long)elements);
+    if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", iters, warmup);
+    comet_problem_destroy(p);
+    return wrong ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("comet %d.%d.%d\n", COMET_VERSION_MAJOR, COMET_VERSION_MINOR, COMET_VERSION_PATCH);
+        return 0;
+    }
+    if (strcmp(cmd, "bench") == 0 || strcmp(cmd, "check") == 0) return run(cmd, argc - 2, argv + 2);
+    fprintf(stderr, "comet: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+}
