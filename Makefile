@@ -5,15 +5,19 @@
 #   make            library, CLI, tests (and CUDA objects when nvcc exists)
 #   make test       build and run every test
 #   make bench      build and run `comet bench` on the default model
+#   make test SAN=thread   the same under ThreadSanitizer (no CUDA)
 #   make clean
 
 CC      ?= cc
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -pthread -Iinclude
-LDLIBS  += -lm -pthread
-BUILD   := build
+SAN     ?=            # e.g. SAN=thread or SAN=address,undefined (builds into build-$(SAN))
+BUILD   ?= build$(if $(SAN),-$(subst $(comma),-,$(SAN)))
+comma   := ,
+XCFLAGS := $(CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -pthread -Iinclude \
+           $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer)
+XLDLIBS := $(LDLIBS) -lm -pthread $(if $(SAN),-fsanitize=$(SAN))
 
-NVCC    ?= $(shell command -v nvcc 2>/dev/null)
+NVCC    ?= $(if $(SAN),,$(shell command -v nvcc 2>/dev/null))
 NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude -Xptxas -warn-spills
 
 LIB_SRC := $(wildcard src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c)
@@ -28,7 +32,7 @@ all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(CU_OBJ) $(GPU_TESTS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+	$(CC) $(XCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
@@ -39,10 +43,10 @@ $(BUILD)/libcomet.a: $(LIB_OBJ)
 	$(AR) rcs $@ $^
 
 $(BUILD)/comet: $(BUILD)/tools/comet.o $(WL_OBJ) $(BUILD)/libcomet.a
-	$(CC) $(CFLAGS) $^ $(LDLIBS) -o $@
+	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
-	$(CC) $(CFLAGS) $^ $(LDLIBS) -o $@
+	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@
 
 # GPU tests: built whenever nvcc exists, they skip at run time without a GPU.
 $(BUILD)/tests/%: tests/%.cu $(CU_OBJ) $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a

@@ -19,7 +19,7 @@ for t in "$build"/tests/test_*; do
 done
 for src in tests/test_*.cu; do # GPU tests need nvcc to be built at all
     name=$(basename "$src" .cu)
-    [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: nvcc not found)"; skipped=$((skipped + 1)); }
+    [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: no nvcc, or a sanitizer build)"; skipped=$((skipped + 1)); }
 done
 out=$(tests/test_cli.sh "$build" 2>&1); rc=$?
 printf '%s\n' "$out"

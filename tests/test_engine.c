@@ -5,7 +5,7 @@
  *   matrix:  random problems over W in {1,2,4,8}, every (TP, EP), topk 1..8,
  *            E 1..512, tokens per rank 0..max (including 1 and T not a
  *            multiple of tile_m), uniform and skewed routing, empty experts,
- *            n_comm 1..7; output bitwise equal to the reference, every
+ *            n_comm 1..16; output bitwise equal to the reference, every
  *            element written (outputs poisoned first)
  *   epochs:  one layer, many forwards with fresh inputs, chunk widths and
  *            n_comm per call: every call equal to the reference
@@ -107,12 +107,12 @@ static void test_matrix(void) {
         int w = worlds[wi];
         for (int tp = 1; tp <= w; tp *= 2) {
             int ep = w / tp;
-            for (int rep = 0; rep < 7; rep++) {
+            for (int rep = 0; rep < 14; rep++) {
                 comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
                 cfg.tp = tp, cfg.ep = ep;
                 cfg.hidden = 8 + 8 * (int64_t)(comet_rng_next(&rng) % 6) + (rep == 3 ? 3 : 0);
                 cfg.ffn = tp * (4 + (int64_t)(comet_rng_next(&rng) % 24));
-                cfg.num_experts = ep * ((experts[rep] + ep - 1) / ep);
+                cfg.num_experts = ep * ((experts[rep % 7] + ep - 1) / ep);
                 int64_t kmax = cfg.num_experts < 8 ? cfg.num_experts : 8;
                 cfg.topk = 1 + (int64_t)(comet_rng_next(&rng) % (uint64_t)kmax);
                 cfg.activation = rep == 5 ? COMET_ACT_GELU : COMET_ACT_SILU_GATED;
@@ -127,8 +127,8 @@ static void test_matrix(void) {
                                            cfg.num_experts >= cfg.topk + 2 && rep % 2 ? cfg.num_experts / 4 + 1 : 0,
                                            (uint64_t)(100 * w + 10 * tp + rep)};
                 if (cfg.num_experts - ro.zero_experts < cfg.topk) ro.zero_experts = 0;
-                const int n_comms[] = {1, 2, 3, 7};
-                int n_comm = n_comms[comet_rng_next(&rng) % 4];
+                const int n_comms[] = {1, 2, 3, 7, 16};
+                int n_comm = n_comms[comet_rng_next(&rng) % 5];
                 int chunk = rep % 2 ? 0 : 1 + (int)(comet_rng_next(&rng) % (uint64_t)cfg.hidden);
                 comet_problem_t *p;
                 if (comet_problem_create(&p, &cfg, w, tokens, &ro) != COMET_SUCCESS) {
