@@ -1,0 +1,260 @@
+"""torch_moe.py - the PyTorch baseline: one MoE layer forward the way users run
+it today (Megatron-style), timed with the same workloads and flags as
+`comet bench`, so both print side by side.
+
+  EP (TP=1): permute -> all-to-all (host sync for the split sizes, as Megatron's
+             all-to-all dispatcher does) -> regroup by expert ->
+             torch._grouped_mm + gated SiLU + torch._grouped_mm -> all-to-all
+             back -> unpermute -> weighted top-k sum
+  TP (EP=1): all-gather tokens and routing -> permute -> grouped GEMMs on the
+             rank's ffn slice -> weighted top-k sum -> reduce-scatter (bf16)
+
+Run with torchrun (one process per GPU); one GPU works with plain python:
+  torchrun --nproc-per-node 2 bench/torch_moe.py --models mixtral-8x7b --tokens 4096,8192 --ep 2
+Every configuration is checked against an fp32 evaluation of sampled tokens
+before it is timed. Prints a table on rank 0 and, with --json, writes the
+records with the machine's description.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MODELS = {  # name: (hidden, ffn per expert, experts, topk), as src/workload/workload.c
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "qwen2-moe": (2048, 1408, 64, 4),
+    "phi-3.5-moe": (4096, 6400, 16, 2),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="mixtral-8x7b", help="comma-separated presets")
+    p.add_argument("--tokens", default="8192", help="comma-separated M (tokens over all ranks)")
+    p.add_argument("--tp", type=int, default=0)
+    p.add_argument("--ep", type=int, default=0)
+    p.add_argument("--topk", type=int, default=0, help="override the model's topk")
+    p.add_argument("--experts", type=int, default=0, help="override the model's expert count")
+    p.add_argument("--skew", type=float, default=0.0, help="relative std of expert popularity")
+    p.add_argument("--zero-experts", type=int, default=0, help="experts that receive no tokens")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--input-sets", type=int, default=3, help="inputs rotated between runs (larger than L2)")
+    p.add_argument("--json", default="", help="write the records here (rank 0)")
+    return p.parse_args()
+
+
+def routing(gen, t, e_num, topk, skew, zero, device):
+    """Each token draws topk distinct experts in proportion to a popularity drawn
+    once per seed (1 + skew*N(0,1), floored at 0.01; zero experts get 0)."""
+    pop_gen = torch.Generator(device="cpu").manual_seed(gen.initial_seed() // 1000)
+    pop = (1.0 + skew * torch.randn(e_num, generator=pop_gen)).clamp_min(0.01)
+    if zero:
+        pop[torch.randperm(e_num, generator=pop_gen)[:zero]] = 0
+    probs = pop.to(device).expand(t, e_num).contiguous()
+    idx = torch.multinomial(probs, topk, replacement=False, generator=gen)
+    logits = torch.randn(t, topk, device=device, generator=gen)
+    w = torch.softmax(logits, dim=-1)
+    return idx, w
+
+
+def expert_ffn(x, w1, w2):
+    """fp32 evaluation of one expert: act(x W1^T) W2^T, W1 = [gate; up]."""
+    f = w1.shape[0] // 2
+    g = x.float() @ w1.float().t()
+    h = (F.silu(g[:, :f]) * g[:, f:]).to(torch.bfloat16).float()
+    return h @ w2.float().t()
+
+
+class Layer:
+    def __init__(self, cfg, rank, world, device):
+        self.hidden, self.ffn, self.e_num, self.topk, self.tp, self.ep = cfg
+        self.rank, self.world, self.device = rank, world, device
+        self.tp_rank, self.ep_rank = rank % self.tp, rank // self.tp
+        self.el = self.e_num // self.ep
+        self.fl = self.ffn // self.tp
+        gen = torch.Generator(device=device).manual_seed(1234)  # same full weights on every rank
+        h, f = self.hidden, self.ffn
+        self.w1_full = (torch.randn(self.e_num, 2 * f, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+        self.w2_full = (torch.randn(self.e_num, h, f, device=device, generator=gen) / f ** 0.5).to(torch.bfloat16)
+        e0, s0 = self.ep_rank * self.el, self.tp_rank * self.fl
+        gate = self.w1_full[e0:e0 + self.el, s0:s0 + self.fl]
+        up = self.w1_full[e0:e0 + self.el, f + s0:f + s0 + self.fl]
+        self.w1 = torch.cat([gate, up], dim=1).contiguous()              # (E_local, 2F/TP, H)
+        self.w2 = self.w2_full[e0:e0 + self.el, :, s0:s0 + self.fl].contiguous()  # (E_local, H, F/TP)
+        self.gemm_events = None
+
+    def experts(self, rows, counts):
+        """Grouped GEMM0 + gated SiLU + grouped GEMM1 over rows grouped by local expert."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        ev = self.gemm_events
+        if ev is not None:
+            ev[0].record()
+        g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
+        a = (F.silu(g[:, :self.fl].float()) * g[:, self.fl:].float()).to(torch.bfloat16)
+        o = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
+        if ev is not None:
+            ev[1].record()
+        return o
+
+    def forward(self, x, idx, w):
+        return self.forward_ep(x, idx, w) if self.tp == 1 else self.forward_tp(x, idx, w)
+
+    def forward_ep(self, x, idx, w):
+        t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        x_perm = x.index_select(0, order // k)
+        counts = torch.bincount(flat, minlength=self.e_num)
+        if wsz == 1:
+            o = self.experts(x_perm, counts)
+            back = o
+        else:
+            counts_recv = torch.empty_like(counts)
+            dist.all_to_all_single(counts_recv, counts)
+            splits = torch.stack([counts.view(wsz, el).sum(1), counts_recv.view(wsz, el).sum(1)]).cpu()  # host sync
+            send, recv_n = splits[0].tolist(), splits[1].tolist()
+            recv = x.new_empty(sum(recv_n), self.hidden)
+            dist.all_to_all_single(recv, x_perm, recv_n, send)
+            # rows arrive grouped (source, expert); regroup them (expert, source)
+            chunk = torch.repeat_interleave(torch.arange(wsz * el, device=x.device), counts_recv,
+                                            output_size=recv.shape[0])
+            perm2 = torch.argsort((chunk % el) * wsz + chunk // el, stable=True)
+            o = self.experts(recv.index_select(0, perm2), counts_recv.view(wsz, el).sum(0))
+            regrouped = torch.empty_like(o)
+            regrouped[perm2] = o
+            back = x.new_empty(t * k, self.hidden)
+            dist.all_to_all_single(back, regrouped, send, recv_n)
+        slots = torch.empty_like(back)
+        slots[order] = back
+        return (slots.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+
+    def forward_tp(self, x, idx, w):
+        t, k, wsz = x.shape[0], self.topk, self.world
+        x_all = x.new_empty(wsz * t, self.hidden)
+        idx_all = idx.new_empty(wsz * t, k)
+        w_all = w.new_empty(wsz * t, k)
+        dist.all_gather_into_tensor(x_all, x)
+        dist.all_gather_into_tensor(idx_all, idx)
+        dist.all_gather_into_tensor(w_all, w)
+        flat = idx_all.reshape(-1)  # EP = 1: every expert is local, sliced along ffn
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.el)
+        rows = x_all.index_select(0, order // k)
+        o = self.experts(rows, counts)
+        slots = torch.empty_like(o)
+        slots[order] = o
+        part = (slots.view(wsz * t, k, -1).float() * w_all.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+        y = x.new_empty(t, self.hidden)
+        dist.reduce_scatter_tensor(y, part)
+        return y
+
+    def check(self, x, idx, w, y, n=8):
+        """Relative error of y on n sampled tokens against an fp32 evaluation."""
+        pick = torch.linspace(0, x.shape[0] - 1, n, device=x.device).long()
+        want = torch.zeros(n, self.hidden, device=x.device)
+        for i, t in enumerate(pick.tolist()):
+            for j in range(self.topk):
+                e = int(idx[t, j])
+                want[i] += w[t, j] * expert_ffn(x[t:t + 1], self.w1_full[e], self.w2_full[e])[0]
+        got = y[pick].float()
+        return float((got - want).norm() / want.norm())
+
+
+def median_max_over_ranks(times, world):
+    t = torch.tensor(times, device="cuda")
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def describe(world):
+    props = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.split("\n")[0].strip()
+    except OSError:
+        driver = "unknown"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
+    return {"gpu": props.name, "gpus": world, "sms": props.multi_processor_count, "driver": driver,
+            "cuda": torch.version.cuda, "torch": torch.__version__, "nccl": nccl,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": os.environ.get("COMET_COMMIT", "unknown")}
+
+
+def main():
+    args = parse()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    if world > 1:
+        dist.init_process_group("nccl", device_id=device)
+    tp = args.tp or (world // args.ep if args.ep else 1)  # default: EP over all GPUs
+    ep = world // tp
+    assert tp * ep == world, f"tp*ep = {tp}*{ep} != world size {world}"
+    assert tp == 1 or ep == 1, "the baseline runs TP or EP, not both"
+    records = []
+    for name in args.models.split(","):
+        hidden, ffn, e_num, topk = MODELS[name]
+        e_num, topk = args.experts or e_num, args.topk or topk
+        layer = Layer((hidden, ffn, e_num, topk, tp, ep), rank, world, device)
+        for m in [int(v) for v in args.tokens.split(",")]:
+            t = m // world
+            sets = []
+            for s in range(args.input_sets):
+                gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + rank)
+                x = torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16)
+                idx, w = routing(gen, t, e_num, topk, args.skew, args.zero_experts, device)
+                sets.append((x, idx, w))
+            y = layer.forward(*sets[0])
+            err = layer.check(*sets[0], y)
+            for i in range(args.warmup):
+                layer.forward(*sets[i % len(sets)])
+            times = []
+            for i in range(args.iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                layer.forward(*sets[i % len(sets)])
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            ms = median_max_over_ranks(times, world)
+            gemm = []  # an instrumented pass: time of the two grouped GEMMs + activation
+            for i in range(args.iters):
+                layer.gemm_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                layer.forward(*sets[i % len(sets)])
+                layer.gemm_events[1].synchronize()
+                gemm.append(layer.gemm_events[0].elapsed_time(layer.gemm_events[1]))
+            layer.gemm_events = None
+            gemm_ms = median_max_over_ranks(gemm, world)
+            flops = 2.0 * m * topk * hidden * ffn * 3 / world  # per GPU
+            rec = {"model": name, "M": m, "tp": tp, "ep": ep, "topk": topk, "experts": e_num, "hidden": hidden,
+                   "ffn": ffn, "skew": args.skew, "zero_experts": args.zero_experts, "ms": ms,
+                   "gemm_ms": gemm_ms, "gemm_tflops": flops / (gemm_ms * 1e9), "gemm_share": gemm_ms / ms,
+                   "check_rel_err": err}
+            records.append(rec)
+            if rank == 0:
+                print(f"{name:14s} M={m:6d} TP={tp} EP={ep}  {ms:8.3f} ms  gemm {gemm_ms:7.3f} ms "
+                      f"({rec['gemm_tflops']:6.1f} TFLOP/s, {100 * rec['gemm_share']:4.1f}% of layer)  "
+                      f"check rel err {err:.2e}", flush=True)
+            assert err < 2e-2, f"{name} M={m}: relative error {err} against the fp32 evaluation"
+        del layer
+        torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": describe(world), "baseline": "pytorch", "records": records}, f, indent=1)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
