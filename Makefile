@@ -21,14 +21,31 @@ NVCC    ?= $(if $(SAN),,$(shell command -v nvcc 2>/dev/null))
 NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude -Xptxas -warn-spills
 
 LIB_SRC := $(wildcard src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c)
-LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o)
-WL_OBJ  := $(BUILD)/src/workload/workload.o
-CU_SRC  := $(wildcard src/cuda/*.cu)
+CU_SRC  := $(wildcard src/cuda/*.cu src/comm/*.cu)
 CU_OBJ  := $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.o))
+
+# With nvcc: the CUDA backend and the NCCL runtime join the library. NCCL
+# comes from NCCL_HOME (its include/ and lib/) if given, else the CUDA
+# toolkit's, else PyTorch's nvidia.nccl package, else the system's; the
+# binaries keep its lib/ as rpath, so the library found at build time (whose
+# version the headers match: src/comm checks) is the one loaded.
+ifneq ($(NVCC),)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+PIP_NCCL  := $(shell python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null)
+NCCL_HOME ?= $(if $(wildcard $(CUDA_HOME)/include/nccl.h),$(CUDA_HOME),$(if $(PIP_NCCL),$(PIP_NCCL),/usr))
+LIB_SRC += $(wildcard src/cuda/*.c src/comm/*.c)
+XCFLAGS += -DCOMET_WITH_CUDA -I$(NCCL_HOME)/include -I$(CUDA_HOME)/include
+NVFLAGS += -DCOMET_WITH_CUDA -I$(NCCL_HOME)/include
+CUDA_LIBS := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 -l:libnccl.so.2 -lcudart -lstdc++
+RPATHS    := $(NCCL_HOME)/lib $(NCCL_HOME)/lib64 $(CUDA_HOME)/lib64
+XLDLIBS += $(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))
+endif
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_OBJ)
+WL_OBJ  := $(BUILD)/src/workload/workload.o
 TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wildcard tests/test_*.c)))
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
 
-all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(CU_OBJ) $(GPU_TESTS)
+all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(GPU_TESTS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -49,9 +66,9 @@ $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/l
 	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@
 
 # GPU tests: built whenever nvcc exists, they skip at run time without a GPU.
-$(BUILD)/tests/%: tests/%.cu $(CU_OBJ) $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) $^ -lcudart -o $@
+	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 
 test: all
 	@tests/run.sh $(BUILD)

@@ -122,19 +122,24 @@ comet_tensor_t comet_tensor_3d(void *data, comet_dtype_t dtype, int64_t d0, int6
  * ------------------------------------------------------------------------- */
 typedef enum {
     COMET_BACKEND_CPU = 0,  /* ranks are threads of one process; the specification engine */
-    COMET_BACKEND_CUDA = 1  /* one GPU per rank, NCCL underneath (not yet in this build) */
+    COMET_BACKEND_CUDA = 1  /* one GPU per rank (rank r on device r), NCCL symmetric memory underneath */
 } comet_backend_t;
 
 typedef struct comet_world comet_world_t;
 
-/* Create a world of num_ranks ranks living in this process (CPU backend:
- * every rank is a thread that calls the collective functions). Not collective:
- * one thread creates it and hands it to the rank threads. */
+/* Create a world of num_ranks ranks living in this process: every rank is a
+ * thread that calls the collective functions (CUDA backend: rank r drives
+ * device r). Not collective: one thread creates it and hands it to the rank
+ * threads. */
 comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks,
                                         comet_backend_t backend);
 /* Destroy a world after all its layers are destroyed. NULL is a no-op. */
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
+comet_backend_t comet_world_backend(const comet_world_t *world);
+/* CUDA devices the CUDA backend can use; 0 without GPUs or in builds without
+ * the CUDA backend. */
+int comet_device_count(void);
 
 /* ---------------------------------------------------------------------------
  * Layer configuration.
@@ -197,8 +202,18 @@ typedef struct {
 
 /* Collective: every rank calls it with its own tokens. On failure no output is
  * written on any rank: a rank whose own input is invalid returns the specific
- * status; the others return COMET_ERR_PEER_FAILED. */
+ * status; the others return COMET_ERR_PEER_FAILED.
+ * CPU backend: synchronous; every status is final when the call returns.
+ * CUDA backend: asynchronous on args->stream, with no host synchronisation
+ * (capturable in a CUDA graph). Shapes are checked at once; the routing
+ * content (device memory) is checked on the device: comet_layer_sync reports
+ * it, and an invalid routing on any rank leaves every y untouched. */
 comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
+
+/* Wait for this rank's last forward and return what the device found:
+ * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx) or
+ * COMET_ERR_PEER_FAILED (another rank's). CPU backend: COMET_SUCCESS at once. */
+comet_status_t comet_layer_sync(comet_layer_t *layer);
 
 /* ---------------------------------------------------------------------------
  * Reference: the specification as plain loops, for every rank at once, in the

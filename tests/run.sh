@@ -6,8 +6,10 @@ build=${1:-build}
 passed=0 failed=0 skipped=0
 for t in "$build"/tests/test_*; do
     [ -x "$t" ] || continue
-    out=$("$t" 2>&1); rc=$?
-    printf '%s\n' "$out"
+    log=$(mktemp)
+    timeout "${COMET_TEST_TIMEOUT:-1800}" "$t" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+    out=$(cat "$log"); rm -f "$log"
+    [ "$rc" -eq 124 ] && echo "FAIL $t: timed out after ${COMET_TEST_TIMEOUT:-1800} s"
     line=$(printf '%s\n' "$out" | grep -E '^[a-z_]+: [0-9]+ passed, [0-9]+ failed' | tail -n 1)
     if [ -z "$line" ]; then
         echo "FAIL $t: exited $rc without a summary"; failed=$((failed + 1)); continue

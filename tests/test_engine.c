@@ -32,7 +32,7 @@ static comet_status_t run_engine(comet_problem_t *p, int n_comm, int chunk_cols,
     comet_run_t run;
     memset(&run, 0, sizeof run);
     run.n_comm = n_comm, run.chunk_cols = chunk_cols, run.repeats = repeats;
-    st = comet_problem_run(p, world, &run);
+    st = comet_problem_run(p, world, &run, 0);
     comet_world_destroy(world);
     return st;
 }

@@ -145,7 +145,7 @@ static void expect_nothing_written(comet_problem_t *p, const char *what, edit_fn
     p->args[1] = bad_args(p, edit, idx_copy);
     comet_run_t run;
     memset(&run, 0, sizeof run);
-    comet_status_t st = comet_problem_run(p, world, &run);
+    comet_status_t st = comet_problem_run(p, world, &run, 0);
     p->args[1] = saved;
     CHECK(st != COMET_SUCCESS, "%s: bad call succeeded", what);
     int64_t total = p->tokens[0] * p->cfg.hidden + p->tokens[1] * p->cfg.hidden;
@@ -266,8 +266,9 @@ static void *forward_alone(void *arg) {
 static void test_handles(void) {
     comet_world_t *w = NULL;
     CHECK(comet_world_create_local(&w, 0, COMET_BACKEND_CPU) == COMET_ERR_INVALID_ARGUMENT && w == NULL, "0 ranks");
-    CHECK(comet_world_create_local(&w, 2, COMET_BACKEND_CUDA) == COMET_ERR_UNSUPPORTED && has(comet_last_error(), "CUDA"),
-          "CUDA backend absent: %s", comet_last_error());
+    if (comet_device_count() == 0)
+        CHECK(comet_world_create_local(&w, 2, COMET_BACKEND_CUDA) == COMET_ERR_UNSUPPORTED && w == NULL,
+              "CUDA backend without a GPU: %s", comet_last_error());
     CHECK(comet_world_create_local(NULL, 2, COMET_BACKEND_CPU) == COMET_ERR_INVALID_ARGUMENT, "NULL out");
     CHECK(comet_world_destroy(NULL) == COMET_SUCCESS && comet_layer_destroy(NULL) == COMET_SUCCESS, "destroy(NULL)");
     CHECK(comet_layer_forward(NULL, NULL) == COMET_ERR_INVALID_ARGUMENT, "forward on NULL layer");

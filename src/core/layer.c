@@ -9,6 +9,18 @@
 #include "status.h"
 #include "validate.h"
 
+#ifndef COMET_WITH_CUDA /* worlds refuse the CUDA backend in such builds; these are never reached */
+comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
+    return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: no CUDA backend in this build", l->rank);
+}
+void comet_cuda_layer_destroy(comet_layer_t *l) { (void)l; }
+comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *a) {
+    (void)a;
+    return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: no CUDA backend in this build", l->rank);
+}
+comet_status_t comet_cuda_layer_sync(comet_layer_t *l) { return comet_cuda_layer_forward(l, NULL); }
+#endif
+
 comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,
                                   const comet_layer_config_t *cfg) {
     comet_clear_error();
@@ -25,7 +37,7 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
     l->rank = rank;
     l->cfg = *cfg;
     l->dims = dims;
-    comet_status_t st = comet_cpu_layer_create(l);
+    comet_status_t st = l->world->backend == COMET_BACKEND_CUDA ? comet_cuda_layer_create(l) : comet_cpu_layer_create(l);
     if (st != COMET_SUCCESS) {
         free(l);
         return st;
@@ -37,7 +49,10 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
 comet_status_t comet_layer_destroy(comet_layer_t *l) {
     comet_clear_error();
     if (!l) return COMET_SUCCESS;
-    comet_cpu_layer_destroy(l);
+    if (l->world->backend == COMET_BACKEND_CUDA)
+        comet_cuda_layer_destroy(l);
+    else
+        comet_cpu_layer_destroy(l);
     free(l);
     return COMET_SUCCESS;
 }
@@ -45,5 +60,13 @@ comet_status_t comet_layer_destroy(comet_layer_t *l) {
 comet_status_t comet_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     comet_clear_error();
     if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    if (l->world->backend == COMET_BACKEND_CUDA) return comet_cuda_layer_forward(l, args);
     return comet_cpu_layer_forward(l, args);
+}
+
+comet_status_t comet_layer_sync(comet_layer_t *l) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    if (l->world->backend == COMET_BACKEND_CUDA) return comet_cuda_layer_sync(l);
+    return COMET_SUCCESS; /* the CPU backend reports everything synchronously */
 }

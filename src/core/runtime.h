@@ -46,6 +46,14 @@ typedef void *(*comet_make_fn)(void *arg);
 comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
                                       comet_make_fn make, void *arg, void **shared);
 
+/* CUDA backend (src/cuda/backend.c), in builds with COMET_WITH_CUDA. */
+int comet_cuda_device_count(void);
+comet_status_t comet_cuda_world_init(comet_world_t *w);
+comet_status_t comet_cuda_layer_create(comet_layer_t *layer);
+void comet_cuda_layer_destroy(comet_layer_t *layer);
+comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
+comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
+
 /* CPU backend (src/cpu/engine.c). */
 comet_status_t comet_cpu_layer_create(comet_layer_t *layer);
 void comet_cpu_layer_destroy(comet_layer_t *layer);

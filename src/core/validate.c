@@ -121,7 +121,7 @@ static comet_status_t check_tensor(const comet_tensor_t *t, const char *name, co
 }
 
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *a,
-                                        int64_t *num_tokens) {
+                                        int check_routing, int64_t *num_tokens) {
     if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "forward args are NULL");
     if (a->struct_size != sizeof(comet_forward_args_t))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
@@ -149,7 +149,7 @@ comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forwa
     COMET_TRY(check_tensor(&a->y, "y", COMET_DTYPE_BF16, 2, sx));
 
     const int32_t *idx = (const int32_t *)a->topk_idx.data;
-    for (int64_t i = 0; i < t; i++) {
+    for (int64_t i = 0; check_routing && i < t; i++) {
         for (int64_t j = 0; j < d->topk; j++) {
             int32_t e = idx[i * d->topk + j];
             if (e < 0 || e >= d->num_experts)

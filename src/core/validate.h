@@ -23,10 +23,11 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
                                       comet_dims_t *dims);
 
 /* Check one rank's forward arguments against its dims: tensors present, of the
- * right dtype and shape, T <= max_tokens, expert ids in [0, E) and distinct per
- * row. On success *num_tokens = T. */
+ * right dtype and shape, T <= max_tokens and, when check_routing is set (host
+ * memory), expert ids in [0, E) and distinct per row. The CUDA backend checks
+ * the routing on the device instead. On success *num_tokens = T. */
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *args,
-                                        int64_t *num_tokens);
+                                        int check_routing, int64_t *num_tokens);
 
 #ifdef __cplusplus
 }

@@ -37,9 +37,11 @@ comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, co
     *world = NULL;
     if (num_ranks < 1 || num_ranks > COMET_MAX_RANKS)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "num_ranks %d is outside [1, %d]", num_ranks, COMET_MAX_RANKS);
+#ifndef COMET_WITH_CUDA
     if (backend == COMET_BACKEND_CUDA)
-        return comet_fail(COMET_ERR_UNSUPPORTED, "the CUDA backend is not in this build yet; use COMET_BACKEND_CPU");
-    if (backend != COMET_BACKEND_CPU)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "this build has no CUDA backend (built without nvcc); use COMET_BACKEND_CPU");
+#endif
+    if (backend != COMET_BACKEND_CPU && backend != COMET_BACKEND_CUDA)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "backend %d is not a comet_backend_t", (int)backend);
     comet_world_t *w = calloc(1, sizeof *w);
     int64_t *seq = calloc((size_t)num_ranks, sizeof *seq);
@@ -53,6 +55,16 @@ comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, co
     w->cpu_workers = env_int("COMET_CPU_WORKERS", 2, 1, 256);
     w->next_seq = seq;
     atomic_init(&w->aborted, 0);
+#ifdef COMET_WITH_CUDA
+    if (backend == COMET_BACKEND_CUDA) {
+        comet_status_t st = comet_cuda_world_init(w);
+        if (st != COMET_SUCCESS) {
+            free(w->next_seq);
+            free(w);
+            return st;
+        }
+    }
+#endif
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     *world = w;
@@ -71,6 +83,16 @@ comet_status_t comet_world_destroy(comet_world_t *w) {
 }
 
 int comet_world_size(const comet_world_t *w) { return w ? w->size : 0; }
+
+comet_backend_t comet_world_backend(const comet_world_t *w) { return w ? w->backend : COMET_BACKEND_CPU; }
+
+int comet_device_count(void) {
+#ifdef COMET_WITH_CUDA
+    return comet_cuda_device_count();
+#else
+    return 0;
+#endif
+}
 
 comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
                                       comet_make_fn make, void *arg, void **shared) {

@@ -14,6 +14,11 @@
 #include "../core/numerics.h"
 #include "../core/status.h"
 #include "../core/validate.h"
+#include "../cpu/reference.h"
+
+#ifdef COMET_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 const comet_model_t comet_models[] = {
     {"mixtral-8x7b", 4096, 14336, 8, 2},
@@ -224,6 +229,42 @@ int64_t comet_problem_count_mismatch(const comet_problem_t *p) {
     return bad;
 }
 
+comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, comet_check_t *out) {
+    memset(out, 0, sizeof *out);
+    comet_dims_t d;
+    COMET_TRY(comet_dims_from_config(&p->cfg, p->world_size, 0, &d));
+    comet_reference_scratch_t sc;
+    COMET_TRY(comet_reference_scratch_init(&d, &sc));
+    const int64_t hd = d.hidden;
+    uint16_t *want = malloc(sizeof(uint16_t) * (size_t)hd);
+    if (!want) {
+        comet_reference_scratch_free(&sc);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
+    }
+    for (int s = 0; s < p->world_size; s++) {
+        const int64_t t_num = p->tokens[s], n = sample <= 0 || sample >= t_num ? t_num : sample;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = n == t_num ? i : (n == 1 ? 0 : i * (t_num - 1) / (n - 1));
+            comet_reference_token(&p->cfg, p->world_size, p->args, s, t, &sc, want);
+            double ss = 0;
+            for (int64_t c = 0; c < hd; c++) ss += (double)comet_bf16_to_f32(want[c]) * comet_bf16_to_f32(want[c]);
+            double rms = sqrt(ss / (double)hd) + 1e-30;
+            for (int64_t c = 0; c < hd; c++) {
+                double g = comet_bf16_to_f32(p->y[s][t * hd + c]), r = comet_bf16_to_f32(want[c]);
+                double ulp = r != 0 ? ldexp(1.0, ilogb(r) - 7) : 0;
+                double err = fabs(g - r);
+                out->differ += p->y[s][t * hd + c] != want[c];
+                out->wrong += !(err <= 4 * ulp + 0.01 * rms); /* NaN is wrong */
+                if (!(err / rms <= out->worst)) out->worst = isnan(err) ? INFINITY : err / rms;
+                out->elements++;
+            }
+        }
+    }
+    free(want);
+    comet_reference_scratch_free(&sc);
+    return COMET_SUCCESS;
+}
+
 /* ---- running every rank ------------------------------------------------------ */
 
 typedef struct {
@@ -240,6 +281,53 @@ static double wall_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
+#ifdef COMET_WITH_CUDA
+/* The same on a GPU: inputs copied to device `rank`, y poisoned there, each
+ * call timed with events, the status of each call taken from
+ * comet_layer_sync, y copied back into p->y. */
+static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_forward_args_t *a) {
+    comet_problem_t *p = job->p;
+    const int r = job->rank;
+    const int64_t t = p->tokens[r], hd = p->cfg.hidden;
+    comet_tensor_t *ts[6] = {&a->x, &a->topk_idx, &a->topk_w, &a->w1, &a->w2, &a->y};
+    const size_t elem[6] = {2, 4, 4, 2, 2, 2};
+    void *dev[6] = {0};
+    cudaStream_t stream = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    comet_status_t st = COMET_SUCCESS;
+    cudaError_t e = cudaSetDevice(r);
+    if (e == cudaSuccess) e = cudaStreamCreate(&stream);
+    if (e == cudaSuccess) e = cudaEventCreate(&e0);
+    if (e == cudaSuccess) e = cudaEventCreate(&e1);
+    for (int i = 0; i < 6 && e == cudaSuccess; i++) {
+        size_t n = elem[i];
+        for (int dim = 0; dim < ts[i]->ndim; dim++) n *= (size_t)ts[i]->shape[dim];
+        e = cudaMalloc(&dev[i], n ? n : 1);
+        if (e == cudaSuccess && i < 5) e = cudaMemcpy(dev[i], ts[i]->data, n, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess && i == 5) e = cudaMemset(dev[i], 0xff, n);
+        ts[i]->data = dev[i];
+    }
+    a->stream = stream;
+    for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
+        cudaEventRecord(e0, stream);
+        st = comet_layer_forward(layer, a);
+        cudaEventRecord(e1, stream);
+        if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        job->ms[i] = ms;
+    }
+    if (e == cudaSuccess) e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < 6; i++) cudaFree(dev[i]);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (stream) cudaStreamDestroy(stream);
+    if (e != cudaSuccess && st == COMET_SUCCESS)
+        st = comet_fail(COMET_ERR_CUDA, "rank %d: runner: %s", r, cudaGetErrorString(e));
+    return st;
+}
+#endif
+
 static void *rank_main(void *arg) {
     rank_job_t *job = arg;
     comet_run_t *run = job->run;
@@ -248,11 +336,16 @@ static void *rank_main(void *arg) {
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
-    for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
-        double t0 = wall_ms();
-        st = comet_layer_forward(layer, &a);
-        job->ms[i] = wall_ms() - t0;
-    }
+#ifdef COMET_WITH_CUDA
+    if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA) {
+        st = rank_cuda(job, layer, &a);
+    } else
+#endif
+        for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
+            double t0 = wall_ms();
+            st = comet_layer_forward(layer, &a);
+            job->ms[i] = wall_ms() - t0;
+        }
     if (job->rank < 64) {
         run->status[job->rank] = st;
         snprintf(run->message[job->rank], sizeof run->message[0], "%s", st ? comet_last_error() : "");
@@ -261,15 +354,17 @@ static void *rank_main(void *arg) {
     return NULL;
 }
 
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
-comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
+comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run, int warmup) {
     const int w = p->world_size;
     if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
     if (run->repeats < 1) run->repeats = 1;
+    if (warmup < 0 || warmup >= run->repeats) warmup = 0;
     pthread_t th[64];
     rank_job_t jobs[64];
     double *ms = calloc((size_t)(w * run->repeats), sizeof(double));
@@ -288,11 +383,12 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         free(ms), free(slowest);
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
-    for (int i = 0; i < run->repeats; i++)
+    const int timed = run->repeats - warmup;
+    for (int i = 0; i < timed; i++)
         for (int s = 0; s < w; s++)
-            if (ms[s * run->repeats + i] > slowest[i]) slowest[i] = ms[s * run->repeats + i];
-    qsort(slowest, (size_t)run->repeats, sizeof(double), cmp_double);
-    run->ms_median = slowest[run->repeats / 2];
+            if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
+    qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
+    run->ms_median = slowest[timed / 2];
     free(ms), free(slowest);
     for (int s = 0; s < w; s++)
         if (run->status[s] != COMET_SUCCESS) return comet_fail_copy(run->status[s], run->message[s]);

@@ -71,19 +71,34 @@ comet_status_t comet_problem_redraw(comet_problem_t *p, const comet_routing_opts
 /* Elements of y that differ bitwise from y_ref, over every rank. */
 int64_t comet_problem_count_mismatch(const comet_problem_t *p);
 
+/* y checked against the reference on up to sample tokens per rank (evenly
+ * spaced, first and last included; sample <= 0: every token), evaluated one
+ * token at a time (no y_ref needed). An element is wrong when it is NaN or
+ * |y - ref| > 4 bf16 ulps of |ref| + 1% of the rms of ref's row: what a
+ * different fp32 accumulation order in the GEMMs can move. */
+typedef struct {
+    int64_t elements;  /* checked */
+    int64_t differ;    /* not bitwise equal */
+    int64_t wrong;     /* over the tolerance */
+    double worst;      /* largest |y - ref| / (rms of ref's row) */
+} comet_check_t;
+comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, comet_check_t *out);
+
 /* ---- running every rank -------------------------------------------------- */
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
     int repeats;            /* forward calls per rank (>= 1) */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
-    double ms_median;       /* median over repeats of the slowest rank's call */
+    double ms_median;       /* median over timed repeats of the slowest rank's call */
 } comet_run_t;
 
-/* Create the layer on every rank of world (one thread per rank), run the
- * forward run->repeats times, destroy the layers. Returns the first failing
- * rank's status, else COMET_SUCCESS. */
-comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run);
+/* Create the layer on every rank of world (one thread per rank; CUDA worlds:
+ * inputs copied to each rank's GPU and y copied back), run the forward
+ * run->repeats times, destroy the layers. The first `warmup` calls are left
+ * out of ms_median. Returns the first failing rank's status, else
+ * COMET_SUCCESS. */
+comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run, int warmup);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# gpu_check.sh - the one script a GPU call runs for the CUDA backend (from the
+# repository root, on the device machine): the test suite (GPU tests
+# included) on a build carried from the build machine (build/, linked against
+# NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
+# `comet bench` on every model at the given token counts, then optionally the
+# PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
+#   STEPS="test bench torch" MODELS=... TOKENS=... dev/gpu_check.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
+OUT=${OUT:-/tmp/comet-gpu}; mkdir -p "$OUT"
+PIP=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)
+export LD_LIBRARY_PATH="$PIP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+STEPS=${STEPS:-test bench}
+MODELS=${MODELS:-mixtral-8x7b qwen2-moe phi-3.5-moe deepseek-v3}
+TOKENS=${TOKENS:-8192}
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv
+summary=()
+for step in $STEPS; do
+    case $step in
+    test)
+        COMET_TEST_GPU=1 tests/run.sh build > "$OUT/test.log" 2>&1
+        grep -E "FAIL|skipped|test_layer_gpu: " "$OUT/test.log" | head -60
+        summary+=("tests: $(tail -n 1 "$OUT/test.log")")
+        ;;
+    bench)
+        for m in $MODELS; do for t in $TOKENS; do for layout in ${LAYOUTS:-"--ep 2" "--tp 2" "--ep 1"}; do
+            line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+            summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
+        done; done; done
+        ;;
+    torch)
+        OUT="$OUT" MODELS="${TORCH_MODELS:-mixtral-8x7b,qwen2-moe,phi-3.5-moe}" TOKENS="${TORCH_TOKENS:-4096,8192,16384}" \
+            timeout 420 bench/run_torch_baseline.sh > "$OUT/torch.log" 2>&1
+        summary+=("torch baseline: exit $? (table in torch.log)")
+        tail -n 40 "$OUT/torch.log"
+        ;;
+    esac
+done
+printf '%s\n' "${summary[@]}"

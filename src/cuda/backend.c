@@ -1,0 +1,241 @@
+/*
+ * backend.c - host side of the CUDA backend: one GPU per rank (rank r uses
+ * device r of this process), buffers sized for the worst case at create time,
+ * and a forward that only enqueues kernels (layer_kernels.cu) on the caller's
+ * stream: no host synchronisation, so a whole forward can be captured in a
+ * CUDA graph. The routing is checked on the device; comet_layer_sync reports
+ * what the device found.
+ *
+ * Ranks > 1 talk through NCCL symmetric memory (src/comm); a single rank needs
+ * no NCCL at all. Compiled only when the CUDA toolkit is present
+ * (COMET_WITH_CUDA).
+ */
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../comm/comm.h"
+#include "../core/runtime.h"
+#include "../core/status.h"
+#include "../core/validate.h"
+#include "cuda_layer.h"
+
+typedef struct {
+    comet_comm_t *comm;    /* NULL for a single rank */
+    comet_sym_t sym;       /* symmetric buffer (comm) */
+    void *sym_single;      /* the same, single rank */
+    void *priv[6];         /* state, plan, a, h, o, scratch */
+    comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
+    cudaStream_t last_stream;
+    int device;
+} cuda_layer_t;
+
+static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
+    return comet_fail(COMET_ERR_CUDA, "rank %d: %s: %s", rank, what, cudaGetErrorString(e));
+}
+
+#define CUDA_TRY(rank, call)                                                     \
+    do {                                                                         \
+        cudaError_t e_ = (call);                                                 \
+        if (e_ != cudaSuccess) return cuda_fail(rank, e_, #call);                \
+    } while (0)
+
+int comet_cuda_device_count(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+comet_status_t comet_cuda_world_init(comet_world_t *w) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "no CUDA device: %s",
+                          e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found 0");
+    if (w->size > n)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "%d ranks but only %d CUDA devices", w->size, n);
+    if (w->size > COMET_CUDA_MAX_RANKS)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "the CUDA backend runs at most %d ranks", COMET_CUDA_MAX_RANKS);
+    return COMET_SUCCESS;
+}
+
+/* What the ranks of one collective layer create share: a fresh NCCL id (an
+ * id serves one communicator only), made by the first rank to arrive. */
+typedef struct {
+    atomic_int refs;
+    comet_status_t status;
+    char message[512];
+    comet_comm_id_t id;
+} cuda_shared_t;
+
+static void *make_shared_id(void *arg) {
+    cuda_shared_t *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    atomic_init(&s->refs, *(const int *)arg);
+    s->status = comet_comm_unique_id(&s->id);
+    snprintf(s->message, sizeof s->message, "%s", comet_last_error());
+    return s;
+}
+
+static void release_shared_id(cuda_shared_t *s) {
+    if (s && atomic_fetch_sub(&s->refs, 1) == 1) free(s);
+}
+
+static void free_all(cuda_layer_t *L) {
+    if (!L) return;
+    cudaSetDevice(L->device);
+    for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
+    cudaFree(L->sym_single);
+    if (L->comm) {
+        comet_comm_free_symmetric(L->comm, &L->sym);
+        comet_comm_destroy(L->comm);
+    }
+    free(L);
+}
+
+/* A barrier across the ranks (create time only): every rank's flags are
+ * zeroed before any rank's first forward reads them. */
+static comet_status_t barrier(cuda_layer_t *L, int rank) {
+    if (!L->comm) return COMET_SUCCESS;
+    float *one = L->priv[5];
+    ncclResult_t r = ncclAllReduce(one, one, 1, ncclFloat, ncclSum, comet_comm_nccl(L->comm), 0);
+    if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: barrier: %s", rank, ncclGetErrorString(r));
+    CUDA_TRY(rank, cudaStreamSynchronize(0));
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
+    const comet_dims_t *d = &l->dims;
+    const int rank = l->rank, w = d->world_size;
+    cuda_layer_t *L = calloc(1, sizeof *L);
+    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
+    L->device = rank;
+    comet_status_t st = COMET_SUCCESS;
+    cudaError_t e = cudaSetDevice(rank);
+    if (e != cudaSuccess) {
+        free(L);
+        return cuda_fail(rank, e, "cudaSetDevice");
+    }
+    comet_cuda_ctx_t *c = &L->ctx;
+    c->d = *d;
+    comet_cuda_sym_layout(d, &c->lay);
+    if (w > 1) {
+        cuda_shared_t *sh = NULL;
+        comet_dims_t key = *d;
+        key.rank = key.tp_rank = key.ep_rank = 0;
+        int ranks = w;
+        st = comet_world_rendezvous(l->world, rank, &key, sizeof key, make_shared_id, &ranks, (void **)&sh);
+        if (st == COMET_SUCCESS && sh->status != COMET_SUCCESS) st = comet_fail_copy(sh->status, sh->message);
+        if (st == COMET_SUCCESS) st = comet_comm_create(&L->comm, rank, w, &sh->id, rank);
+        release_shared_id(sh);
+        if (st == COMET_SUCCESS) st = comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym);
+        if (st != COMET_SUCCESS) {
+            free_all(L);
+            return st;
+        }
+        c->sym = L->sym.local;
+        for (int q = 0; q < w; q++) c->peers[q] = (char *)L->sym.peers_host[q];
+    } else {
+        e = cudaMalloc(&L->sym_single, c->lay.total);
+        if (e != cudaSuccess) {
+            free_all(L);
+            return cuda_fail(rank, e, "cudaMalloc(symmetric buffer)");
+        }
+        c->sym = c->peers[0] = (char *)L->sym_single;
+    }
+    const size_t rows = (size_t)d->max_rows_padded;
+    const size_t bytes[6] = {sizeof(comet_cuda_state_t), comet_plan_workspace_bytes(d), rows * (size_t)d->hidden * 2,
+                             rows * (size_t)d->ffn_local * 2, rows * (size_t)d->hidden * 2, 256};
+    for (int i = 0; i < 6 && e == cudaSuccess; i++) e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
+    if (e != cudaSuccess) {
+        free_all(L);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
+                          cudaGetErrorString(e));
+    }
+    c->state = L->priv[0];
+    c->plan_ws = L->priv[1];
+    c->a = L->priv[2], c->h = L->priv[3], c->o = L->priv[4];
+    c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
+    cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, rank);
+
+    /* device state: epoch 0, every rank's staged routing as this GPU sees it */
+    comet_cuda_state_t s;
+    memset(&s, 0, sizeof s);
+    for (int q = 0; q < w; q++) {
+        s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
+        s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
+    }
+    e = cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t));
+    if (e == cudaSuccess) e = cudaMemset(L->priv[5], 0, 256);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        free_all(L);
+        return cuda_fail(rank, e, "initialising the layer");
+    }
+    st = barrier(L, rank);
+    if (st != COMET_SUCCESS) {
+        free_all(L);
+        return st;
+    }
+    l->backend_state = L;
+    return COMET_SUCCESS;
+}
+
+void comet_cuda_layer_destroy(comet_layer_t *l) {
+    cuda_layer_t *L = l->backend_state;
+    if (!L) return;
+    cudaSetDevice(L->device);
+    cudaDeviceSynchronize(); /* the caller's stream may be gone already */
+    barrier(L, l->rank); /* no rank frees memory a peer may still read */
+    free_all(L);
+    l->backend_state = NULL;
+}
+
+comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+    cuda_layer_t *L = l->backend_state;
+    comet_cuda_ctx_t c = L->ctx;
+    int64_t t = 0;
+    comet_status_t own = comet_check_forward_args(&l->dims, args, 0, &t);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", comet_last_error());
+    c.host_status = (uint32_t)own;
+    void *stream = NULL;
+    if (own == COMET_SUCCESS) {
+        c.x = args->x.data, c.topk_idx = args->topk_idx.data, c.topk_w = args->topk_w.data;
+        c.w1 = args->w1.data, c.w2 = args->w2.data, c.y = args->y.data;
+        c.num_tokens = t;
+        stream = args->stream;
+    } else if (args && args->struct_size == sizeof(comet_forward_args_t)) {
+        stream = args->stream;
+    }
+    /* Even a rank whose arguments failed runs the protocol steps, so its
+     * peers learn of the failure instead of waiting for it. */
+    CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    int e = comet_cuda_forward_launch(&c, stream);
+    if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
+    L->last_stream = stream;
+    if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
+    cuda_layer_t *L = l->backend_state;
+    CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    CUDA_TRY(l->rank, cudaStreamSynchronize(L->last_stream));
+    uint32_t st = 0;
+    CUDA_TRY(l->rank, cudaMemcpy(&st, &L->ctx.state->last_status, sizeof st, cudaMemcpyDeviceToHost));
+    if (st == COMET_ERR_INVALID_ROUTING)
+        return comet_fail(COMET_ERR_INVALID_ROUTING,
+                          "rank %d: topk_idx has an expert id outside [0, %lld) or repeated in a row", l->rank,
+                          (long long)l->dims.num_experts);
+    if (st == COMET_ERR_PEER_FAILED)
+        return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank's input was invalid; nothing was written",
+                          l->rank);
+    if (st != COMET_SUCCESS)
+        return comet_fail((comet_status_t)st, "rank %d: the last forward failed (%s)", l->rank,
+                          comet_status_string((comet_status_t)st));
+    return COMET_SUCCESS;
+}

@@ -1,0 +1,109 @@
+/*
+ * cuda_layer.h - what the host side of the CUDA backend (src/cuda/backend.c)
+ * hands to the layer kernels (src/cuda/layer_kernels.cu): one plain struct
+ * passed by value to every kernel, and the C ABI of the launchers. No CUDA
+ * header needed: streams travel as void *.
+ *
+ * Symmetric buffer of each rank (the same layout on every rank, so a peer's
+ * field is at the same offset in the peer's buffer), carved by backend.c:
+ *   flags     comet_sym_flags_t (4 KiB aligned)
+ *   x         (max_T, H) bf16           staged tokens, pulled by peers
+ *   topk_idx  (max_T, topk) int32       staged routing, read by peers' planners
+ *   topk_w    (max_T, topk) fp32
+ *   partials  (W, max_T, H) fp32        [q][t]: rank q's top-k partial of my token t
+ *
+ * Flags are monotone epoch counters (never reset), written with
+ * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
+ * device memory, so a captured graph replays correctly):
+ *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
+ *   stage    copy x/idx/w into my stage; check my routing on the device
+ *   publish  my status, my T, entry = e
+ *   plan     wait entry[q] >= e; any bad status -> skip (nothing written);
+ *            build my plan from every rank's staged routing (peer pointers)
+ *   dispatch pull my experts' token rows from the peers' stages
+ *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
+ *   combine  per home rank: top-k reduce of its tokens' rows here, stored
+ *            into the home's partials; then partial_flag[me] = e on the home
+ *   final    wait partial_flag[q] >= e for all q; y = sum over contributing
+ *            ranks in ascending order (fp32), stored bf16
+ *   exit     done = e
+ * Every wait times out (timeout_ns) with a message naming rank, role and
+ * index, then traps: never a silent hang.
+ */
+#ifndef COMET_CUDA_LAYER_H
+#define COMET_CUDA_LAYER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/numerics.h"
+#include "../plan/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COMET_CUDA_MAX_RANKS 64
+
+/* Head of every rank's symmetric buffer. */
+typedef struct {
+    uint64_t entry;           /* epoch whose inputs are staged */
+    uint64_t done;            /* last finished epoch */
+    uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
+    uint64_t token_count;     /* T of this rank, this epoch */
+    uint64_t partial_flag[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q stored its partials here */
+} comet_sym_flags_t;
+
+typedef struct {
+    size_t flags, x, topk_idx, topk_w, partials, total; /* byte offsets, total size */
+} comet_sym_layout_t;
+
+/* Private device state of one rank's layer. */
+typedef struct {
+    uint64_t epoch;           /* current epoch */
+    uint32_t own_status;      /* routing check of this call (atomicMax of status codes) */
+    uint32_t skip;            /* 1: some rank's input is invalid this epoch: write nothing */
+    uint32_t last_status;     /* comet_status_t to report: own failure, or PEER_FAILED */
+    uint32_t pad_;
+    int64_t token_count[COMET_CUDA_MAX_RANKS];   /* T of every rank, this epoch */
+    const int32_t *peer_idx[COMET_CUDA_MAX_RANKS]; /* every rank's staged topk_idx */
+    const float *peer_w[COMET_CUDA_MAX_RANKS];     /* every rank's staged topk_w */
+} comet_cuda_state_t;
+
+typedef struct {
+    comet_dims_t d;
+    comet_sym_layout_t lay;
+    char *sym;                     /* my symmetric buffer */
+    char *peers[COMET_CUDA_MAX_RANKS]; /* every rank's symmetric buffer, as this GPU addresses it */
+    comet_cuda_state_t *state;     /* device */
+    void *plan_ws;                 /* device, comet_plan_workspace_bytes(d) */
+    comet_bf16_t *a;               /* (max_rows_padded, H) gathered token rows */
+    comet_bf16_t *h;               /* (max_rows_padded, F_local) activations */
+    comet_bf16_t *o;               /* (max_rows_padded, H) expert outputs */
+    /* this call */
+    const comet_bf16_t *x;         /* (T, H) */
+    const int32_t *topk_idx;       /* (T, topk) */
+    const float *topk_w;           /* (T, topk) */
+    const comet_bf16_t *w1;        /* (E_local, w1_rows, H) */
+    const comet_bf16_t *w2;        /* (E_local, H, F_local) */
+    comet_bf16_t *y;               /* (T, H) */
+    int64_t num_tokens;
+    uint32_t host_status;          /* comet_status_t of the host-side checks of this call */
+    uint64_t timeout_ns;
+    int num_sms;
+} comet_cuda_ctx_t;
+
+/* Lay out the symmetric buffer for dims d. */
+void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay);
+
+/* Enqueue one whole forward (every step above) on stream. Returns the CUDA
+ * launch status as an int (cudaError_t). With host_status != 0 (this rank's
+ * arguments failed the host checks) only the protocol steps run: the failure
+ * is published, every rank skips its data steps and writes nothing. */
+int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_CUDA_LAYER_H */

@@ -1,0 +1,346 @@
+/*
+ * layer_kernels.cu - the sequential CUDA layer: one forward as a chain of
+ * kernels on one stream, with no host synchronisation (cuda_layer.h lists the
+ * steps and the flag protocol). This is the unfused baseline and the fallback
+ * on GPUs without Hopper features; the fused COMET kernels replace the
+ * dispatch+gemm0 and gemm1+combine pairs.
+ *
+ * The GEMMs here are simple SIMT tiles, correct for any shape; the Hopper
+ * grouped GEMM (dev/gemm) takes their place.
+ */
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+#define COMET_PLAN_DEVICE_ONLY
+#define COMET_PLAN_API static __device__
+#include "../plan/plan_impl.h"
+
+#include "cuda_layer.h"
+
+/* ---------------------------------------------------------------------------
+ * Flags and waits
+ * ------------------------------------------------------------------------- */
+
+__device__ static inline void st_release_sys(uint64_t *p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ static inline uint64_t ld_acquire_sys(const uint64_t *p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ static inline uint64_t globaltimer(void) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Spin until *flag >= target; on timeout name rank, role and index, then trap. */
+__device__ static void wait_geq(const uint64_t *flag, uint64_t target, const comet_cuda_ctx_t *c,
+                                const char *role, int index) {
+    uint64_t start = globaltimer();
+    uint64_t v;
+    while ((v = ld_acquire_sys(flag)) < target) {
+        if (globaltimer() - start > c->timeout_ns) {
+            printf("comet: rank %d %s %d: timed out after %llu ms waiting for a flag (%llu < %llu)\n", c->d.rank,
+                   role, index, (unsigned long long)(c->timeout_ns / 1000000), (unsigned long long)v,
+                   (unsigned long long)target);
+            __trap();
+        }
+        __nanosleep(64);
+    }
+}
+
+__device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
+    return (comet_sym_flags_t *)(c->peers[q] + c->lay.flags);
+}
+
+/* Copy n bytes with the widest access both pointers and n allow. */
+__device__ static void copy_bytes(void *dst, const void *src, size_t n, size_t tid, size_t nthreads) {
+    if ((((uintptr_t)dst | (uintptr_t)src | n) & 15) == 0) {
+        uint4 *d = (uint4 *)dst;
+        const uint4 *s = (const uint4 *)src;
+        for (size_t i = tid; i < n / 16; i += nthreads) d[i] = s[i];
+    } else if ((((uintptr_t)dst | (uintptr_t)src | n) & 3) == 0) {
+        uint32_t *d = (uint32_t *)dst;
+        const uint32_t *s = (const uint32_t *)src;
+        for (size_t i = tid; i < n / 4; i += nthreads) d[i] = s[i];
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+        const uint16_t *s = (const uint16_t *)src;
+        for (size_t i = tid; i < n / 2; i += nthreads) d[i] = s[i];
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * enter / stage / publish / plan
+ * ------------------------------------------------------------------------- */
+
+__global__ void k_enter(comet_cuda_ctx_t c) {
+    comet_cuda_state_t *s = c.state;
+    uint64_t e = s->epoch + 1;
+    s->epoch = e;
+    s->own_status = 0;
+    for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
+}
+
+__global__ void k_stage(comet_cuda_ctx_t c) {
+    if (c.host_status) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(&c.state->own_status, c.host_status);
+        return;
+    }
+    const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
+    const int64_t t = c.num_tokens, k = c.d.topk;
+    copy_bytes(c.sym + c.lay.x, c.x, (size_t)(t * c.d.hidden) * 2, tid, nth);
+    copy_bytes(c.sym + c.lay.topk_idx, c.topk_idx, (size_t)(t * k) * 4, tid, nth);
+    copy_bytes(c.sym + c.lay.topk_w, c.topk_w, (size_t)(t * k) * 4, tid, nth);
+    for (size_t i = tid; i < (size_t)t; i += nth) { /* the routing check of include/comet.h */
+        const int32_t *row = c.topk_idx + i * k;
+        int bad = 0;
+        for (int64_t j = 0; j < k; j++) {
+            bad |= row[j] < 0 || row[j] >= c.d.num_experts;
+            for (int64_t m = 0; m < j; m++) bad |= row[m] == row[j];
+        }
+        if (bad) atomicMax(&c.state->own_status, 3u /* COMET_ERR_INVALID_ROUTING */);
+    }
+    __threadfence_system();
+}
+
+__global__ void k_publish(comet_cuda_ctx_t c) {
+    comet_sym_flags_t *f = flags_of(&c, c.d.rank);
+    f->status = c.state->own_status;
+    f->token_count = (uint64_t)c.num_tokens;
+    __threadfence_system();
+    st_release_sys(&f->entry, c.state->epoch);
+}
+
+__global__ void k_plan(comet_cuda_ctx_t c) {
+    if (threadIdx.x != 0) return;
+    comet_cuda_state_t *s = c.state;
+    const uint64_t e = s->epoch;
+    uint32_t bad = 0;
+    for (int q = 0; q < c.d.world_size; q++) {
+        comet_sym_flags_t *f = flags_of(&c, q);
+        wait_geq(&f->entry, e, &c, "plan: entry of rank", q);
+        bad |= f->status != 0;
+        s->token_count[q] = (int64_t)f->token_count;
+    }
+    s->skip = bad;
+    s->last_status = s->own_status ? s->own_status : (bad ? 4u /* COMET_ERR_PEER_FAILED */ : 0u);
+    if (bad) return;
+    comet_plan_t plan;
+    comet_plan_carve(&c.d, c.plan_ws, &plan);
+    comet_plan_input_t in;
+    in.token_count = s->token_count;
+    in.topk_idx = s->peer_idx;
+    in.topk_w = s->peer_w;
+    comet_plan_build(&c.d, &in, &plan);
+}
+
+/* ---------------------------------------------------------------------------
+ * dispatch: pull my experts' token rows from every rank's stage
+ * ------------------------------------------------------------------------- */
+
+__global__ void k_dispatch(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+        const comet_plan_block_t blk = p.blocks[p.l0_order[i]];
+        for (int r = warp; r < blk.num_rows; r += nwarps) {
+            const comet_plan_row_t pr = p.rows[blk.row_start + r];
+            const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
+            copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Simple grouped GEMM tiles: 64 rows x 64 columns per block, 256 threads,
+ * 4x4 outputs per thread, fp32 accumulation. out = A (rows, K) * B (N, K)^T.
+ * ------------------------------------------------------------------------- */
+
+#define TILE 64
+#define TK 32
+
+/* acc[i][j] += sum_k A[row0 + ty*4 + i][k] * B[col0 + tx*4 + j][k] */
+__device__ static void tile_mac(const comet_bf16_t *a, int64_t lda, int rows, const comet_bf16_t *b,
+                                int64_t ldb, int cols, int64_t kdim, float acc[4][4]) {
+    __shared__ float as[TK][TILE + 1], bs[TK][TILE + 1];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int64_t k0 = 0; k0 < kdim; k0 += TK) {
+        for (int i = threadIdx.x; i < TILE * TK; i += blockDim.x) {
+            int r = i / TK, k = i % TK;
+            as[k][r] = r < rows && k0 + k < kdim ? comet_bf16_to_f32(a[r * lda + k0 + k]) : 0.0f;
+            bs[k][r] = r < cols && k0 + k < kdim ? comet_bf16_to_f32(b[r * ldb + k0 + k]) : 0.0f;
+        }
+        __syncthreads();
+        for (int k = 0; k < TK; k++)
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] += as[k][ty * 4 + i] * bs[k][tx * 4 + j];
+        __syncthreads();
+    }
+}
+
+/* h = act(a W1^T): columns [n0, n0+64) of the activation; gated uses W1 rows
+ * n (gate) and F_local + n (up). */
+__global__ void k_gemm0(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int64_t hd = c.d.hidden, fl = c.d.ffn_local, n0 = (int64_t)blockIdx.x * TILE;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, gated = c.d.activation == 0;
+    const int cols = (int)(fl - n0 < TILE ? fl - n0 : TILE);
+    for (int bi = blockIdx.y; bi < p.totals->num_blocks; bi += gridDim.y) {
+        const comet_plan_block_t blk = p.blocks[bi];
+        const comet_bf16_t *w1 = c.w1 + (int64_t)blk.expert * c.d.w1_rows * hd;
+        for (int r0 = 0; r0 < blk.num_rows; r0 += TILE) {
+            const int rows = blk.num_rows - r0 < TILE ? blk.num_rows - r0 : TILE;
+            const comet_bf16_t *a = c.a + (int64_t)(blk.row_start + r0) * hd;
+            float g[4][4] = {{0}}, u[4][4] = {{0}};
+            tile_mac(a, hd, rows, w1 + n0 * hd, hd, cols, hd, g);
+            if (gated) tile_mac(a, hd, rows, w1 + (fl + n0) * hd, hd, cols, hd, u);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) {
+                    int r = ty * 4 + i, n = tx * 4 + j;
+                    if (r >= rows || n >= cols) continue;
+                    float v = gated ? comet_silu(g[i][j]) * u[i][j] : comet_gelu(g[i][j]);
+                    c.h[(int64_t)(blk.row_start + r0 + r) * fl + n0 + n] = comet_f32_to_bf16(v);
+                }
+        }
+    }
+}
+
+/* o = h W2^T: columns [c0, c0+64) of hidden. */
+__global__ void k_gemm1(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int64_t hd = c.d.hidden, fl = c.d.ffn_local, c0 = (int64_t)blockIdx.x * TILE;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int cols = (int)(hd - c0 < TILE ? hd - c0 : TILE);
+    for (int bi = blockIdx.y; bi < p.totals->num_blocks; bi += gridDim.y) {
+        const comet_plan_block_t blk = p.blocks[bi];
+        const comet_bf16_t *w2 = c.w2 + (int64_t)blk.expert * hd * fl;
+        for (int r0 = 0; r0 < blk.num_rows; r0 += TILE) {
+            const int rows = blk.num_rows - r0 < TILE ? blk.num_rows - r0 : TILE;
+            float acc[4][4] = {{0}};
+            tile_mac(c.h + (int64_t)(blk.row_start + r0) * fl, fl, rows, w2 + c0 * fl, fl, cols, fl, acc);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) {
+                    int r = ty * 4 + i, n = tx * 4 + j;
+                    if (r < rows && n < cols) c.o[(int64_t)(blk.row_start + r0 + r) * hd + c0 + n] = comet_f32_to_bf16(acc[i][j]);
+                }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * combine / signal / final / exit
+ * ------------------------------------------------------------------------- */
+
+/* Top-k reduce of every home rank's tokens that have rows here, stored into
+ * the home's partials[me][t]. */
+__global__ void k_combine(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int w = c.d.world_size, me = c.d.rank;
+    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
+    for (int hi = 0; hi < w; hi++) {
+        const int h = (me + 1 + hi) % w;
+        const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
+        float *dst_base = (float *)(c.peers[h] + c.lay.partials) + (int64_t)me * mt * hd;
+        for (int i = blockIdx.x; i < p.send_count[h]; i += gridDim.x) {
+            const int64_t t = p.send_tokens[(int64_t)h * mt + i];
+            for (int64_t col = threadIdx.x; col < hd; col += blockDim.x) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < k; j++) {
+                    int32_t row = ros[t * k + j];
+                    if (row >= 0) acc = fmaf(p.rows[row].weight, comet_bf16_to_f32(c.o[(int64_t)row * hd + col]), acc);
+                }
+                dst_base[t * hd + col] = acc;
+            }
+        }
+    }
+    __threadfence_system();
+}
+
+__global__ void k_signal(comet_cuda_ctx_t c) {
+    for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->partial_flag[c.d.rank], c.state->epoch);
+}
+
+__global__ void k_final(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    const uint64_t e = c.state->epoch;
+    comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
+    if (threadIdx.x == 0)
+        for (int q = 0; q < c.d.world_size; q++) wait_geq(&mine->partial_flag[q], e, &c, "final: partials of rank", q);
+    __syncthreads();
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int64_t hd = c.d.hidden, mt = c.d.max_tokens;
+    const float *partials = (const float *)(c.sym + c.lay.partials);
+    for (int64_t t = blockIdx.x; t < c.num_tokens; t += gridDim.x) {
+        const int32_t *groups = p.home_groups + t * c.d.topk;
+        const int ng = p.home_group_count[t];
+        for (int64_t col = threadIdx.x; col < hd; col += blockDim.x) {
+            float acc = 0.0f;
+            for (int g = 0; g < ng; g++)
+                for (int tp = 0; tp < c.d.tp; tp++) {
+                    int64_t q = (int64_t)groups[g] * c.d.tp + tp;
+                    acc += partials[(q * mt + t) * hd + col];
+                }
+            c.y[t * hd + col] = comet_f32_to_bf16(acc);
+        }
+    }
+}
+
+__global__ void k_exit(comet_cuda_ctx_t c) {
+    __threadfence_system();
+    st_release_sys(&flags_of(&c, c.d.rank)->done, c.state->epoch);
+}
+
+/* ---------------------------------------------------------------------------
+ * Host side
+ * ------------------------------------------------------------------------- */
+
+extern "C" void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
+    size_t off = 0;
+#define COMET_SYM_FIELD(field, bytes)                       \
+    do {                                                    \
+        lay->field = off;                                   \
+        off += ((size_t)(bytes) + 4095) / 4096 * 4096;      \
+    } while (0)
+    COMET_SYM_FIELD(flags, sizeof(comet_sym_flags_t));
+    COMET_SYM_FIELD(x, (size_t)(d->max_tokens * d->hidden) * 2);
+    COMET_SYM_FIELD(topk_idx, (size_t)(d->max_tokens * d->topk) * 4);
+    COMET_SYM_FIELD(topk_w, (size_t)(d->max_tokens * d->topk) * 4);
+    COMET_SYM_FIELD(partials, (size_t)(d->world_size * d->max_tokens * d->hidden) * 4);
+#undef COMET_SYM_FIELD
+    lay->total = off;
+}
+
+extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
+    cudaStream_t stream = (cudaStream_t)stream_ptr;
+    const comet_cuda_ctx_t c = *ctx;
+    const comet_dims_t *d = &c.d;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
+    k_enter<<<1, 1, 0, stream>>>(c);
+    k_stage<<<grid, 256, 0, stream>>>(c);
+    k_publish<<<1, 1, 0, stream>>>(c);
+    k_plan<<<1, 32, 0, stream>>>(c);
+    k_dispatch<<<grid, 256, 0, stream>>>(c);
+    k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+    k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+    k_combine<<<grid, 256, 0, stream>>>(c);
+    k_signal<<<1, 1, 0, stream>>>(c);
+    k_final<<<grid, 256, 0, stream>>>(c);
+    k_exit<<<1, 1, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
