@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_cli.sh BUILD_DIR - the command-line tool: help on every subcommand,
 # bad flags rejected with exit status 2, `comet check` and `comet bench` run
-# and report a bitwise match. Prints "test_cli: N passed, N failed".
+# on the CPU engine and report a bitwise match (GPU runs are covered by
+# test_layer_gpu). Prints "test_cli: N passed, N failed".
 set -u
 comet=${1:-build}/comet
 passed=0 failed=0
@@ -25,14 +26,14 @@ expect bad-command 2 "unknown command 'frob'" -- "$comet" frob
 expect bad-flag 2 "unknown flag" -- "$comet" bench --frob
 expect bad-number 2 "--tokens needs a whole number" -- "$comet" check --tokens abc
 expect bad-model 2 "unknown model 'gpt'" -- "$comet" check --model gpt
-expect bad-layout 2 "not divisible by config.ep" -- "$comet" check --experts 5 --ep 2
-expect topk-too-big 2 "topk" -- "$comet" check --topk 9
+expect bad-layout 2 "not divisible by config.ep" -- "$comet" check --backend cpu --experts 5 --ep 2
+expect topk-too-big 2 "topk" -- "$comet" check --backend cpu --topk 9
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # CI: no GPU here
     expect cuda-absent 2 "no CUDA device found" -- "$comet" check --backend cuda
 fi
-expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --tokens 64
-expect check-tp 0 'ok \(0 of' -- "$comet" check --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
-expect check-gelu 0 'ok \(0 of' -- "$comet" check --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40
-expect bench-small 0 'median of 2 runs' -- "$comet" bench --model deepseek-v3 --scale 32 --tokens 16 --iters 2 --warmup 0
+expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --tokens 64
+expect check-tp 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
+expect check-gelu 0 'ok \(0 of' -- "$comet" check --backend cpu --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40
+expect bench-small 0 'median of 2 runs' -- "$comet" bench --backend cpu --model deepseek-v3 --scale 32 --tokens 16 --iters 2 --warmup 0
 echo "test_cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
