@@ -1,0 +1,297 @@
+/*
+ * gemm_bench.cu - speed of comet's Hopper grouped GEMM (src/cuda/gemm.h):
+ * GEMM0 + gated SiLU and GEMM1 on one GPU for MoE model shapes at M tokens,
+ * EP = 1 (all experts local), TP = 1, uniform random routing, beside cuBLAS
+ * run per expert (cublasGemmEx in a loop over the host's expert counts; no
+ * activation) and cuBLAS dense with the same FLOPs (M = valid rows).
+ * TFLOP/s count valid rows only: GEMM0 2*rows*H*2F, GEMM1 2*rows*F*H.
+ * Times: median of NREP interleaved rounds (ours, loop, dense per round).
+ * Also a sanity count: GEMM1 o vs the cuBLAS loop fed with our h (bf16 ulps).
+ * Not a correctness test (tests/test_gemm_gpu.cu is). Prints a table, writes
+ * JSON to $OUT/gemm_bench.json (or ./gemm_bench.json).
+ * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets)
+ */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/core/validate.h"
+#include "../src/cuda/gemm.h"
+
+#define CK(x)                                                                                        \
+    do {                                                                                             \
+        cudaError_t e_ = (x);                                                                        \
+        if (e_ != cudaSuccess) {                                                                     \
+            fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+            exit(1);                                                                                 \
+        }                                                                                            \
+    } while (0)
+#define CKB(x)                                                                                       \
+    do {                                                                                             \
+        cublasStatus_t s_ = (x);                                                                     \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                           \
+            fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", (int)s_, __FILE__, __LINE__, #x);      \
+            exit(1);                                                                                 \
+        }                                                                                            \
+    } while (0)
+
+#define NREP 10
+
+typedef struct {
+    const char *name;
+    int64_t hidden, ffn, experts, topk;
+} bmodel_t;
+
+static const bmodel_t models[] = {
+    {"mixtral-8x7b", 4096, 14336, 8, 2},
+    {"phi-3.5-moe", 4096, 6400, 16, 2},
+    {"qwen2-moe", 2048, 1408, 64, 4},
+    {"deepseek-v3", 7168, 2048, 256, 8},
+};
+
+__global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+        x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
+        p[i] = comet_f32_to_bf16(((float)(x & 0xffffff) / 16777216.0f * 2.0f - 1.0f) * scale);
+    }
+}
+
+/* elements of o (valid rows) farther than 2 bf16 ulps from ref */
+__global__ void k_compare(const uint16_t *o, const uint16_t *ref, const int32_t *rows, int nrows, int64_t width,
+                          unsigned long long *bad) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)nrows * width;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = rows[i / width], c = i % width;
+        float g = comet_bf16_to_f32(o[r * width + c]), f = comet_bf16_to_f32(ref[r * width + c]);
+        float a = fabsf(f), ulp = a > 0 ? ldexpf(1.0f, ilogbf(a) - 7) : 0.0f;
+        if (!(fabsf(g - f) <= 2.0f * ulp + 1e-6f)) atomicAdd(bad, 1ull);
+    }
+}
+
+/* row-major C[M,N] = A[M,K] B[N,K]^T */
+static void cublas_nt(cublasHandle_t h, const void *A, const void *B, void *C, int M, int N, int K, int lda, int ldb,
+                      int ldc) {
+    const float one = 1.0f, zero = 0.0f;
+    CKB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &zero, C,
+                     CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+static int cmp_f(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+static float median(float *v, int n) {
+    qsort(v, (size_t)n, sizeof(float), cmp_f);
+    return v[n / 2];
+}
+
+typedef struct {
+    const char *name;
+    double tf[2][3]; /* [gemm][ours, loop, dense] */
+    double ms[2][3];
+    int blocks, rows, rows_padded;
+    unsigned long long bad;
+} bresult_t;
+
+static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, bresult_t *res) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = m->hidden, cfg.ffn = m->ffn, cfg.num_experts = m->experts, cfg.topk = m->topk;
+    cfg.max_tokens_per_rank = T, cfg.tile_m = 128;
+    comet_dims_t d;
+    if (comet_dims_from_config(&cfg, 1, 0, &d) != COMET_SUCCESS) {
+        fprintf(stderr, "%s: %s\n", m->name, comet_last_error());
+        exit(1);
+    }
+    const char *why = comet_gemm_check(&d);
+    if (why) {
+        fprintf(stderr, "%s: %s\n", m->name, why);
+        exit(1);
+    }
+    const int64_t H = d.hidden, F = d.ffn_local, E = d.experts_local, K = m->topk, MR = d.max_rows_padded;
+    /* uniform routing: topk distinct experts per token */
+    int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
+    float *w = (float *)malloc(sizeof(float) * (size_t)(T * K));
+    uint64_t s = 0x9e3779b97f4a7c15ull ^ (uint64_t)m->experts;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < K; j++) {
+            int32_t e;
+            int dup;
+            do {
+                s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+                e = (int32_t)(s % (uint64_t)E);
+                dup = 0;
+                for (int64_t q = 0; q < j; q++) dup |= idx[t * K + q] == e;
+            } while (dup);
+            idx[t * K + j] = e, w[t * K + j] = 0.5f;
+        }
+    size_t ws_bytes = comet_plan_workspace_bytes(&d);
+    void *ws = aligned_alloc(64, (ws_bytes + 63) / 64 * 64);
+    comet_plan_t pl;
+    comet_plan_carve(&d, ws, &pl);
+    int64_t tok[1] = {T};
+    const int32_t *ip[1] = {idx};
+    const float *wp[1] = {w};
+    comet_plan_input_t in = {tok, ip, wp};
+    comet_plan_build(&d, &in, &pl);
+    const int nrows = pl.totals->num_rows;
+    res->name = m->name, res->blocks = pl.totals->num_blocks, res->rows = nrows;
+    res->rows_padded = pl.totals->num_rows_padded;
+    int32_t *valid_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)nrows);
+    int nv = 0;
+    for (int64_t r = 0; r < pl.totals->num_rows_padded; r++)
+        if (pl.rows[r].src_rank >= 0) valid_rows[nv++] = (int32_t)r;
+
+    void *d_ws;
+    uint16_t *a, *w1, *w2, *h, *o, *oref, *hbuf;
+    int32_t *d_valid;
+    unsigned long long *d_bad;
+    CK(cudaMalloc(&d_ws, ws_bytes));
+    CK(cudaMemcpy(d_ws, ws, ws_bytes, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&a, 2 * (size_t)(MR * H)));
+    CK(cudaMalloc(&w1, 2 * (size_t)(E * d.w1_rows * H)));
+    CK(cudaMalloc(&w2, 2 * (size_t)(E * H * F)));
+    CK(cudaMalloc(&h, 2 * (size_t)(MR * F)));
+    CK(cudaMalloc(&hbuf, 2 * (size_t)(MR * 2 * F))); /* cuBLAS GEMM0 output (gate|up, no activation) */
+    CK(cudaMalloc(&o, 2 * (size_t)(MR * H)));
+    CK(cudaMalloc(&oref, 2 * (size_t)(MR * H)));
+    CK(cudaMalloc(&d_valid, sizeof(int32_t) * (size_t)(nrows + 1)));
+    CK(cudaMalloc(&d_bad, 8));
+    CK(cudaMemcpy(d_valid, valid_rows, sizeof(int32_t) * (size_t)nrows, cudaMemcpyHostToDevice));
+    k_fill<<<1024, 256>>>(a, (size_t)(MR * H), 1, 1.0f);
+    k_fill<<<1024, 256>>>(w1, (size_t)(E * d.w1_rows * H), 2, 2.0f / sqrtf((float)H));
+    k_fill<<<1024, 256>>>(w2, (size_t)(E * H * F), 3, 2.0f / sqrtf((float)F));
+    CK(cudaMemset(h, 0, 2 * (size_t)(MR * F)));
+    CK(cudaDeviceSynchronize());
+
+    comet_gemm_args_t ga;
+    ga.d = d, ga.plan_ws = d_ws, ga.a = a, ga.w1 = w1, ga.h = h, ga.w2 = w2, ga.o = o;
+    comet_gemm_t *g;
+    char err[256];
+    if (comet_gemm_prepare(&ga, &g, err, sizeof err)) {
+        fprintf(stderr, "%s: prepare: %s\n", m->name, err);
+        exit(1);
+    }
+    int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
+    for (int64_t e = 0; e < E; e++) cnt[e] = pl.expert_count[e];
+
+    cudaEvent_t ev[2];
+    CK(cudaEventCreate(&ev[0]));
+    CK(cudaEventCreate(&ev[1]));
+    float t[2][3][NREP];
+    for (int rep = -2; rep < NREP; rep++)
+        for (int gm = 0; gm < 2; gm++)
+            for (int v = 0; v < 3; v++) {
+                CK(cudaEventRecord(ev[0]));
+                if (v == 0) {
+                    if (gm == 0) CK((cudaError_t)comet_gemm0_launch(g, 0, NULL));
+                    else CK((cudaError_t)comet_gemm1_launch(g, 0, NULL));
+                } else if (v == 1) {
+                    for (int64_t e = 0; e < E; e++) {
+                        if (!cnt[e]) continue;
+                        const int64_t r0 = pl.expert_start[e];
+                        if (gm == 0)
+                            cublas_nt(cub, a + r0 * H, w1 + e * d.w1_rows * H, hbuf + r0 * 2 * F, (int)cnt[e],
+                                      (int)d.w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
+                        else
+                            cublas_nt(cub, h + r0 * F, w2 + e * H * F, oref + r0 * H, (int)cnt[e], (int)H, (int)F,
+                                      (int)F, (int)F, (int)H);
+                    }
+                } else {
+                    if (gm == 0)
+                        cublas_nt(cub, a, w1, hbuf, nrows, (int)d.w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
+                    else
+                        cublas_nt(cub, h, w2, oref, nrows, (int)H, (int)F, (int)F, (int)F, (int)H);
+                }
+                CK(cudaEventRecord(ev[1]));
+                CK(cudaEventSynchronize(ev[1]));
+                if (rep >= 0) CK(cudaEventElapsedTime(&t[gm][v][rep], ev[0], ev[1]));
+            }
+    CK(cudaGetLastError());
+    /* sanity: GEMM1 of ours vs the cuBLAS loop, both from our h (the dense run last wrote oref: redo the loop) */
+    for (int64_t e = 0; e < E; e++)
+        if (cnt[e]) {
+            const int64_t r0 = pl.expert_start[e];
+            cublas_nt(cub, h + r0 * F, w2 + e * H * F, oref + r0 * H, (int)cnt[e], (int)H, (int)F, (int)F, (int)F,
+                      (int)H);
+        }
+    CK(cudaMemset(d_bad, 0, 8));
+    k_compare<<<1024, 256>>>(o, oref, d_valid, nrows, H, d_bad);
+    CK(cudaMemcpy(&res->bad, d_bad, 8, cudaMemcpyDeviceToHost));
+    const double fl[2] = {2.0 * nrows * H * (double)d.w1_rows, 2.0 * nrows * F * (double)H};
+    for (int gm = 0; gm < 2; gm++)
+        for (int v = 0; v < 3; v++) {
+            double ms = median(t[gm][v], NREP);
+            res->ms[gm][v] = ms;
+            res->tf[gm][v] = fl[gm] / (ms * 1e-3) / 1e12;
+        }
+    comet_gemm_destroy(g);
+    cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
+    cudaFree(d_ws), cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
+    cudaFree(oref), cudaFree(d_valid), cudaFree(d_bad);
+    free(idx), free(w), free(ws), free(valid_rows), free(cnt);
+}
+
+int main(int argc, char **argv) {
+    int64_t T = argc > 1 ? atoll(argv[1]) : 8192;
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        printf("gemm_bench: skipped (no GPU)\n");
+        return 0;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    cublasHandle_t cub;
+    CKB(cublasCreate(&cub));
+    bresult_t res[8];
+    int nres = 0;
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        int want = argc <= 2;
+        for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
+        if (!want) continue;
+        run_model(&models[i], T, cub, &res[nres]);
+        fprintf(stderr, "%s done\n", models[i].name);
+        nres++;
+    }
+    char date[64];
+    time_t now = time(NULL);
+    strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    printf("\ncomet grouped GEMM, %s, %s, M=%lld tokens/GPU, EP=1 TP=1, uniform routing, median of %d\n", prop.name,
+           date, (long long)T, NREP);
+    printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
+    printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
+           "cuBLAS dense", "ours/loop  o-bad");
+    for (int r = 0; r < nres; r++)
+        for (int gm = 0; gm < 2; gm++)
+            printf("%-13s %6d %6d %-6s | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %5.2f  %llu\n",
+                   res[r].name, res[r].rows, res[r].blocks, gm ? "gemm1" : "gemm0", res[r].tf[gm][0], res[r].ms[gm][0],
+                   res[r].tf[gm][1], res[r].ms[gm][1], res[r].tf[gm][2], res[r].ms[gm][2],
+                   res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull);
+    const char *out = getenv("OUT");
+    char path[512];
+    snprintf(path, sizeof path, "%s/gemm_bench.json", out && *out ? out : ".");
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"reps\": %d, \"models\": [\n", prop.name,
+                date, (long long)T, NREP);
+        for (int r = 0; r < nres; r++) {
+            fprintf(f, "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"gemm1_bad\": %llu",
+                    res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].bad);
+            const char *vn[3] = {"ours", "cublas_loop", "cublas_dense"};
+            for (int gm = 0; gm < 2; gm++)
+                for (int v = 0; v < 3; v++)
+                    fprintf(f, ", \"gemm%d_%s_tflops\": %.1f, \"gemm%d_%s_ms\": %.4f", gm, vn[v], res[r].tf[gm][v], gm,
+                            vn[v], res[r].ms[gm][v]);
+            fprintf(f, "}%s\n", r + 1 < nres ? "," : "");
+        }
+        fprintf(f, "]}\n");
+        fclose(f);
+        printf("wrote %s\n", path);
+    }
+    cublasDestroy(cub);
+    return 0;
+}

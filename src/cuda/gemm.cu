@@ -1,0 +1,628 @@
+/*
+ * gemm.cu - comet's Hopper (sm_90a) grouped GEMM for the MoE layer (API and
+ * semantics in gemm.h): GEMM0 with the fused activation and GEMM1, driven by
+ * the device-resident plan, with the hooks the fused layers need.
+ *
+ * Kernels (comet_gemm0_gated_kernel, comet_gemm0_gelu_kernel,
+ * comet_gemm1_kernel: one body, the mode a literal in each): persistent CTAs of 384
+ * threads, one per SM (~225 KiB shared memory). Warpgroup 0 is the producer
+ * (setmaxnreg 40; one thread issues TMA loads of 128B-swizzled 64-wide K
+ * slices into a 4-stage ring of 48 KiB stages on mbarriers); warpgroups 1 and
+ * 2 are consumers (setmaxnreg 232), each computing 64 rows x 256 columns with
+ * wgmma m64n256k16 and keeping one k-slice of wgmma in flight. Tile = one plan
+ * row block (128 rows) x 256 B rows. Epilogue: activation in fp32 in
+ * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
+ * TMA store (overlaps the next tile); a consumer whose 64 rows are not all
+ * valid stores from registers, masked, so padding rows are never written.
+ * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
+ * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
+ * 128..255, the epilogue pairs them into a 128-wide h tile.
+ *
+ * What dev/gemm's v8 has and this does not (yet): 2-CTA clusters with B
+ * multicast (v8 measured +9% over v5 from clusters + TMA store together).
+ * Tile walk: each CTA's producer claims the next tile with an atomic counter
+ * (per comet_gemm_t and GEMM, reset by the last CTA) and hands its id to the
+ * consumers in shared memory with the stage; the tile count is derived on the
+ * device from plan.totals->num_blocks (no host sync). So one comet_gemm_t
+ * runs one GEMM0 and one GEMM1 at a time.
+ * Not here: the SIMT fallback (layer_kernels.cu), the fused layers.
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemm.h"
+
+#define GM_BM 128
+#define GM_BN 256
+#define GM_BK 64
+#define GM_STAGES 4
+#define GM_A_BYTES (GM_BM * GM_BK * 2)           /* 16 KiB */
+#define GM_B_BYTES (GM_BN * GM_BK * 2)           /* 32 KiB */
+#define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
+#define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
+#define GM_SMEM_BYTES (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + 2 * GM_STAGES * 8 + GM_STAGES * 4)
+#define GM_GROUP 16 /* row blocks walked together (L2 reuse of A and B) */
+
+enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2 };
+
+/* Everything but the tensor maps, passed by value. */
+typedef struct {
+    int mode;
+    int k;          /* reduction length: H (GEMM0) or F_local (GEMM1) */
+    int n;          /* output width and row stride: F_local or H */
+    int b_rows;     /* rows of one expert in the stacked B: w1_rows or H */
+    int up_off;     /* gated: F_local (row offset of the up half) */
+    int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
+    int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
+    int rank;
+    const comet_plan_totals_t *totals;
+    const comet_plan_block_t *blocks;
+    const int32_t *order; /* GEMM0: l0_order; GEMM1: NULL (blocks in expert order) */
+    comet_bf16_t *c;      /* output, for the masked register stores */
+    const uint64_t *block_ready;
+    uint64_t epoch;
+    uint64_t *chunk_done;
+    const uint32_t *skip;
+    uint64_t timeout_ns;
+    uint64_t *timeout_report;
+    uint32_t *sched; /* [0] next tile to claim, [1] CTAs past the end; both back to 0 at kernel end */
+} gm_params_t;
+
+struct comet_gemm {
+    comet_gemm_args_t args;
+    CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
+    CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
+    int num_sms;
+    uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
+};
+
+/* ---------------------------------------------------------------------------
+ * Device helpers
+ * ------------------------------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t gm_smem(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void gm_mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gm_smem(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void gm_mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gm_smem(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gm_mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gm_smem(bar)) : "memory");
+}
+__device__ __forceinline__ void gm_mbar_wait(uint64_t *bar, int parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(gm_smem(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* 2D tile load, coordinates innermost first (k, row). */
+__device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            gm_smem(dst)),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar))
+        : "memory");
+}
+__device__ __forceinline__ void gm_tma_store(const CUtensorMap *map, const void *src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(gm_smem(src))
+                 : "memory");
+}
+__device__ __forceinline__ void gm_named_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void gm_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gm_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+#define GM_WGMMA_WAIT(n) asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory")
+/* keep the compiler from moving accumulator accesses across wgmma waits */
+__device__ __forceinline__ void gm_reg_fence(float *d) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+/* K-major, 128B-swizzled shared-memory descriptor: 128-byte rows, 8-row atoms
+ * of 1024 bytes (SBO 1024), LBO unused (1); bases 1024-aligned, +32 bytes per
+ * k step of 16. */
+__device__ __forceinline__ uint64_t gm_desc(const void *p) {
+    uint64_t a = gm_smem(p), d = 0;
+    d |= (a & 0x3FFFF) >> 4;
+    d |= (uint64_t)1 << 16;
+    d |= (uint64_t)(1024 >> 4) << 32;
+    d |= (uint64_t)1 << 62;
+    return d;
+}
+__device__ __forceinline__ uint64_t gm_globaltimer(void) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ uint64_t gm_ld_acquire_gpu(const uint64_t *p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+/* two fp32 -> bf16x2 (lo in the low half), round to nearest even: for every
+ * non-NaN value the same bits as comet_f32_to_bf16 (a NaN stays a NaN). */
+__device__ __forceinline__ uint32_t gm_pack(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* wgmma m64n256k16, bf16 x bf16 -> fp32, A and B K-major in shared memory
+ * (128B-swizzled descriptors); scale_d == 0 overwrites d. */
+__device__ __forceinline__ void gm_wgmma_256(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+/* Timeout of the block_ready wait: record rank, role, tile, block, value and
+ * epoch in the report slot (if any; host-mapped memory stays readable after
+ * the trap), then trap. No printf: a call anywhere in this kernel makes ptxas
+ * serialise every wgmma (C7510), see dev/gemm/NOTES.md. */
+__device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, uint64_t v) {
+    if (p.timeout_report) {
+        volatile uint64_t *r = p.timeout_report;
+        r[1] = (uint64_t)p.rank;
+        r[2] = p.mode == GM_MODE_GEMM1 ? 1 : 0;
+        r[3] = (uint64_t)t;
+        r[4] = (uint64_t)b;
+        r[5] = v;
+        r[6] = p.epoch;
+        r[7] = blockIdx.x;
+        __threadfence_system();
+        r[0] = 1;
+        __threadfence_system();
+    }
+    __trap();
+}
+
+/* Tile t -> (position in the block list, first output column, chunk). Both
+ * roles walk the same list. Groups of GM_GROUP blocks are walked column tile
+ * by column tile, so CTAs running together share A rows and B tiles in L2. */
+__device__ __forceinline__ void gm_group_coords(int t, int nb, int tn_count, int *bi, int *tn) {
+    const int per_group = GM_GROUP * tn_count, g = t / per_group, first = g * GM_GROUP;
+    int gs = nb - first;
+    if (gs > GM_GROUP) gs = GM_GROUP;
+    const int r = t - g * per_group;
+    *bi = first + r % gs;
+    *tn = r / gs;
+}
+
+/* Number of tiles and decode of tile t. */
+__device__ __forceinline__ int gm_num_tiles(const gm_params_t &p, int nb) {
+    if (p.mode != GM_MODE_GEMM1) return nb * ((p.n + p.tile_cols - 1) / p.tile_cols);
+    const int full = p.n / p.chunk_cols, rest = p.n - full * p.chunk_cols;
+    return nb * (full * (p.chunk_cols / GM_BN) + (rest + GM_BN - 1) / GM_BN);
+}
+__device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, int *blk, int *col0, int *chunk,
+                                          int *col_end) {
+    int bi, tn;
+    if (p.mode != GM_MODE_GEMM1) {
+        gm_group_coords(t, nb, (p.n + p.tile_cols - 1) / p.tile_cols, &bi, &tn);
+        *blk = p.order[bi];
+        *col0 = tn * p.tile_cols;
+        *chunk = 0;
+        *col_end = p.n;
+        return;
+    }
+    const int tpc = p.chunk_cols / GM_BN, per_chunk = nb * tpc, full = p.n / p.chunk_cols;
+    int ch = t / per_chunk;
+    const int last = ch >= full; /* the narrower last chunk (selects, no branch) */
+    ch = last ? full : ch;
+    const int tnc = last ? (p.n - full * p.chunk_cols + GM_BN - 1) / GM_BN : tpc;
+    gm_group_coords(t - ch * per_chunk, nb, tnc, &bi, &tn);
+    *blk = bi;
+    *chunk = ch;
+    *col0 = ch * p.chunk_cols + tn * GM_BN;
+    const int end = (ch + 1) * p.chunk_cols;
+    *col_end = end < p.n ? end : p.n;
+}
+
+/* Output value of accumulator element i (fp32): gated pairs gate column
+ * (element i < 64) with up (i + 64, 128 columns further); GELU; or plain. */
+__device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
+    if (mode == GM_MODE_GATED) return comet_silu(d[i]) * d[i + 64];
+    if (mode == GM_MODE_GELU) return comet_gelu(d[i]);
+    float x; /* an opaque copy: without it ptxas serialises GEMM1's wgmmas (C7520) */
+    asm volatile("mov.b32 %0, %1;" : "=f"(x) : "f"(d[i]));
+    return x;
+}
+
+/* Consumer warpgroup's 64 x (64*nbox) bf16 result (already activated) ->
+ * global through the swizzled buffer + TMA store. Boxes starting at or past
+ * col_lim (relative to col0) are skipped; the tensor map clips the rest. */
+__device__ __forceinline__ void gm_store_tma(const uint32_t *pk, unsigned char *cbuf, const CUtensorMap *map, int row0,
+                                             int col0, int nhalves, int col_lim, int tid, int c) {
+    const int lane = tid & 31, wi = tid >> 5, mi = lane >> 3;
+    const int row = wi * 16 + (mi & 1) * 8 + (lane & 7); /* row (0..63) whose 16-byte chunk this lane addresses */
+    const uint32_t cb = gm_smem(cbuf);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (h >= nhalves || h * 128 >= col_lim) break;
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* buffer free again */
+        gm_named_bar(2 + c, 128);
+#pragma unroll
+        for (int jj = 0; jj < 16; jj += 2) {
+            const int j = h * 16 + jj, colb = jj + (mi >> 1), box = colb >> 3, chunk = colb & 7;
+            const uint32_t addr = cb + box * 8192 + row * 128 + ((chunk ^ (row & 7)) << 4);
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                         "r"(pk[2 * j + 0]), "r"(pk[2 * j + 1]), "r"(pk[2 * j + 2]), "r"(pk[2 * j + 3])
+                         : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        gm_named_bar(2 + c, 128);
+        if (tid == 0) {
+            gm_tma_store(map, cbuf, col0 + h * 128, row0);
+            if (h * 128 + 64 < col_lim) gm_tma_store(map, cbuf + 8192, col0 + h * 128 + 64, row0);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+}
+
+/* The same from registers, masked to rows < rows and columns < col_lim. */
+__device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *out, int ld, int row0, int col0, int ncols,
+                                              int rows, int col_lim, int tid) {
+    const int lane = tid & 31, wi = tid >> 5;
+    const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        const int col = cb + j * 8;
+        if (j * 8 >= ncols || col >= col_lim) continue;
+        if (r < rows)
+            *(uint32_t *)&out[(size_t)(row0 + r) * ld + col0 + col] = pk[2 * j + 0];
+        if (r + 8 < rows)
+            *(uint32_t *)&out[(size_t)(row0 + r + 8) * ld + col0 + col] = pk[2 * j + 1];
+    }
+}
+
+/* The kernel body; `mode` is a literal in each of the three kernels below, so
+ * each holds only its own epilogue (one kernel with a run-time mode held all
+ * three for each of the 128 accumulators: 257 KB of SASS, and the instruction
+ * fetches of the epilogue cost ~30% of the run time). */
+__device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmc,
+                                        const gm_params_t &p, const int mode) {
+    if (p.skip && *p.skip) return;
+    extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
+    unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *cbufs = base + GM_STAGES * GM_STAGE_BYTES;
+    uint64_t *full = (uint64_t *)(cbufs + 2 * GM_CBUF_BYTES);
+    uint64_t *empty = full + GM_STAGES;
+    volatile int32_t *stage_tile = (volatile int32_t *)(empty + GM_STAGES); /* tile of a stage's first k-slice */
+    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    const int nb = p.totals->num_blocks;
+    const int ntiles = gm_num_tiles(p, nb); /* p.mode == mode */
+    const int nk = (p.k + GM_BK - 1) / GM_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GM_STAGES; s++) {
+            gm_mbar_init(&full[s], 1);
+            gm_mbar_init(&empty[s], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int it = 0;
+            for (;;) {
+                /* dynamic claim: the tiles in flight stay a window of consecutive t, so the
+                 * CTAs sharing a B tile (neighbours in t) run it at the same time (L2 reuse) */
+                const int t = (int)atomicAdd(&p.sched[0], 1u);
+                if (t >= ntiles) break;
+                int b, col0, chunk, col_end;
+                gm_decode(p, nb, t, &b, &col0, &chunk, &col_end);
+                const comet_plan_block_t blk = p.blocks[b];
+                if (p.block_ready) {
+                    const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
+                    uint64_t v;
+                    while ((v = gm_ld_acquire_gpu(&p.block_ready[b])) < p.epoch) {
+                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, b, v);
+                        __nanosleep(128);
+                    }
+                    asm volatile("fence.proxy.async.global;" ::: "memory");
+                }
+                const int brow = blk.expert * p.b_rows + col0;
+                for (int k = 0; k < nk; k++, it++) {
+                    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+                    gm_mbar_wait(&empty[s], ph ^ 1);
+                    unsigned char *st = base + s * GM_STAGE_BYTES;
+                    if (k == 0) stage_tile[s] = t; /* published by the arrive below (release.cta) */
+                    gm_mbar_expect_tx(&full[s], GM_STAGE_BYTES);
+                    gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
+                    if (mode == GM_MODE_GATED) {
+                        gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
+                        gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
+                    } else {
+                        gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
+                    }
+                }
+            }
+            /* end marker for the consumers: a stage with tile -1 and no bytes */
+            const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+            gm_mbar_wait(&empty[s], ph ^ 1);
+            stage_tile[s] = -1;
+            gm_mbar_arrive(&full[s]);
+            /* the last CTA past the end resets the counters for the next launch */
+            __threadfence();
+            if (atomicAdd(&p.sched[1], 1u) == gridDim.x - 1) {
+                atomicExch(&p.sched[0], 0u);
+                atomicExch(&p.sched[1], 0u);
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = wg - 1, lane = tid & 31;
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++) d[i] = 0.f;
+        int it = 0;
+        for (;;) {
+            gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
+            const int t = stage_tile[it % GM_STAGES];
+            if (t < 0) break;
+            int b, col0, chunk, col_end;
+            gm_decode(p, nb, t, &b, &col0, &chunk, &col_end);
+            const comet_plan_block_t blk = p.blocks[b];
+            for (int k = 0; k < nk; k++, it++) {
+                const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+                if (k > 0) gm_mbar_wait(&full[s], ph);
+                unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
+                unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
+                gm_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++)
+                    gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                gm_wgmma_commit();
+                GM_WGMMA_WAIT(1);
+                gm_reg_fence(d);
+                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+            }
+            GM_WGMMA_WAIT(0);
+            gm_reg_fence(d);
+            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+
+            /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
+             * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
+             * then the store path of this consumer's rows */
+            uint32_t pk[64];
+#pragma unroll
+            for (int i = 0; i < 64; i++)
+                pk[i] = mode == GM_MODE_GATED && i >= 32 ? 0u : gm_pack(gm_act(d, 2 * i, mode), gm_act(d, 2 * i + 1, mode));
+#pragma unroll
+            for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i])); /* keep the packing out of the branches */
+            const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
+            const int rows = blk.num_rows - c * 64, col_lim = col_end - col0, row0 = blk.row_start + c * 64;
+            if (rows >= 64)
+                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, col0, ncols / 128, col_lim, tid, c);
+            else if (rows > 0)
+                gm_store_regs(pk, p.c, p.n, row0, col0, ncols, rows, col_lim, tid);
+            if (p.chunk_done) {
+                /* both consumers' stores of this tile are complete and visible, then one release add */
+                if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                __threadfence();
+                gm_named_bar(1, 256);
+                if (threadIdx.x == 128) {
+                    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(&p.chunk_done[chunk]) : "memory");
+                }
+            }
+        }
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* stores done before smem goes */
+    }
+}
+
+#define GM_KERNEL(name, mode)                                                                                 \
+    __global__ void __launch_bounds__(384, 1)                                                                 \
+        name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
+             const __grid_constant__ CUtensorMap tmc, const __grid_constant__ gm_params_t p) {                \
+        gm_body(tma, tmb, tmc, p, mode);                                                                      \
+    }
+GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED)
+GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU)
+GM_KERNEL(comet_gemm1_kernel, GM_MODE_GEMM1)
+#undef GM_KERNEL
+
+/* ---------------------------------------------------------------------------
+ * Host side
+ * ------------------------------------------------------------------------- */
+
+typedef CUresult (*gm_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static gm_encode_fn gm_get_encode(void) {
+    static gm_encode_fn fn = NULL;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult q;
+        void *f = NULL;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (gm_encode_fn)f;
+    }
+    return fn;
+}
+
+/* Map over a (rows, cols) row-major bf16 matrix, box box_rows x 64 columns,
+ * 128B swizzle, out-of-bounds reads zero. */
+static int gm_map(CUtensorMap *m, const void *ptr, int64_t rows, int64_t cols, int box_rows, int l2_promote) {
+    gm_encode_fn enc = gm_get_encode();
+    if (!enc) return -1;
+    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+    cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    cuuint32_t es[2] = {1, 1};
+    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims, strides, box, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     l2_promote ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
+extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
+    if (!d) return "no dims";
+    if (d->tile_m != COMET_GEMM_TILE_M) return "the Hopper grouped GEMM needs tile_m == 128";
+    if (d->hidden <= 0 || d->hidden % 64) return "the Hopper grouped GEMM needs hidden % 64 == 0";
+    if (d->activation == 0 && (d->ffn_local <= 0 || d->ffn_local % 128))
+        return "the Hopper grouped GEMM (gated SiLU) needs ffn_local % 128 == 0";
+    if (d->activation != 0 && (d->ffn_local <= 0 || d->ffn_local % 64))
+        return "the Hopper grouped GEMM (GELU) needs ffn_local % 64 == 0";
+    if (d->activation != 0 && d->activation != 1) return "the Hopper grouped GEMM knows gated SiLU and GELU only";
+    const int64_t lim = (int64_t)1 << 31;
+    if (d->max_rows_padded >= lim || d->experts_local * d->w1_rows >= lim || d->experts_local * d->hidden >= lim ||
+        d->max_rows_padded * d->hidden >= ((int64_t)1 << 40))
+        return "the Hopper grouped GEMM needs row counts below 2^31";
+    return NULL;
+}
+
+extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len) {
+    *out = NULL;
+    const comet_dims_t *d = &args->d;
+    const char *why = comet_gemm_check(d);
+    if (why) {
+        snprintf(err, err_len, "%s", why);
+        return -1;
+    }
+    if (!gm_get_encode()) {
+        snprintf(err, err_len, "cuTensorMapEncodeTiled is not available from the driver");
+        return -1;
+    }
+    comet_gemm_t *g = (comet_gemm_t *)aligned_alloc(64, (sizeof(*g) + 63) / 64 * 64); /* CUtensorMap: 64-aligned */
+    if (!g) {
+        snprintf(err, err_len, "out of host memory");
+        return -1;
+    }
+    memset(g, 0, sizeof(*g));
+    g->args = *args;
+    const int64_t mr = d->max_rows_padded, hd = d->hidden, fl = d->ffn_local, el = d->experts_local;
+    const int gated = d->activation == 0;
+    int bad = 0;
+    bad |= gm_map(&g->a0, args->a, mr, hd, 128, 1);
+    bad |= gm_map(&g->b0, args->w1, el * d->w1_rows, hd, gated ? 128 : 256, 1);
+    bad |= gm_map(&g->c0, args->h, mr, fl, 64, 0);
+    bad |= gm_map(&g->a1, args->h, mr, fl, 128, 1);
+    bad |= gm_map(&g->b1, args->w2, el * hd, fl, 256, 1);
+    bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
+    if (bad) {
+        free(g);
+        snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
+        return -1;
+    }
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    g->num_sms = sms > 0 ? sms : 132;
+    cudaError_t e = cudaFuncSetAttribute(comet_gemm0_gated_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         GM_SMEM_BYTES);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(comet_gemm0_gelu_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(comet_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+    if (e != cudaSuccess) {
+        free(g);
+        snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
+    if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
+    if (e != cudaSuccess) {
+        if (g->sched) cudaFree(g->sched);
+        free(g);
+        snprintf(err, err_len, "tile counters: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    *out = g;
+    return 0;
+}
+
+extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
+    if (!g) return;
+    cudaFree(g->sched);
+    free(g);
+}
+
+extern "C" int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len) {
+    if (!report || report[0] != 1) return 0;
+    snprintf(buf, len,
+             "comet: rank %llu gemm%llu producer cta %llu tile %llu: timed out waiting for block_ready[%llu] "
+             "(%llu < epoch %llu)",
+             (unsigned long long)report[1], (unsigned long long)report[2], (unsigned long long)report[7],
+             (unsigned long long)report[3], (unsigned long long)report[4], (unsigned long long)report[5],
+             (unsigned long long)report[6]);
+    return 1;
+}
+
+static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet_gemm_hooks_t *hooks) {
+    const comet_gemm_args_t *a = &g->args;
+    const comet_dims_t *d = &a->d;
+    comet_gemm_hooks_t hk;
+    memset(&hk, 0, sizeof(hk));
+    if (hooks) hk = *hooks;
+    comet_plan_t plan;
+    comet_plan_carve(d, (void *)a->plan_ws, &plan);
+    gm_params_t p;
+    memset(&p, 0, sizeof(p));
+    p.rank = d->rank;
+    p.totals = plan.totals;
+    p.blocks = plan.blocks;
+    p.block_ready = hk.block_ready;
+    p.epoch = hk.epoch;
+    p.chunk_done = gemm1 ? hk.chunk_done : NULL;
+    p.skip = hk.skip;
+    p.timeout_ns = hk.timeout_ns;
+    p.timeout_report = hk.timeout_report;
+    p.sched = g->sched + (gemm1 ? 2 : 0);
+    if (!gemm1) {
+        p.mode = d->activation == 0 ? GM_MODE_GATED : GM_MODE_GELU;
+        p.k = (int)d->hidden;
+        p.n = (int)d->ffn_local;
+        p.b_rows = (int)d->w1_rows;
+        p.up_off = (int)d->ffn_local;
+        p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
+        p.chunk_cols = p.n;
+        p.order = plan.l0_order;
+        p.c = a->h;
+    } else {
+        int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;
+        if (cc <= 0 || (cc % GM_BN && cc != (int)d->hidden)) return (int)cudaErrorInvalidValue;
+        if (cc >= (int)d->hidden) cc = ((int)d->hidden + GM_BN - 1) / GM_BN * GM_BN; /* one chunk */
+        p.mode = GM_MODE_GEMM1;
+        p.k = (int)d->ffn_local;
+        p.n = (int)d->hidden;
+        p.b_rows = (int)d->hidden;
+        p.tile_cols = GM_BN;
+        p.chunk_cols = cc;
+        p.order = NULL;
+        p.c = a->o;
+    }
+    const int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
+    cudaStream_t st = (cudaStream_t)stream;
+    if (gemm1)
+        comet_gemm1_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a1, g->b1, g->c1, p);
+    else if (p.mode == GM_MODE_GATED)
+        comet_gemm0_gated_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a0, g->b0, g->c0, p);
+    else
+        comet_gemm0_gelu_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a0, g->b0, g->c0, p);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks) {
+    return gm_launch(g, 0, stream, hooks);
+}
+
+extern "C" int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks) {
+    return gm_launch(g, 1, stream, hooks);
+}

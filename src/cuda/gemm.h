@@ -1,0 +1,109 @@
+/*
+ * gemm.h - comet's Hopper (sm_90a) grouped GEMM for the MoE layer: the C ABI
+ * of src/cuda/gemm.cu. It is the v8 approach of dev/gemm (TMA + wgmma
+ * m64n256k16, warp-specialised, persistent, stmatrix + TMA-store epilogue)
+ * driven by the device-resident routing plan (src/plan/plan.h): the number of
+ * row blocks is read on the device, so nothing here syncs with the host.
+ *
+ *   GEMM0: for every plan row block b (expert e, rows [row_start,
+ *          row_start + num_rows) of a):  h[rows, n] = act(a[rows] W1[e]^T),
+ *          n in [0, F_local); gated SiLU pairs gate row n with up row
+ *          F_local + n inside one 256-wide tile; GELU is the erf form.
+ *          Tiles in l0_order (local first), grouped by 16 blocks.
+ *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
+ *          major (all blocks of chunk 0, then chunk 1, ...).
+ * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
+ * (comet_silu / comet_gelu of src/core/numerics.h), h and o stored bf16 (RNE).
+ * Padding rows of a block (num_rows < tile_m) are never written.
+ *
+ * What it is not: a general GEMM (only the two MoE shapes above), nor the
+ * fused layer kernels (they use the hooks below), nor a fallback: shapes that
+ * comet_gemm_check rejects need the SIMT kernels of layer_kernels.cu.
+ * Not part of the public API. No CUDA header needed to include this one.
+ */
+#ifndef COMET_CUDA_GEMM_H
+#define COMET_CUDA_GEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/numerics.h"
+#include "../plan/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Row-block height the kernels need (the plan's tile_m). */
+#define COMET_GEMM_TILE_M 128
+/* Column tile of GEMM1 (and of GELU GEMM0); GEMM1 chunk widths are multiples of it. */
+#define COMET_GEMM_TILE_N 256
+
+/* What one layer's grouped GEMMs work on; all pointers are device pointers. */
+typedef struct {
+    comet_dims_t d;            /* dims of this rank (plan.h) */
+    const void *plan_ws;       /* plan workspace (comet_plan_workspace_bytes(&d)), built on the device or copied there */
+    const comet_bf16_t *a;     /* (max_rows_padded, H) gathered token rows */
+    const comet_bf16_t *w1;    /* (E_local, w1_rows, H) */
+    comet_bf16_t *h;           /* (max_rows_padded, F_local) */
+    const comet_bf16_t *w2;    /* (E_local, H, F_local) */
+    comet_bf16_t *o;           /* (max_rows_padded, H) */
+} comet_gemm_args_t;
+
+/* Optional hooks of one launch; a zeroed struct (or NULL) means none. */
+typedef struct {
+    /* block_ready != NULL: before the first load of a tile of row block b (the
+     * block id, index into plan.blocks) the producer spins until
+     * ld.acquire.gpu(block_ready[b]) >= epoch, then fence.proxy.async.global,
+     * then TMA. A wait longer than timeout_ns (0: 10 s) writes rank, role,
+     * tile, block, value and epoch into timeout_report (when set) and traps.
+     * (No printf in the kernel: any call makes ptxas serialise the wgmmas.) */
+    const uint64_t *block_ready;
+    uint64_t epoch;
+    /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
+     * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
+     * call chunk c gains num_blocks * ceil(width_c / 256). */
+    uint64_t *chunk_done;
+    /* skip != NULL: when *skip != 0 at kernel start, do nothing (the layer's
+     * "some rank's input is invalid" flag). */
+    const uint32_t *skip;
+    int num_ctas;              /* persistent CTAs (one per SM); 0 = every SM */
+    int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
+    uint64_t timeout_ns;
+    /* 8 words of host-mapped memory (cudaHostAlloc(..., cudaHostAllocMapped),
+     * device pointer here), zeroed by the caller; filled on a timeout and
+     * readable on the host after the trap (comet_gemm_timeout_message). */
+    uint64_t *timeout_report;
+} comet_gemm_hooks_t;
+
+typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host memory) */
+
+/* NULL when the Hopper kernels support dims d, else a sentence saying why not
+ * (the layer then falls back to the SIMT kernels). Requirements: tile_m == 128;
+ * H % 64 == 0; F_local % 128 == 0 (gated) or % 64 == 0 (GELU); row counts and
+ * E_local * rows of the stacked weights below 2^31. Needs no GPU. */
+const char *comet_gemm_check(const comet_dims_t *d);
+
+/* Build the tensor maps once per layer (host; allocates and zeroes 16 bytes
+ * of device memory for the tile counters, no kernel launch).
+ * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
+ * not move afterwards; comet_gemm_destroy frees *out. */
+int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
+void comet_gemm_destroy(comet_gemm_t *g);
+
+/* Host: 1 and a message naming rank, role, tile and block when the report
+ * (host view of hooks.timeout_report) records a timeout, else 0. */
+int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len);
+
+/* Enqueue GEMM0+activation / GEMM1 on stream (cudaStream_t as void *).
+ * Returns the launch status (cudaError_t as int). hooks may be NULL.
+ * CTAs claim tiles from a device counter of g (one for GEMM0, one for GEMM1),
+ * so one g must not run two GEMM0s (or two GEMM1s) at the same time. */
+int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
+int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_CUDA_GEMM_H */

@@ -1,0 +1,415 @@
+/*
+ * test_gemm_gpu.cu - the Hopper grouped GEMM (src/cuda/gemm.h) against the CPU
+ * arithmetic of src/cpu/cpu_math.h: GEMM0 + activation (gated SiLU, GELU) and
+ * GEMM1 over plans built on the host from random routings (Mixtral-like,
+ * Qwen2-like many small experts, experts with zero rows, one expert only,
+ * narrow last GEMM1 chunk), within two bf16 ulps; outputs are poisoned
+ * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
+ * counts, block_ready released late by another kernel (on fewer CTAs), skip,
+ * and the block_ready timeout (in a forked child, which must trap and leave a
+ * report). Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one
+ * that is not sm_90, it prints "skipped".
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../src/core/validate.h"
+#include "../src/cpu/cpu_math.h"
+#include "../src/cuda/gemm.h"
+#include "../src/workload/workload.h"
+#include "check.h"
+
+#define CUDA_OK(call)                                                                                  \
+    do {                                                                                               \
+        cudaError_t e_ = (call);                                                                       \
+        if (e_ != cudaSuccess) {                                                                       \
+            CHECK(0, "%s: %s", #call, cudaGetErrorString(e_));                                         \
+            return;                                                                                    \
+        }                                                                                              \
+    } while (0)
+
+typedef struct {
+    const char *tag;
+    int64_t hidden, ffn, experts, topk, tokens;
+    int activation;
+    int zero_experts;   /* experts with no rows */
+    double skew;        /* 0 uniform; >0: popularity u^(1+skew*4) */
+    int chunk_cols;     /* GEMM1 chunk width (0: one chunk) */
+    int max_check_rows; /* rows checked against the CPU (all if the problem is smaller) */
+} gcase_t;
+
+static uint16_t rand_bf16(comet_rng_t *r, float scale) {
+    return comet_f32_to_bf16((float)(comet_rng_uniform(r) * 2.0 - 1.0) * scale);
+}
+
+/* |got - ref| within two bf16 ulps of ref (plus a tiny absolute slack). */
+static int close_bf16(uint16_t got, uint16_t ref) {
+    float g = comet_bf16_to_f32(got), f = comet_bf16_to_f32(ref);
+    if (isnan(g) || isnan(f)) return 0;
+    float a = fabsf(f);
+    float ulp = a > 0 ? ldexpf(1.0f, ilogbf(a) - 7) : 0.0f;
+    return fabsf(g - f) <= 2.0f * ulp + 1e-6f;
+}
+
+/* Random routing of T tokens over E experts (distinct per token). */
+static void make_routing(const gcase_t *c, comet_rng_t *rng, int32_t *idx, float *w) {
+    double *pop = (double *)malloc(sizeof(double) * (size_t)c->experts);
+    for (int64_t e = 0; e < c->experts; e++) {
+        double u = 0.05 + comet_rng_uniform(rng);
+        pop[e] = c->skew > 0 ? pow(u, 1.0 + 4.0 * c->skew) : 1.0;
+    }
+    for (int z = 0; z < c->zero_experts; z++) pop[(z * 7 + 3) % c->experts] = 0.0; /* distinct for E > 7 */
+    double total = 0;
+    for (int64_t e = 0; e < c->experts; e++) total += pop[e];
+    for (int64_t t = 0; t < c->tokens; t++)
+        for (int64_t j = 0; j < c->topk; j++) {
+            int32_t e;
+            for (;;) {
+                double x = comet_rng_uniform(rng) * total, acc = 0;
+                e = (int32_t)(c->experts - 1);
+                for (int64_t q = 0; q < c->experts; q++) {
+                    acc += pop[q];
+                    if (x < acc && pop[q] > 0) {
+                        e = (int32_t)q;
+                        break;
+                    }
+                }
+                if (pop[e] == 0) continue;
+                int dup = 0;
+                for (int64_t m = 0; m < j; m++) dup |= idx[t * c->topk + m] == e;
+                if (!dup) break;
+            }
+            idx[t * c->topk + j] = e;
+            w[t * c->topk + j] = (float)comet_rng_uniform(rng);
+        }
+    free(pop);
+}
+
+__global__ void k_release_late(uint64_t *ready, int n, uint64_t epoch, unsigned spin_ns) {
+    /* blocks in reverse, each after a pause: GEMM0 tiles must wait for them */
+    for (int b = n - 1; b >= 0; b--) {
+        uint64_t t0, t1;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+        while (t1 - t0 < spin_ns);
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ready + b), "l"(epoch) : "memory");
+    }
+}
+
+static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t row) {
+    for (int64_t e = 0; e < d->experts_local; e++)
+        if (row >= pl->expert_start[e] && row < pl->expert_start[e + 1])
+            return row >= pl->expert_start[e] + pl->expert_count[e];
+    return 1; /* beyond num_rows_padded */
+}
+
+static void run_case(const gcase_t *c, uint64_t seed) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = c->hidden, cfg.ffn = c->ffn, cfg.num_experts = c->experts, cfg.topk = c->topk;
+    cfg.activation = (comet_activation_t)c->activation;
+    cfg.max_tokens_per_rank = c->tokens, cfg.tile_m = 128;
+    comet_dims_t d;
+    if (comet_dims_from_config(&cfg, 1, 0, &d) != COMET_SUCCESS) {
+        CHECK(0, "%s: dims: %s", c->tag, comet_last_error());
+        return;
+    }
+    const char *why = comet_gemm_check(&d);
+    CHECK(why == NULL, "%s: shape rejected: %s", c->tag, why ? why : "");
+    if (why) return;
+    comet_rng_t rng = {seed};
+    const int64_t T = c->tokens, K = c->topk, H = d.hidden, F = d.ffn_local, E = d.experts_local;
+    const int64_t MR = d.max_rows_padded;
+    int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
+    float *wts = (float *)malloc(sizeof(float) * (size_t)(T * K));
+    make_routing(c, &rng, idx, wts);
+    size_t ws_bytes = comet_plan_workspace_bytes(&d);
+    void *ws = aligned_alloc(64, (ws_bytes + 63) / 64 * 64);
+    memset(ws, 0, ws_bytes);
+    comet_plan_t pl;
+    comet_plan_carve(&d, ws, &pl);
+    int64_t tok[1] = {T};
+    const int32_t *idxp[1] = {idx};
+    const float *wp[1] = {wts};
+    comet_plan_input_t in = {tok, idxp, wp};
+    comet_plan_build(&d, &in, &pl);
+    const int nb = pl.totals->num_blocks;
+
+    /* inputs: x (T, H); a = gathered rows, padding rows NaN */
+    const size_t n_w1 = (size_t)(E * d.w1_rows * H), n_w2 = (size_t)(E * H * F);
+    uint16_t *x = (uint16_t *)malloc(2 * (size_t)(T * H));
+    uint16_t *a = (uint16_t *)malloc(2 * (size_t)(MR * H));
+    uint16_t *w1 = (uint16_t *)malloc(2 * n_w1), *w2 = (uint16_t *)malloc(2 * n_w2);
+    for (int64_t i = 0; i < T * H; i++) x[i] = rand_bf16(&rng, 1.0f);
+    for (size_t i = 0; i < n_w1; i++) w1[i] = rand_bf16(&rng, 2.0f / sqrtf((float)H));
+    for (size_t i = 0; i < n_w2; i++) w2[i] = rand_bf16(&rng, 2.0f / sqrtf((float)F));
+    memset(a, 0xff, 2 * (size_t)(MR * H));
+    for (int64_t r = 0; r < pl.totals->num_rows_padded; r++)
+        if (pl.rows[r].src_rank >= 0) memcpy(a + r * H, x + (int64_t)pl.rows[r].src_token * H, 2 * (size_t)H);
+
+    void *d_ws;
+    uint16_t *d_a, *d_w1, *d_w2, *d_h, *d_o;
+    uint64_t *d_flags;
+    uint32_t *d_skip;
+    const int nchunk_max = 64;
+    CUDA_OK(cudaMalloc(&d_ws, ws_bytes));
+    CUDA_OK(cudaMalloc(&d_a, 2 * (size_t)(MR * H)));
+    CUDA_OK(cudaMalloc(&d_w1, 2 * n_w1));
+    CUDA_OK(cudaMalloc(&d_w2, 2 * n_w2));
+    CUDA_OK(cudaMalloc(&d_h, 2 * (size_t)(MR * F)));
+    CUDA_OK(cudaMalloc(&d_o, 2 * (size_t)(MR * H)));
+    CUDA_OK(cudaMalloc(&d_flags, sizeof(uint64_t) * (size_t)(d.max_blocks + nchunk_max)));
+    CUDA_OK(cudaMalloc(&d_skip, 4));
+    CUDA_OK(cudaMemcpy(d_ws, ws, ws_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_a, a, 2 * (size_t)(MR * H), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_w1, w1, 2 * n_w1, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_w2, w2, 2 * n_w2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
+    CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
+    CUDA_OK(cudaMemset(d_flags, 0, sizeof(uint64_t) * (size_t)(d.max_blocks + nchunk_max)));
+    uint64_t *d_ready = d_flags, *d_chunk = d_flags + d.max_blocks;
+
+    comet_gemm_args_t ga;
+    ga.d = d, ga.plan_ws = d_ws, ga.a = d_a, ga.w1 = d_w1, ga.h = d_h, ga.w2 = d_w2, ga.o = d_o;
+    comet_gemm_t *g = NULL;
+    char err[256];
+    int rc = comet_gemm_prepare(&ga, &g, err, sizeof err);
+    CHECK(rc == 0, "%s: prepare: %s", c->tag, err);
+    if (rc) return;
+
+    /* skip: nothing written */
+    CUDA_OK(cudaMemset(d_skip, 1, 4));
+    comet_gemm_hooks_t hk;
+    memset(&hk, 0, sizeof hk);
+    hk.skip = d_skip;
+    CHECK(comet_gemm0_launch(g, 0, &hk) == 0, "%s: launch (skip)", c->tag);
+    CHECK(comet_gemm1_launch(g, 0, &hk) == 0, "%s: launch (skip)", c->tag);
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *h = (uint16_t *)malloc(2 * (size_t)(MR * F)), *o = (uint16_t *)malloc(2 * (size_t)(MR * H));
+    CUDA_OK(cudaMemcpy(h, d_h, 2 * (size_t)(MR * F), cudaMemcpyDeviceToHost));
+    int64_t written = 0;
+    for (int64_t i = 0; i < MR * F; i++) written += h[i] != 0xffff;
+    CHECK(written == 0, "%s: skip set, yet %lld elements of h written", c->tag, (long long)written);
+
+    /* GEMM0: blocks released late (reverse order) by another kernel, GEMM0 on fewer CTAs */
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaStream_t s1, s2;
+    CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    /* COMET_GEMM_TEST_NOHOOKS=1: plain launches (to tell kernel faults from hook faults) */
+    const int nohooks = getenv("COMET_GEMM_TEST_NOHOOKS") != NULL;
+    memset(&hk, 0, sizeof hk);
+    if (!nohooks) {
+        hk.block_ready = d_ready;
+        hk.epoch = 3;
+        hk.num_ctas = sms - 8;
+        hk.timeout_ns = 5000000000ull;
+    }
+    uint64_t *report_h = NULL, *report_d = NULL;
+    CUDA_OK(cudaHostAlloc(&report_h, 64, cudaHostAllocMapped));
+    CUDA_OK(cudaHostGetDevicePointer(&report_d, report_h, 0));
+    memset(report_h, 0, 64);
+    hk.timeout_report = report_d;
+    /* load k_release_late before GEMM0 runs: with lazy module loading, loading a kernel while
+     * another one runs waits for it, and GEMM0 waits for k_release_late (a deadlock) */
+    k_release_late<<<1, 1, 0, s2>>>(d_ready, 0, 3, 0);
+    CUDA_OK(cudaStreamSynchronize(s2));
+    CHECK(comet_gemm0_launch(g, s1, &hk) == 0, "%s: gemm0 launch", c->tag);
+    if (!nohooks) k_release_late<<<1, 1, 0, s2>>>(d_ready, nb, 3, 20000);
+    {
+        cudaError_t e = cudaStreamSynchronize(s1);
+        char msg[256];
+        if (e != cudaSuccess && comet_gemm_timeout_message(report_h, msg, sizeof msg)) printf("%s\n", msg);
+        CUDA_OK(e);
+    }
+    cudaFreeHost(report_h);
+    CUDA_OK(cudaStreamSynchronize(s2));
+
+    /* GEMM1 with chunk counters */
+    memset(&hk, 0, sizeof hk);
+    hk.chunk_done = nohooks ? NULL : d_chunk;
+    hk.chunk_cols = c->chunk_cols;
+    CHECK(comet_gemm1_launch(g, s1, &hk) == 0, "%s: gemm1 launch", c->tag);
+    CUDA_OK(cudaStreamSynchronize(s1));
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(h, d_h, 2 * (size_t)(MR * F), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(o, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
+    uint64_t chunk_cnt[64];
+    CUDA_OK(cudaMemcpy(chunk_cnt, d_chunk, sizeof chunk_cnt, cudaMemcpyDeviceToHost));
+
+    /* chunk counters: blocks x column tiles of each chunk */
+    const int64_t cc = c->chunk_cols ? c->chunk_cols : H;
+    int bad_chunks = 0, nch = (int)((H + cc - 1) / cc);
+    for (int ch = 0; ch < nch; ch++) {
+        int64_t wdt = (ch + 1) * cc < H ? cc : H - ch * cc;
+        uint64_t want = (uint64_t)nb * (uint64_t)((wdt + 255) / 256);
+        if (chunk_cnt[ch] != want) bad_chunks++;
+    }
+    for (int ch = nch; ch < 64; ch++) bad_chunks += chunk_cnt[ch] != 0;
+    if (nohooks) bad_chunks = 0;
+    CHECK(bad_chunks == 0, "%s: chunk_done counters wrong in %d chunks (chunk 0: %llu)", c->tag, bad_chunks,
+          (unsigned long long)chunk_cnt[0]);
+
+    /* padding rows untouched */
+    int64_t pad_h = 0, pad_o = 0;
+    for (int64_t r = 0; r < MR; r++)
+        if (is_padding_row(&pl, &d, r)) {
+            for (int64_t i = 0; i < F; i++) pad_h += h[r * F + i] != 0xffff;
+            for (int64_t i = 0; i < H; i++) pad_o += o[r * H + i] != 0xffff;
+        }
+    CHECK(pad_h == 0 && pad_o == 0, "%s: padding written: %lld in h, %lld in o", c->tag, (long long)pad_h,
+          (long long)pad_o);
+
+    /* values vs the CPU: all valid rows, or a sample with every block's first and last row */
+    const int64_t nrows = pl.totals->num_rows;
+    int64_t checked = 0, bad_h = 0, bad_o = 0;
+    uint16_t *ref_h = (uint16_t *)malloc(2 * (size_t)F), *ref_o = (uint16_t *)malloc(2 * (size_t)H);
+    const int all = nrows <= c->max_check_rows;
+    double first_bad = 0;
+    for (int b = 0; b < nb; b++) {
+        const comet_plan_block_t blk = pl.blocks[b];
+        for (int i = 0; i < blk.num_rows; i++) {
+            int pick = all || i == 0 || i == blk.num_rows - 1 ||
+                       comet_rng_uniform(&rng) < (double)c->max_check_rows / (double)nrows;
+            if (!pick) continue;
+            const int64_t r = blk.row_start + i;
+            comet_cpu_gemm0_row(&d, a + r * H, w1 + (int64_t)blk.expert * d.w1_rows * H, 0, F, ref_h);
+            for (int64_t n = 0; n < F; n++)
+                if (!close_bf16(h[r * F + n], ref_h[n])) {
+                    if (!bad_h) first_bad = comet_bf16_to_f32(h[r * F + n]) - comet_bf16_to_f32(ref_h[n]);
+                    bad_h++;
+                }
+            comet_cpu_gemm1_row(&d, h + r * F, w2 + (int64_t)blk.expert * H * F, 0, H, ref_o);
+            for (int64_t n = 0; n < H; n++) bad_o += !close_bf16(o[r * H + n], ref_o[n]);
+            checked++;
+        }
+    }
+    CHECK(bad_h == 0 && bad_o == 0, "%s: %lld of h, %lld of o over tolerance (%lld rows checked; first diff %g)",
+          c->tag, (long long)bad_h, (long long)bad_o, (long long)checked, first_bad);
+    printf("%s: %d blocks, %lld rows (%lld checked, %s), h/o bad %lld/%lld, padding written %lld/%lld\n", c->tag, nb,
+           (long long)nrows, (long long)checked, all ? "all" : "sampled", (long long)bad_h, (long long)bad_o,
+           (long long)pad_h, (long long)pad_o);
+
+    /* a second GEMM1 (tile counters reset by the first) writes the same bits */
+    CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
+    CHECK(comet_gemm1_launch(g, 0, NULL) == 0, "%s: gemm1 relaunch", c->tag);
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *o2 = (uint16_t *)malloc(2 * (size_t)(MR * H));
+    CUDA_OK(cudaMemcpy(o2, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
+    CHECK(memcmp(o, o2, 2 * (size_t)(MR * H)) == 0, "%s: second GEMM1 differs from the first", c->tag);
+    free(o2);
+
+    comet_gemm_destroy(g);
+    cudaStreamDestroy(s1), cudaStreamDestroy(s2);
+    cudaFree(d_ws), cudaFree(d_a), cudaFree(d_w1), cudaFree(d_w2), cudaFree(d_h), cudaFree(d_o);
+    cudaFree(d_flags), cudaFree(d_skip);
+    free(idx), free(wts), free(ws), free(x), free(a), free(w1), free(w2), free(h), free(o), free(ref_h), free(ref_o);
+}
+
+/* Child process: block_ready never set -> the producer must time out, leave a
+ * report and trap. Exit 0 when the launch failed and the report names block
+ * 0's wait. */
+static int timeout_child(void) {
+    gcase_t c = {"timeout", 256, 128, 2, 1, 64, 0, 0, 0, 0, 0};
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = c.hidden, cfg.ffn = c.ffn, cfg.num_experts = c.experts, cfg.topk = c.topk;
+    cfg.max_tokens_per_rank = c.tokens, cfg.tile_m = 128;
+    comet_dims_t d;
+    if (comet_dims_from_config(&cfg, 1, 0, &d) != COMET_SUCCESS) return 2;
+    comet_rng_t rng = {5};
+    int32_t idx[64];
+    float w[64];
+    make_routing(&c, &rng, idx, w);
+    size_t ws_bytes = comet_plan_workspace_bytes(&d);
+    void *ws = aligned_alloc(64, (ws_bytes + 63) / 64 * 64);
+    comet_plan_t pl;
+    comet_plan_carve(&d, ws, &pl);
+    int64_t tok[1] = {64};
+    const int32_t *ip[1] = {idx};
+    const float *wp[1] = {w};
+    comet_plan_input_t in = {tok, ip, wp};
+    comet_plan_build(&d, &in, &pl);
+    void *d_ws, *buf;
+    uint64_t *ready, *report_h, *report_d;
+    if (cudaMalloc(&d_ws, ws_bytes) || cudaMalloc(&buf, 8 << 20) || cudaMalloc(&ready, 4096)) return 3;
+    cudaMemcpy(d_ws, ws, ws_bytes, cudaMemcpyHostToDevice);
+    cudaMemset(buf, 0, 8 << 20);
+    cudaMemset(ready, 0, 4096);
+    if (cudaHostAlloc(&report_h, 64, cudaHostAllocMapped) || cudaHostGetDevicePointer(&report_d, report_h, 0)) return 4;
+    memset(report_h, 0, 64);
+    comet_gemm_args_t ga;
+    uint16_t *p = (uint16_t *)buf;
+    const size_t part = (size_t)1 << 18; /* elements; every operand of this shape fits */
+    ga.d = d, ga.plan_ws = d_ws, ga.a = p, ga.w1 = p + part, ga.h = p + 2 * part, ga.w2 = p + 3 * part,
+    ga.o = p + 4 * part;
+    comet_gemm_t *g;
+    char err[256];
+    if (comet_gemm_prepare(&ga, &g, err, sizeof err)) return 5;
+    comet_gemm_hooks_t hk;
+    memset(&hk, 0, sizeof hk);
+    hk.block_ready = ready;
+    hk.epoch = 7;
+    hk.timeout_ns = 50000000ull; /* 50 ms */
+    hk.timeout_report = report_d;
+    if (comet_gemm0_launch(g, 0, &hk)) return 6;
+    cudaError_t e = cudaDeviceSynchronize();
+    char msg[256];
+    int have = comet_gemm_timeout_message(report_h, msg, sizeof msg);
+    printf("test_gemm_gpu: timeout child: sync said \"%s\"; report: %s\n", cudaGetErrorString(e),
+           have ? msg : "(none)");
+    fflush(stdout);
+    return e != cudaSuccess && have && report_h[6] == 7 && report_h[2] == 0 ? 0 : 1;
+}
+
+int main(void) {
+    /* The timeout child first, before this process touches CUDA (fork and CUDA do not mix). */
+    int n = 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(100);
+        cudaDeviceProp prop;
+        cudaGetDeviceProperties(&prop, 0);
+        if (prop.major != 9) _exit(100);
+        _exit(getenv("COMET_GEMM_TEST_SMALL") ? 0 : timeout_child()); /* no planted trap under a sanitizer */
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const int child_rc = WIFEXITED(status) ? WEXITSTATUS(status) : 200;
+    if (child_rc == 100 || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        check_skip("test_gemm_gpu", child_rc == 100 ? "no GPU or not sm_90" : "no GPU");
+        return check_summary("test_gemm_gpu");
+    }
+    CHECK(child_rc == 0, "block_ready timeout: the child exited %d (want: trapped with a report, 0)", child_rc);
+
+    static const gcase_t cases[] = {
+        /* tag, H, F, E, topk, T, act, zero experts, skew, chunk, rows checked */
+        {"mixtral-like gated H4096 F1792 E8 k2", 4096, 1792, 8, 2, 700, 0, 0, 0.0, 1024, 96},
+        {"qwen2-like gated H2048 F1408 E32 k4 skewed, 3 empty", 2048, 1408, 32, 4, 1024, 0, 3, 1.0, 512, 160},
+        {"one expert gated H512 F256", 512, 256, 1, 1, 300, 0, 0, 0.0, 0, 100000},
+        {"gelu H1088 F320 E4 k2, 1 empty, chunk 512 (last 64)", 1088, 320, 4, 2, 200, 1, 1, 0.0, 512, 100000},
+        {"gelu H1024 F576 E8 k3 skewed", 1024, 576, 8, 3, 333, 1, 0, 1.5, 256, 100000},
+        {"one token gated E4 k1", 256, 128, 4, 1, 1, 0, 0, 0.0, 0, 100000},
+        {"full blocks gated H256 F384 E2 k1", 256, 384, 2, 1, 256, 0, 0, 0.0, 0, 100000},
+    };
+    /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
+    const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
+
+    /* shape checks (need no GPU, run here anyway) */
+    comet_dims_t d;
+    memset(&d, 0, sizeof d);
+    d.tile_m = 64, d.hidden = 4096, d.ffn_local = 14336, d.activation = 0;
+    CHECK(comet_gemm_check(&d) != NULL, "tile_m 64 accepted");
+    d.tile_m = 128, d.ffn_local = 1344;
+    CHECK(comet_gemm_check(&d) != NULL, "gated F_local 1344 accepted");
+    d.activation = 1;
+    CHECK(comet_gemm_check(&d) == NULL, "GELU F_local 1344 rejected");
+    d.hidden = 4000;
+    CHECK(comet_gemm_check(&d) != NULL, "H 4000 accepted");
+    return check_summary("test_gemm_gpu");
+}
