@@ -1,29 +1,66 @@
-"""report.py - turn benchmark JSON files (bench/results/*.json) into one
-markdown table: configuration, layer ms, expert-GEMM ms, TFLOP/s and share.
+"""report.py - benchmark results (bench/results/) as markdown tables.
 
-  python3 bench/report.py bench/results/2026-11-22-torch-h200x2-*.json > table.md
+Reads PyTorch baseline files (one JSON document with "records", written by
+torch_moe.py --json) and comet files (JSON lines, written by
+`comet bench --json`). Prints the PyTorch table when only baselines are given;
+with both, one row per configuration with each side's time and the speedup
+(t_pytorch / t_comet, same inputs' shape, same machine).
+
+  python3 bench/report.py bench/results/2026-11-22-torch-*.json
+  python3 bench/report.py bench/results/*.json bench/results/*.jsonl
 """
 import json
 import sys
 
 
-def main(paths):
-    rows, machines = [], []
+def load(paths):
+    torch_rows, comet_rows, machines = [], [], set()
     for path in paths:
         with open(path) as f:
-            doc = json.load(f)
-        m = doc["machine"]
-        machines.append(f"{m['gpus']}x {m['gpu']}, driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
-                        f"NCCL {m['nccl']}, {m['date']}, commit {m['commit']}")
-        for r in doc["records"]:
-            rows.append((doc["baseline"], r))
-    print("| baseline | model | M | TP | EP | skew | layer ms | GEMM ms | GEMM TFLOP/s | GEMM share | check rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for base, r in sorted(rows, key=lambda br: (br[1]["model"], br[1]["M"], br[1]["tp"], br[1]["ep"])):
-        print(f"| {base} | {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r['ms']:.3f} | "
-              f"{r['gemm_ms']:.3f} | {r['gemm_tflops']:.0f} | {100 * r['gemm_share']:.0f}% | {r['check_rel_err']:.1e} |")
+            text = f.read()
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            doc = None
+        if isinstance(doc, dict) and "records" in doc:
+            m = doc["machine"]
+            machines.add(f"{m['gpus']}x {m['gpu']}, driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
+                         f"NCCL {m['nccl']}, {m['date']}, commit {m['commit']}")
+            torch_rows += doc["records"]
+        else:
+            for line in text.splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    comet_rows.append(r)
+                    machines.add(f"comet {r['baseline']}, {r['date']}, commit {r['commit']}")
+    return torch_rows, comet_rows, sorted(machines)
+
+
+def key(r):
+    return (r["model"], r["M"], r["tp"], r["ep"], r.get("skew", 0.0))
+
+
+def main(paths):
+    torch_rows, comet_rows, machines = load(paths)
+    if not comet_rows:
+        print("| model | M | TP | EP | skew | layer ms | GEMM ms | GEMM TFLOP/s | GEMM share | check rel err |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(torch_rows, key=key):
+            print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r['ms']:.3f} | "
+                  f"{r['gemm_ms']:.3f} | {r['gemm_tflops']:.0f} | {100 * r['gemm_share']:.0f}% | "
+                  f"{r['check_rel_err']:.1e} |")
+    else:
+        base = {key(r): r for r in torch_rows}
+        print("| model | M | TP | EP | skew | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | check (wrong/checked) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(comet_rows, key=key):
+            b = base.get(key(r))
+            tb = f"{b['ms']:.3f}" if b else "-"
+            sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
+            print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r['ms']:.3f} | {tb} | {sp} | "
+                  f"{r['rate']:.0f} | {r['wrong']}/{r['checked']} |")
     print()
-    for m in sorted(set(machines)):
+    for m in machines:
         print(f"- {m}")
 
 

@@ -27,7 +27,7 @@ for step in $STEPS; do
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2;--ep 1}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
-            line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+            line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
         ;;
@@ -40,3 +40,4 @@ for step in $STEPS; do
     esac
 done
 printf '%s\n' "${summary[@]}"
+[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json "$OUT/comet.jsonl"

@@ -1,7 +1,8 @@
 /*
- * test_plan_gpu.cu - the plan built on the GPU (src/cuda/plan_kernel.cu) is
- * byte for byte the plan built on the host, over random routings and every
- * (TP, EP) layout of W in {1, 2, 4, 8}. Both workspaces are poisoned alike
+ * test_plan_gpu.cu - the plan built on the GPU (src/cuda/plan_kernel.cu, the
+ * parallel builder) is byte for byte the plan built on the host, over random
+ * routings and every (TP, EP) layout of W in {1, 2, 4, 8}, with more than 1024
+ * tokens per rank (several chunks) in some cases. Both workspaces are poisoned alike
  * first, so an element one side writes and the other does not shows up.
  * Without a GPU it prints "skipped (no GPU)".
  */
@@ -56,7 +57,7 @@ static void check_case(const comet_layer_config_t *cfg, int w, const comet_probl
         CUDA_OK(cudaMalloc(&dev, bytes));
         CUDA_OK(cudaMemset(dev, 0xab, bytes));
         comet_plan_input_t din = {d_counts, (const int32_t *const *)d_idx_arr, (const float *const *)d_wt_arr};
-        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, 0));
+        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, NULL, 0));
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(back, dev, bytes, cudaMemcpyDeviceToHost));
         CHECK(memcmp(host, back, bytes) == 0, "%s rank %d: device plan differs from the host plan", tag, r);
@@ -84,7 +85,7 @@ int main(void) {
                 cfg.hidden = 8, cfg.ffn = 4 * tp, cfg.tp = tp, cfg.ep = ep;
                 cfg.num_experts = ep * ((experts[rep] + ep - 1) / ep);
                 cfg.topk = 1 + (int64_t)(comet_rng_next(&rng) % (uint64_t)(cfg.num_experts < 8 ? cfg.num_experts : 8));
-                cfg.max_tokens_per_rank = 1 + (int64_t)(comet_rng_next(&rng) % 200);
+                cfg.max_tokens_per_rank = 1 + (int64_t)(comet_rng_next(&rng) % (rep == 2 ? 3000 : 200));
                 cfg.tile_m = rep == 3 ? 128 : 1 + (int)(comet_rng_next(&rng) % 16);
                 int64_t tokens[8];
                 for (int s = 0; s < w; s++) tokens[s] = (int64_t)(comet_rng_next(&rng) % (uint64_t)(cfg.max_tokens_per_rank + 1));

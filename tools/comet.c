@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comet.h"
 #include "../src/workload/workload.h"
@@ -31,6 +32,7 @@ typedef struct {
     uint64_t seed;
     int iters, warmup;
     const char *backend;
+    const char *json;
 } options_t;
 
 static const char *const flag_help =
@@ -47,7 +49,8 @@ static const char *const flag_help =
     "  --n-comm N         communication workers per rank (0 = tuner, default)\n"
     "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
     "  --seed S           random seed for inputs and routing (default 1)\n"
-    "  --backend B        auto (default), cpu, cuda\n";
+    "  --backend B        auto (default), cpu, cuda\n"
+    "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n";
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -141,6 +144,8 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
                 return -1;
             }
             i++;
+        } else if (strcmp(f, "--json") == 0 && v) {
+            o->json = v, i++;
         } else if (strcmp(f, "--backend") == 0 && v &&
                    (strcmp(v, "auto") == 0 || strcmp(v, "cpu") == 0 || strcmp(v, "cuda") == 0)) {
             o->backend = v, i++;
@@ -257,6 +262,26 @@ static int run(const char *cmd, int argc, char **argv) {
            (long long)cfg.ffn, ncomm, r.ms_median, rate, bad ? "WRONG" : "ok", (long long)bad, (long long)chk.elements,
            use_cuda ? "sampled elements off" : "elements differ");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
+    if (o.json) {
+        FILE *f = fopen(o.json, "a");
+        if (!f) {
+            fprintf(stderr, "comet: cannot open %s for appending\n", o.json);
+            comet_problem_destroy(p);
+            return 1;
+        }
+        time_t now = time(NULL);
+        char date[32];
+        strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+        const char *commit = getenv("COMET_COMMIT");
+        fprintf(f,
+                "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
+                "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
+                "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"wrong\": %lld, \"checked\": %lld}\n",
+                use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
+                (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
+                (long long)o.zero_experts, r.ms_median, rate, (long long)bad, (long long)chk.elements);
+        fclose(f);
+    }
     comet_problem_destroy(p);
     return bad ? 1 : 0;
 }

@@ -22,6 +22,7 @@
 #include "../core/status.h"
 #include "../core/validate.h"
 #include "cuda_layer.h"
+#include "gemm.h"
 
 typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
@@ -31,6 +32,9 @@ typedef struct {
     comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
     cudaStream_t last_stream;
     int device;
+    int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
+    comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
+    const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
 
 static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
@@ -86,6 +90,7 @@ static void release_shared_id(cuda_shared_t *s) {
 static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
+    comet_gemm_destroy(L->gemm);
     for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
     cudaFree(L->sym_single);
     if (L->comm) {
@@ -159,6 +164,9 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     c->a = L->priv[2], c->h = L->priv[3], c->o = L->priv[4];
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, rank);
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, rank);
+    L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
 
     /* device state: epoch 0, every rank's staged routing as this GPU sees it */
     comet_cuda_state_t s;
@@ -214,6 +222,19 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     /* Even a rank whose arguments failed runs the protocol steps, so its
      * peers learn of the failure instead of waiting for it. */
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    if (own == COMET_SUCCESS && L->use_hopper_gemm) {
+        /* tensor maps name the weights: made again (host only, no sync) when they move */
+        if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o};
+            char err[256];
+            comet_gemm_destroy(L->gemm);
+            L->gemm = NULL;
+            /* on failure the SIMT tiles run: returning here would strand the peers */
+            if (comet_gemm_prepare(&ga, &L->gemm, err, sizeof err) != 0) L->gemm = NULL;
+            L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
+        }
+        c.gemm = L->gemm;
+    }
     int e = comet_cuda_forward_launch(&c, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
     L->last_stream = stream;

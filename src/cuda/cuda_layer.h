@@ -91,6 +91,7 @@ typedef struct {
     uint32_t host_status;          /* comet_status_t of the host-side checks of this call */
     uint64_t timeout_ns;
     int num_sms;
+    void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
 } comet_cuda_ctx_t;
 
 /* Lay out the symmetric buffer for dims d. */

@@ -5,17 +5,21 @@
  * on GPUs without Hopper features; the fused COMET kernels replace the
  * dispatch+gemm0 and gemm1+combine pairs.
  *
- * The GEMMs here are simple SIMT tiles, correct for any shape; the Hopper
- * grouped GEMM (dev/gemm) takes their place.
+ * The expert GEMMs run on the Hopper grouped GEMM (gemm.cu) when the shapes
+ * suit it (comet_gemm_check), else on the simple SIMT tiles below, which are
+ * correct for any shape.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <string.h>
 
 #define COMET_PLAN_DEVICE_ONLY
 #define COMET_PLAN_API static __device__
 #include "../plan/plan_impl.h"
 
 #include "cuda_layer.h"
+#include "gemm.h"
+#include "plan_kernel.h"
 
 /* ---------------------------------------------------------------------------
  * Flags and waits
@@ -116,6 +120,7 @@ __global__ void k_publish(comet_cuda_ctx_t c) {
     st_release_sys(&f->entry, c.state->epoch);
 }
 
+/* Wait for every rank's staged inputs; decide whether this epoch runs. */
 __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
@@ -129,14 +134,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     }
     s->skip = bad;
     s->last_status = s->own_status ? s->own_status : (bad ? 4u /* COMET_ERR_PEER_FAILED */ : 0u);
-    if (bad) return;
-    comet_plan_t plan;
-    comet_plan_carve(&c.d, c.plan_ws, &plan);
-    comet_plan_input_t in;
-    in.token_count = s->token_count;
-    in.topk_idx = s->peer_idx;
-    in.topk_w = s->peer_w;
-    comet_plan_build(&c.d, &in, &plan);
+    /* the plan itself: comet_cuda_plan_build, launched next */
 }
 
 /* ---------------------------------------------------------------------------
@@ -335,9 +333,25 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
+    comet_plan_input_t in;
+    in.token_count = c.state->token_count; /* device addresses inside the state */
+    in.topk_idx = c.state->peer_idx;
+    in.topk_w = c.state->peer_w;
+    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, &c.state->skip, stream);
+    if (pe != cudaSuccess) return (int)pe;
     k_dispatch<<<grid, 256, 0, stream>>>(c);
-    k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
-    k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+    if (c.gemm) { /* Hopper grouped GEMM */
+        comet_gemm_hooks_t hooks;
+        memset(&hooks, 0, sizeof hooks);
+        hooks.skip = &c.state->skip;
+        hooks.num_ctas = c.num_sms;
+        int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (ge == cudaSuccess) ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+    } else {
+        k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+    }
     k_combine<<<grid, 256, 0, stream>>>(c);
     k_signal<<<1, 1, 0, stream>>>(c);
     k_final<<<grid, 256, 0, stream>>>(c);
