@@ -20,6 +20,18 @@ void check_skip(const char *what, const char *why);
 
 #define CHECK(cond, ...) check_record(!!(cond), __FILE__, __LINE__, #cond, __VA_ARGS__)
 
+#ifdef __CUDACC__
+/* In a void test function: a failed CUDA call is a failed check, then return. */
+#define CUDA_OK(call)                                                  \
+    do {                                                               \
+        cudaError_t e_ = (call);                                       \
+        if (e_ != cudaSuccess) {                                       \
+            CHECK(0, "%s: %s", #call, cudaGetErrorString(e_));         \
+            return;                                                    \
+        }                                                              \
+    } while (0)
+#endif
+
 #ifdef __cplusplus
 }
 #endif

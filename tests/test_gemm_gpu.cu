@@ -23,15 +23,6 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
-#define CUDA_OK(call)                                                                                  \
-    do {                                                                                               \
-        cudaError_t e_ = (call);                                                                       \
-        if (e_ != cudaSuccess) {                                                                       \
-            CHECK(0, "%s: %s", #call, cudaGetErrorString(e_));                                         \
-            return;                                                                                    \
-        }                                                                                              \
-    } while (0)
-
 typedef struct {
     const char *tag;
     int64_t hidden, ffn, experts, topk, tokens;

@@ -15,15 +15,6 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            CHECK(0, "%s: %s", #call, cudaGetErrorString(e_));                                 \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
-
 static void check_case(const comet_layer_config_t *cfg, int w, const comet_problem_t *p, const char *tag) {
     /* routing of every rank on the device, as peer pointers would give it */
     int32_t *d_idx[8];
