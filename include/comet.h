@@ -133,6 +133,20 @@ typedef struct comet_world comet_world_t;
  * threads. */
 comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks,
                                         comet_backend_t backend);
+/* Worlds spread over processes or nodes (torchrun and the like, CUDA
+ * backend): one process per rank. One rank makes the id, the launcher hands
+ * its bytes to the others (e.g. over torch.distributed), and every rank
+ * creates its world with it: collective over the ranks. */
+#define COMET_UNIQUE_ID_BYTES 128
+typedef struct {
+    char bytes[COMET_UNIQUE_ID_BYTES];
+} comet_unique_id_t;
+comet_status_t comet_get_unique_id(comet_unique_id_t *id);
+/* This process's rank of world_size, on CUDA device `device`. Its layers are
+ * created and run with this rank only. */
+comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int world_size,
+                                       const comet_unique_id_t *id, int device);
+
 /* Destroy a world after all its layers are destroyed. NULL is a no-op. */
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
@@ -222,6 +236,46 @@ comet_status_t comet_layer_sync(comet_layer_t *layer);
  * ------------------------------------------------------------------------- */
 comet_status_t comet_reference_forward(const comet_layer_config_t *cfg, int world_size,
                                        const comet_forward_args_t *inputs);
+
+/* ---------------------------------------------------------------------------
+ * Trace: record what every worker of every rank did, and when, during the
+ * forward calls of the layers it is attached to, then write it as a
+ * Chrome-trace JSON file (Perfetto, chrome://tracing) or an SVG picture with
+ * one lane per rank and worker. Off unless attached; costs nothing then.
+ * Recording takes no lock: every worker writes its own lane of a fixed-size
+ * buffer; events that do not fit are dropped and counted, never a failure.
+ * CPU backend only for now (the CUDA backend returns COMET_ERR_UNSUPPORTED).
+ * ------------------------------------------------------------------------- */
+typedef struct comet_trace comet_trace_t;
+
+/* A recorder for ranks 0..num_ranks-1 with lanes_per_rank lanes (a rank's
+ * thread plus its workers: 1 + n_comm + compute workers) of events_per_lane
+ * events (32 bytes each). 0 picks a default (32 lanes, 16384 events). */
+comet_status_t comet_trace_create(comet_trace_t **trace, int num_ranks, int lanes_per_rank,
+                                  int64_t events_per_lane);
+/* Destroy a recorder no layer uses any more (detach first). NULL is a no-op. */
+comet_status_t comet_trace_destroy(comet_trace_t *trace);
+/* Forget every event (not while a traced forward runs). */
+comet_status_t comet_trace_clear(comet_trace_t *trace);
+/* Events kept, and events dropped because a lane was full (or the rank or
+ * lane was outside the recorder). Read them when no traced forward runs. */
+int64_t comet_trace_event_count(const comet_trace_t *trace);
+int64_t comet_trace_dropped(const comet_trace_t *trace);
+/* Write the events as Chrome-trace JSON: one process per rank, one thread per
+ * worker, one complete ("X") event per step, microseconds from the earliest
+ * event. */
+comet_status_t comet_trace_write_chrome_json(const comet_trace_t *trace, const char *path);
+/* Write the events as an SVG picture: one lane per rank x worker, comm and
+ * GEMM steps in different colors, layer 0 light and layer 1 dark, waits as
+ * thin grey bars, a time axis in microseconds. */
+comet_status_t comet_trace_write_svg(const comet_trace_t *trace, const char *path);
+
+/* Attach a recorder to this rank's layer (NULL detaches). Not collective:
+ * each rank attaches its own layer, between forward calls, from the thread
+ * that calls them; ranks may share one recorder (each writes its own lanes;
+ * a rank or lane the recorder lacks counts its events as dropped).
+ * Every later forward of this layer records until detached. */
+comet_status_t comet_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
 
 #ifdef __cplusplus
 }

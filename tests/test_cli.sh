@@ -35,5 +35,21 @@ expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --
 expect check-tp 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
 expect check-gelu 0 'ok \(0 of' -- "$comet" check --backend cpu --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40
 expect bench-small 0 'median of 2 runs' -- "$comet" bench --backend cpu --model deepseek-v3 --scale 32 --tokens 16 --iters 2 --warmup 0
+# --trace: Chrome-trace JSON and an SVG beside it, for bench and check
+tdir=$(mktemp -d)
+expect bench-trace 0 'trace: [1-9][0-9]* events of the last forward \(0 dropped\)' -- "$comet" bench --backend cpu --scale 32 --tokens 32 --iters 2 --warmup 0 --n-comm 2 --trace "$tdir/b.json"
+expect check-trace 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --scale 16 --tp 2 --ep 2 --tokens 24 --trace "$tdir/c"
+for f in "$tdir/b.json" "$tdir/b.svg" "$tdir/c" "$tdir/c.svg"; do
+    expect "trace-file-$(basename "$f")" 0 '^ok$' -- bash -c '[ -s "$1" ] && echo ok' _ "$f"
+done
+# valid-looking JSON: one object with traceEvents, complete events with ts/dur, every rank named
+expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "$1" | grep -q "}" &&
+    grep -q "\"traceEvents\": \[" "$1" && grep -q "\"ph\": \"X\".*\"ts\": [0-9.]*, \"dur\": [0-9.]*" "$1" &&
+    grep -q "\"name\": \"rank 1\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "\"kind\": \"send\"" "$1" &&
+    { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
+expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
+expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
+expect trace-cuda 2 'tracing is not yet supported on the CUDA backend' -- "$comet" bench --backend cuda --trace "$tdir/x.json"
+rm -rf "$tdir"
 echo "test_cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

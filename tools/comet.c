@@ -33,6 +33,7 @@ typedef struct {
     int iters, warmup;
     const char *backend;
     const char *json;
+    const char *trace;
 } options_t;
 
 static const char *const flag_help =
@@ -50,7 +51,10 @@ static const char *const flag_help =
     "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
     "  --seed S           random seed for inputs and routing (default 1)\n"
     "  --backend B        auto (default), cpu, cuda\n"
-    "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n";
+    "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
+    "  --trace FILE       record every worker's steps in the last forward (CPU engine) as\n"
+    "                     Chrome-trace JSON in FILE (Perfetto, chrome://tracing) and a\n"
+    "                     picture in FILE with .svg in place of .json\n";
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -146,6 +150,8 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
             i++;
         } else if (strcmp(f, "--json") == 0 && v) {
             o->json = v, i++;
+        } else if (strcmp(f, "--trace") == 0 && v) {
+            o->trace = v, i++;
         } else if (strcmp(f, "--backend") == 0 && v &&
                    (strcmp(v, "auto") == 0 || strcmp(v, "cpu") == 0 || strcmp(v, "cuda") == 0)) {
             o->backend = v, i++;
@@ -211,7 +217,15 @@ static int run(const char *cmd, int argc, char **argv) {
     comet_layer_config_t cfg;
     int64_t tokens[64];
     int world, use_cuda;
+    if (o.trace && strcmp(o.backend, "cuda") == 0) {
+        fprintf(stderr, "comet: --trace: tracing is not yet supported on the CUDA backend (use --backend cpu)\n");
+        return 2;
+    }
     if (configure(&o, &cfg, tokens, &world, &use_cuda)) return 2;
+    if (o.trace && use_cuda) { /* --backend auto found GPUs */
+        fprintf(stderr, "comet: --trace: tracing is not yet supported on the CUDA backend (use --backend cpu)\n");
+        return 2;
+    }
 
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;
@@ -230,12 +244,36 @@ static int run(const char *cmd, int argc, char **argv) {
     memset(&r, 0, sizeof r);
     r.n_comm = o.n_comm, r.chunk_cols = o.chunk_cols;
     r.repeats = is_bench ? o.warmup + o.iters : 1;
+    /* Lanes: the rank's thread, its comm workers, its compute workers. */
+    if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
+        comet_world_destroy(w);
+        comet_problem_destroy(p);
+        return 1;
+    }
     comet_status_t st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
         fprintf(stderr, "comet: forward failed: %s: %s\n", comet_status_string(st), comet_last_error());
+        comet_trace_destroy(r.trace);
         comet_problem_destroy(p);
         return 1;
+    }
+    if (r.trace) {
+        char svg[4096];
+        size_t n = strlen(o.trace);
+        int ext = n >= 5 && strcmp(o.trace + n - 5, ".json") == 0;
+        snprintf(svg, sizeof svg, "%.*s.svg", (int)(ext ? n - 5 : n), o.trace);
+        if (comet_trace_write_chrome_json(r.trace, o.trace) != COMET_SUCCESS ||
+            comet_trace_write_svg(r.trace, svg) != COMET_SUCCESS) {
+            fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
+            comet_trace_destroy(r.trace);
+            comet_problem_destroy(p);
+            return 1;
+        }
+        printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n",
+               (long long)comet_trace_event_count(r.trace), (long long)comet_trace_dropped(r.trace), o.trace, svg);
+        comet_trace_destroy(r.trace);
     }
     /* The CPU engine must equal the reference bitwise; a GPU within the
      * tolerance of a different GEMM accumulation order, on sampled tokens. */

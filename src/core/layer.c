@@ -29,6 +29,9 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
     if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
     if (rank < 0 || rank >= world->size)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d is outside [0, %d)", rank, world->size);
+    if (world->local_rank >= 0 && rank != world->local_rank)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: this process holds rank %d of the world", rank,
+                          world->local_rank);
     comet_dims_t dims;
     COMET_TRY(comet_dims_from_config(cfg, world->size, rank, &dims));
     comet_layer_t *l = calloc(1, sizeof *l);

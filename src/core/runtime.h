@@ -29,6 +29,8 @@ struct comet_world {
     pthread_cond_t cv;
     int64_t *next_seq;       /* [size] collective sequence number of each rank */
     comet_rendezvous_t *pending;
+    int local_rank;          /* -1: every rank lives in this process; else the one rank here */
+    void *backend_world;     /* the backend's per-world state (CUDA: communicators) */
 };
 
 struct comet_layer {
@@ -48,7 +50,11 @@ comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *ke
 
 /* CUDA backend (src/cuda/backend.c), in builds with COMET_WITH_CUDA. */
 int comet_cuda_device_count(void);
-comet_status_t comet_cuda_world_init(comet_world_t *w);
+/* device < 0: a local world (rank r on device r); else w->local_rank's device,
+ * joining the others through id (128 bytes). */
+comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int device);
+void comet_cuda_world_destroy(comet_world_t *w);
+comet_status_t comet_cuda_unique_id(void *id);
 comet_status_t comet_cuda_layer_create(comet_layer_t *layer);
 void comet_cuda_layer_destroy(comet_layer_t *layer);
 comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);

@@ -31,7 +31,10 @@ static int env_int(const char *name, int fallback, int lo, int hi) {
     return (int)v;
 }
 
-comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, comet_backend_t backend) {
+/* The body of both constructors: local worlds (local_rank < 0) and one rank
+ * of a world spread over processes (local_rank >= 0, CUDA only). */
+static comet_status_t world_create(comet_world_t **world, int num_ranks, comet_backend_t backend, int local_rank,
+                                   const comet_unique_id_t *id, int device) {
     comet_clear_error();
     if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
     *world = NULL;
@@ -54,10 +57,11 @@ comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, co
     w->timeout_ms = env_int("COMET_TIMEOUT_MS", 60000, 1, 3600 * 1000);
     w->cpu_workers = env_int("COMET_CPU_WORKERS", 2, 1, 256);
     w->next_seq = seq;
+    w->local_rank = local_rank;
     atomic_init(&w->aborted, 0);
 #ifdef COMET_WITH_CUDA
     if (backend == COMET_BACKEND_CUDA) {
-        comet_status_t st = comet_cuda_world_init(w);
+        comet_status_t st = comet_cuda_world_init(w, id ? id->bytes : NULL, local_rank >= 0 ? device : -1);
         if (st != COMET_SUCCESS) {
             free(w->next_seq);
             free(w);
@@ -65,16 +69,46 @@ comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, co
         }
     }
 #endif
+    (void)id, (void)device;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     *world = w;
     return COMET_SUCCESS;
 }
 
+comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks, comet_backend_t backend) {
+    return world_create(world, num_ranks, backend, -1, NULL, -1);
+}
+
+comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int world_size, const comet_unique_id_t *id,
+                                       int device) {
+    comet_clear_error();
+    if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
+    *world = NULL;
+    if (!id) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "id is NULL");
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d of world_size %d is not a rank", rank, world_size);
+    if (device < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "device %d < 0", device);
+    return world_create(world, world_size, COMET_BACKEND_CUDA, rank, id, device);
+}
+
+comet_status_t comet_get_unique_id(comet_unique_id_t *id) {
+    comet_clear_error();
+    if (!id) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "id is NULL");
+#ifdef COMET_WITH_CUDA
+    return comet_cuda_unique_id(id->bytes);
+#else
+    return comet_fail(COMET_ERR_UNSUPPORTED, "this build has no CUDA backend (built without nvcc)");
+#endif
+}
+
 comet_status_t comet_world_destroy(comet_world_t *w) {
     comet_clear_error();
     if (!w) return COMET_SUCCESS;
     if (w->pending) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has a collective call in progress");
+#ifdef COMET_WITH_CUDA
+    if (w->backend == COMET_BACKEND_CUDA) comet_cuda_world_destroy(w);
+#endif
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
     free(w->next_seq);

@@ -36,6 +36,12 @@
  * Comm workers do their tasks in the order send(0), send(1), recv(0),
  * send(2), recv(1), ...: a recv(c) waits only on sends(c) of peers, which no
  * later task precedes, so the protocol cannot deadlock.
+ *
+ * Tracing (comet_layer_set_trace): with a recorder attached, every task above
+ * and every wait that did not hold at once is recorded as one event into the
+ * worker's own lane (src/trace/trace.h): lane 0 the rank's thread, 1..n_comm
+ * the comm workers, then the compute workers. Without one, the only cost is a
+ * NULL check per task.
  */
 #include <sched.h>
 #include <stdarg.h>
@@ -48,6 +54,7 @@
 #include "../core/runtime.h"
 #include "../core/status.h"
 #include "../core/validate.h"
+#include "../trace/trace.h"
 #include "../tuner/tuner.h"
 #include "cpu_math.h"
 
@@ -87,6 +94,7 @@ typedef struct {
     flag_t *l1_done;     /* [H] */
     uint64_t *l1_base;   /* [H] */
     uint64_t epoch;
+    comet_trace_t *trace; /* recorder attached by comet_layer_set_trace, or NULL */
     /* the call in flight */
     const comet_bf16_t *w1, *w2;
     comet_bf16_t *y;
@@ -152,6 +160,33 @@ static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char 
         record_error(l, COMET_ERR_TIMEOUT, msg);
         return -1;
     }
+}
+
+/* ---------------------------------------------------------------------------
+ * Tracing: called only when L->trace is set
+ * ------------------------------------------------------------------------- */
+
+/* Record one step of (role, worker) into its lane, from t0 to now. */
+static void trace_step(comet_layer_t *l, int role, int worker, int kind, int64_t index, int64_t aux, uint64_t t0) {
+    cpu_layer_t *L = l->backend_state;
+    int lane = role == COMET_TRACE_HOST ? 0 : role == COMET_TRACE_COMM ? 1 + worker : 1 + L->n_comm + worker;
+    comet_trace_event_t ev = {t0, comet_trace_now_ns(), (int32_t)index, (int32_t)aux, (uint16_t)l->rank,
+                              (uint16_t)worker, (uint8_t)role, (uint8_t)kind, (uint16_t)L->epoch};
+    comet_trace_record(L->trace, lane, &ev);
+}
+
+/* Start of a wait worth recording: now, if tracing and the flag does not hold
+ * yet; else 0 (nothing to record). */
+static uint64_t trace_wait_begin(const cpu_layer_t *L, flag_t *flag, uint64_t target) {
+    if (!L->trace || atomic_load_explicit(flag, memory_order_relaxed) >= target) return 0;
+    return comet_trace_now_ns();
+}
+
+comet_status_t comet_cpu_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
+    cpu_layer_t *L = l->backend_state;
+    if (!L) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has no CPU state", l->rank);
+    L->trace = trace;
+    return COMET_SUCCESS;
 }
 
 /* ---------------------------------------------------------------------------
@@ -282,28 +317,36 @@ static void *compute_worker(void *arg) {
         int32_t b = p->l0_order[i / nt0];
         const comet_plan_block_t *blk = &p->blocks[b];
         int64_t n0 = (i % nt0) * GEMM0_TILE_N, n1 = min64(n0 + GEMM0_TILE_N, fl);
+        uint64_t tw = trace_wait_begin(L, &L->block_ready[b], L->epoch);
         if (wait_geq(l, &L->block_ready[b], L->epoch, "gemm worker", wk->index,
                      "rows of block %d (expert %d, rows %d..%d, stage %d)", b, blk->expert, blk->row_start,
                      blk->row_start + blk->num_rows - 1, blk->stage))
             return NULL;
+        if (tw) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, b, COMET_TRACE_GEMM0, tw);
+        uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
         const comet_bf16_t *w1_e = L->w1 + (int64_t)blk->expert * d->w1_rows * hd;
         for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
             comet_cpu_gemm0_row(d, L->a + row * hd, w1_e, n0, n1, L->h + row * fl);
+        if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM0, b, i % nt0, t0);
         mine++;
     }
     atomic_fetch_add_explicit(&L->l0_done, mine, memory_order_release);
+    uint64_t tw = trace_wait_begin(L, &L->l0_done, L->l0_base + (uint64_t)(nb * nt0));
     if (wait_geq(l, &L->l0_done, L->l0_base + (uint64_t)(nb * nt0), "gemm worker", wk->index,
                  "layer 0 to finish (%lld tiles)", (long long)(nb * nt0)))
         return NULL;
+    if (tw) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, -1, COMET_TRACE_GEMM1, tw);
 
     /* Layer 1: GEMM1, column chunk by column chunk across all blocks. */
     for (int64_t i = wk->index; i < L->n_chunks * nb; i += L->n_compute) {
         int64_t c = i / nb;
         const comet_plan_block_t *blk = &p->blocks[p->l0_order[i % nb]];
         int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
+        uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
         const comet_bf16_t *w2_e = L->w2 + (int64_t)blk->expert * hd * fl;
         for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
             comet_cpu_gemm1_row(d, L->h + row * fl, w2_e, c0, c1, L->o + row * hd);
+        if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM1, p->l0_order[i % nb], c, t0);
         atomic_fetch_add_explicit(&L->l1_done[c], 1, memory_order_release);
     }
     return NULL;
@@ -316,9 +359,12 @@ static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
     const comet_dims_t *d = &l->dims;
     const comet_plan_t *p = &L->plan;
     const int64_t hd = d->hidden, topk = d->topk, nb = p->totals->num_blocks;
+    uint64_t tw = trace_wait_begin(L, &L->l1_done[c], L->l1_base[c] + (uint64_t)nb);
     if (wait_geq(l, &L->l1_done[c], L->l1_base[c] + (uint64_t)nb, "comm worker", worker,
                  "GEMM1 tiles of chunk %lld (%lld blocks)", (long long)c, (long long)nb))
         return -1;
+    if (tw) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_SEND, tw);
+    uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
     int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
     cpu_sym_t *home = &L->sh->rank[h];
     const int32_t *ros = p->row_of_slot + (int64_t)h * d->max_tokens * topk;
@@ -333,6 +379,7 @@ static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
         }
     }
     atomic_store_explicit(&home->partial_flag[(int64_t)l->rank * hd + c], L->epoch, memory_order_release);
+    if (t0) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_SEND, c, h, t0);
     return 0;
 }
 
@@ -343,10 +390,15 @@ static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
     const comet_plan_t *p = &L->plan;
     const int64_t hd = d->hidden, topk = d->topk;
     cpu_sym_t *me = &L->sh->rank[l->rank];
-    for (int q = 0; q < d->world_size; q++)
+    uint64_t tw = 0;
+    for (int q = 0; q < d->world_size; q++) {
+        if (!tw) tw = trace_wait_begin(L, &me->partial_flag[(int64_t)q * hd + c], L->epoch);
         if (wait_geq(l, &me->partial_flag[(int64_t)q * hd + c], L->epoch, "comm worker", worker,
                      "partials of chunk %lld from rank %d", (long long)c, q))
             return -1;
+    }
+    if (tw) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_RECV, tw);
+    uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
     int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
     for (int64_t t = 0; t < L->num_tokens; t++) {
         const int32_t *groups = p->home_groups + t * topk;
@@ -360,6 +412,7 @@ static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
             L->y[t * hd + col] = comet_f32_to_bf16(acc);
         }
     }
+    if (t0) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_RECV, c, -1, t0);
     return 0;
 }
 
@@ -376,12 +429,14 @@ static void *comm_worker(void *arg) {
     for (int64_t i = wk->index; i < nb; i += n) {
         int32_t b = p->l0_order[i];
         const comet_plan_block_t *blk = &p->blocks[b];
+        uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
         for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++) {
             const comet_plan_row_t *pr = &p->rows[row];
             memcpy(L->a + row * hd, L->sh->rank[pr->src_rank].x + (int64_t)pr->src_token * hd,
                    (size_t)hd * sizeof(comet_bf16_t));
         }
         atomic_store_explicit(&L->block_ready[b], L->epoch, memory_order_release);
+        if (t0) trace_step(l, COMET_TRACE_COMM, wk->index, COMET_TRACE_PULL, b, blk->stage, t0);
     }
 
     /* Layer 1: send(0), send(1), recv(0), send(2), recv(1), ..., recv(C-1). */
@@ -453,7 +508,9 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
 
     const uint64_t epoch = ++L->epoch;
     L->err = COMET_SUCCESS;
+    uint64_t th = L->trace ? comet_trace_now_ns() : 0;
     COMET_TRY(wait_all_ranks(l, 1, epoch - 1));
+    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 0, -1, th);
 
     /* Stage inputs (or the failure) for the peers. */
     me->status = own;
@@ -466,7 +523,9 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
         me->chunk_cols = tune.chunk_cols;
     }
     atomic_store_explicit(&me->entry, epoch, memory_order_release);
+    if (th) th = comet_trace_now_ns();
     COMET_TRY(wait_all_ranks(l, 0, epoch));
+    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, th);
 
     /* Any failure anywhere: every rank returns without writing. */
     comet_status_t st = COMET_SUCCESS;
@@ -493,6 +552,7 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     }
 
     /* Plan from every rank's staged routing. */
+    if (th) th = comet_trace_now_ns();
     const int w = d->world_size;
     const int32_t *idx[COMET_MAX_RANKS];
     const float *wt[COMET_MAX_RANKS];
@@ -504,6 +564,7 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     }
     comet_plan_input_t in = {counts, idx, wt};
     comet_plan_build(d, &in, &L->plan);
+    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, -1, -1, th);
 
     L->w1 = args->w1.data;
     L->w2 = args->w2.data;

@@ -52,21 +52,67 @@ int comet_cuda_device_count(void) {
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-comet_status_t comet_cuda_world_init(comet_world_t *w) {
+/* Per-world state: one communicator per rank, shared by the rank's layers.
+ * Local worlds create a rank's communicator with its first layer (the ranks
+ * agree on a fresh id in the create rendezvous: an NCCL id serves one
+ * communicator) and destroy it with its last; a world spread over processes
+ * creates its one rank's communicator with the world. */
+typedef struct {
+    comet_comm_t *comm[COMET_CUDA_MAX_RANKS];
+    int layers[COMET_CUDA_MAX_RANKS];
+    int device;                 /* external worlds: this rank's device */
+} cuda_world_t;
+
+static int device_of(const comet_world_t *w, int rank) {
+    return w->local_rank >= 0 ? ((const cuda_world_t *)w->backend_world)->device : rank;
+}
+
+comet_status_t comet_cuda_unique_id(void *id) {
+    comet_comm_id_t cid;
+    COMET_TRY(comet_comm_unique_id(&cid));
+    memcpy(id, cid.bytes, sizeof cid.bytes);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int device) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
         return comet_fail(COMET_ERR_UNSUPPORTED, "no CUDA device: %s",
                           e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found 0");
-    if (w->size > n)
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "%d ranks but only %d CUDA devices", w->size, n);
     if (w->size > COMET_CUDA_MAX_RANKS)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "the CUDA backend runs at most %d ranks", COMET_CUDA_MAX_RANKS);
+    if (w->local_rank < 0 && w->size > n)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "%d ranks but only %d CUDA devices", w->size, n);
+    if (w->local_rank >= 0 && device >= n)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "device %d, but only %d CUDA devices", device, n);
+    cuda_world_t *cw = calloc(1, sizeof *cw);
+    if (!cw) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "world: no memory");
+    cw->device = device;
+    if (w->local_rank >= 0 && w->size > 1) {
+        comet_comm_id_t cid;
+        memcpy(cid.bytes, id, sizeof cid.bytes);
+        comet_status_t st = comet_comm_create(&cw->comm[w->local_rank], w->local_rank, w->size, &cid, device);
+        if (st != COMET_SUCCESS) {
+            free(cw);
+            return st;
+        }
+    }
+    w->backend_world = cw;
     return COMET_SUCCESS;
 }
 
-/* What the ranks of one collective layer create share: a fresh NCCL id (an
- * id serves one communicator only), made by the first rank to arrive. */
+void comet_cuda_world_destroy(comet_world_t *w) {
+    cuda_world_t *cw = w->backend_world;
+    if (!cw) return;
+    if (w->local_rank >= 0) comet_comm_destroy(cw->comm[w->local_rank]);
+    free(cw);
+    w->backend_world = NULL;
+}
+
+/* What the ranks of a local world share when a layer is created: a fresh NCCL
+ * id, made by the first rank to arrive, used when the ranks have no
+ * communicator yet. The rendezvous also checks that the configs agree. */
 typedef struct {
     atomic_int refs;
     comet_status_t status;
@@ -74,11 +120,18 @@ typedef struct {
     comet_comm_id_t id;
 } cuda_shared_t;
 
+typedef struct {
+    int ranks;   /* holders of the shared object */
+    int need_id; /* the ranks have no communicator yet (the same on every rank) */
+} shared_id_arg_t;
+
 static void *make_shared_id(void *arg) {
+    const shared_id_arg_t *a = arg;
     cuda_shared_t *s = calloc(1, sizeof *s);
     if (!s) return NULL;
-    atomic_init(&s->refs, *(const int *)arg);
-    s->status = comet_comm_unique_id(&s->id);
+    atomic_init(&s->refs, a->ranks);
+    /* an id starts a listener in NCCL: make one only when it will be used */
+    s->status = a->need_id ? comet_comm_unique_id(&s->id) : COMET_SUCCESS;
     snprintf(s->message, sizeof s->message, "%s", comet_last_error());
     return s;
 }
@@ -87,16 +140,65 @@ static void release_shared_id(cuda_shared_t *s) {
     if (s && atomic_fetch_sub(&s->refs, 1) == 1) free(s);
 }
 
+/* The rank's communicator, created on first use (local worlds), and checks
+ * that every rank brought the same config. */
+static comet_status_t join_ranks(comet_layer_t *l, comet_comm_t **comm) {
+    const comet_dims_t *d = &l->dims;
+    const int rank = l->rank, w = d->world_size;
+    cuda_world_t *cw = l->world->backend_world;
+    comet_dims_t key = *d;
+    key.rank = key.tp_rank = key.ep_rank = 0;
+    if (l->world->local_rank < 0) {
+        cuda_shared_t *sh = NULL;
+        shared_id_arg_t arg = {w, cw->comm[rank] == NULL};
+        comet_status_t st = comet_world_rendezvous(l->world, rank, &key, sizeof key, make_shared_id, &arg, (void **)&sh);
+        if (st == COMET_SUCCESS && !cw->comm[rank] && sh->status != COMET_SUCCESS) st = comet_fail_copy(sh->status, sh->message);
+        if (st == COMET_SUCCESS && !cw->comm[rank]) st = comet_comm_create(&cw->comm[rank], rank, w, &sh->id, rank);
+        release_shared_id(sh);
+        COMET_TRY(st);
+    } else {
+        /* across processes: the configs agree when max and min of a hash do */
+        uint64_t h = 1469598103934665603ull;
+        const unsigned char *b = (const unsigned char *)&key;
+        for (size_t i = 0; i < sizeof key; i++) h = (h ^ b[i]) * 1099511628211ull;
+        uint64_t host[2] = {h, ~h}, *dev = NULL;
+        cudaError_t e = cudaMalloc((void **)&dev, sizeof host);
+        if (e == cudaSuccess) e = cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            cudaFree(dev);
+            return cuda_fail(rank, e, "config check");
+        }
+        ncclResult_t r = ncclAllReduce(dev, dev, 2, ncclUint64, ncclMax, comet_comm_nccl(cw->comm[rank]), 0);
+        e = r == ncclSuccess ? cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost) : cudaSuccess;
+        cudaFree(dev);
+        if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: config check: %s", rank, ncclGetErrorString(r));
+        if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
+        if (host[0] != ~host[1])
+            return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: ranks passed different configs to comet_layer_create",
+                              rank);
+    }
+    *comm = cw->comm[rank];
+    cw->layers[rank]++;
+    return COMET_SUCCESS;
+}
+
+/* The layer's hold on its rank's communicator ends; a local world's last
+ * layer on a rank takes the communicator with it (every rank at once). */
+static void leave_ranks(comet_world_t *world, int rank) {
+    cuda_world_t *cw = world->backend_world;
+    if (--cw->layers[rank] == 0 && world->local_rank < 0) {
+        comet_comm_destroy(cw->comm[rank]);
+        cw->comm[rank] = NULL;
+    }
+}
+
 static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
     for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
     cudaFree(L->sym_single);
-    if (L->comm) {
-        comet_comm_free_symmetric(L->comm, &L->sym);
-        comet_comm_destroy(L->comm);
-    }
+    if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
     free(L);
 }
 
@@ -116,9 +218,9 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     const int rank = l->rank, w = d->world_size;
     cuda_layer_t *L = calloc(1, sizeof *L);
     if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
-    L->device = rank;
+    L->device = device_of(l->world, rank);
     comet_status_t st = COMET_SUCCESS;
-    cudaError_t e = cudaSetDevice(rank);
+    cudaError_t e = cudaSetDevice(L->device);
     if (e != cudaSuccess) {
         free(L);
         return cuda_fail(rank, e, "cudaSetDevice");
@@ -127,17 +229,15 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     c->d = *d;
     comet_cuda_sym_layout(d, &c->lay);
     if (w > 1) {
-        cuda_shared_t *sh = NULL;
-        comet_dims_t key = *d;
-        key.rank = key.tp_rank = key.ep_rank = 0;
-        int ranks = w;
-        st = comet_world_rendezvous(l->world, rank, &key, sizeof key, make_shared_id, &ranks, (void **)&sh);
-        if (st == COMET_SUCCESS && sh->status != COMET_SUCCESS) st = comet_fail_copy(sh->status, sh->message);
-        if (st == COMET_SUCCESS) st = comet_comm_create(&L->comm, rank, w, &sh->id, rank);
-        release_shared_id(sh);
-        if (st == COMET_SUCCESS) st = comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym);
+        st = join_ranks(l, &L->comm);
+        if (st != COMET_SUCCESS) {
+            free(L);
+            return st;
+        }
+        st = comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym);
         if (st != COMET_SUCCESS) {
             free_all(L);
+            leave_ranks(l->world, rank);
             return st;
         }
         c->sym = L->sym.local;
@@ -156,6 +256,7 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     for (int i = 0; i < 6 && e == cudaSuccess; i++) e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
     if (e != cudaSuccess) {
         free_all(L);
+        if (w > 1) leave_ranks(l->world, rank);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
                           cudaGetErrorString(e));
     }
@@ -163,9 +264,9 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     c->plan_ws = L->priv[1];
     c->a = L->priv[2], c->h = L->priv[3], c->o = L->priv[4];
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
-    cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, rank);
+    cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
     int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, rank);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
     L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
 
     /* device state: epoch 0, every rank's staged routing as this GPU sees it */
@@ -179,13 +280,11 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     if (e == cudaSuccess) e = cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t));
     if (e == cudaSuccess) e = cudaMemset(L->priv[5], 0, 256);
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-        free_all(L);
-        return cuda_fail(rank, e, "initialising the layer");
-    }
-    st = barrier(L, rank);
+    if (e == cudaSuccess) st = barrier(L, rank);
+    else st = cuda_fail(rank, e, "initialising the layer");
     if (st != COMET_SUCCESS) {
         free_all(L);
+        if (w > 1) leave_ranks(l->world, rank);
         return st;
     }
     l->backend_state = L;
@@ -198,7 +297,9 @@ void comet_cuda_layer_destroy(comet_layer_t *l) {
     cudaSetDevice(L->device);
     cudaDeviceSynchronize(); /* the caller's stream may be gone already */
     barrier(L, l->rank); /* no rank frees memory a peer may still read */
+    const int shared_comm = L->comm != NULL;
     free_all(L);
+    if (shared_comm) leave_ranks(l->world, l->rank);
     l->backend_state = NULL;
 }
 

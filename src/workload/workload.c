@@ -338,10 +338,13 @@ static void *rank_main(void *arg) {
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
 #ifdef COMET_WITH_CUDA
     if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA) {
-        st = rank_cuda(job, layer, &a);
+        if (run->trace) st = comet_layer_set_trace(layer, run->trace); /* says: not yet on CUDA */
+        if (st == COMET_SUCCESS) st = rank_cuda(job, layer, &a);
     } else
 #endif
         for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
+            if (run->trace && i == run->repeats - 1) st = comet_layer_set_trace(layer, run->trace);
+            if (st != COMET_SUCCESS) break;
             double t0 = wall_ms();
             st = comet_layer_forward(layer, &a);
             job->ms[i] = wall_ms() - t0;
@@ -350,6 +353,7 @@ static void *rank_main(void *arg) {
         run->status[job->rank] = st;
         snprintf(run->message[job->rank], sizeof run->message[0], "%s", st ? comet_last_error() : "");
     }
+    if (layer && run->trace) comet_layer_set_trace(layer, NULL);
     comet_layer_destroy(layer);
     return NULL;
 }

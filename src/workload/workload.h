@@ -88,6 +88,7 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, com
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
     int repeats;            /* forward calls per rank (>= 1) */
+    comet_trace_t *trace;   /* when not NULL, attached to every rank's layer for the last call */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     double ms_median;       /* median over timed repeats of the slowest rank's call */

@@ -1,0 +1,465 @@
+/*
+ * trace.c - the trace recorder: fixed-size per-lane event buffers (layout in
+ * trace.h), the public create/destroy/clear/count calls, attaching a recorder
+ * to a layer, and the two writers: Chrome-trace JSON and an SVG picture with
+ * one lane per rank x worker.
+ */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/runtime.h"
+#include "../core/status.h"
+#include "trace.h"
+
+#define DEFAULT_LANES 32
+#define DEFAULT_EVENTS (1 << 14)
+
+/* ---------------------------------------------------------------------------
+ * Recorder
+ * ------------------------------------------------------------------------- */
+
+comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_per_rank, int64_t events_per_lane) {
+    comet_clear_error();
+    if (!out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace is NULL");
+    *out = NULL;
+    if (num_ranks < 1 || num_ranks > 65535)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: num_ranks %d is outside [1, 65535]", num_ranks);
+    if (lanes_per_rank < 0 || lanes_per_rank > 65536)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: lanes_per_rank %d is outside [0, 65536]",
+                          lanes_per_rank);
+    if (events_per_lane < 0 || events_per_lane > ((int64_t)1 << 31))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: events_per_lane %lld is outside [0, 2^31]",
+                          (long long)events_per_lane);
+    comet_trace_t *t = calloc(1, sizeof *t);
+    if (!t) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory");
+    t->ranks = num_ranks;
+    t->lanes = lanes_per_rank ? lanes_per_rank : DEFAULT_LANES;
+    t->capacity = events_per_lane ? events_per_lane : DEFAULT_EVENTS;
+    atomic_init(&t->out_of_range, 0);
+    const size_t n_lanes = (size_t)t->ranks * (size_t)t->lanes;
+    t->counts = calloc(n_lanes, sizeof *t->counts);
+    t->events = calloc(n_lanes * (size_t)t->capacity, sizeof *t->events);
+    if (!t->counts || !t->events) {
+        comet_trace_destroy(t);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for %d x %d lanes of %lld events", t->ranks,
+                          t->lanes, (long long)t->capacity);
+    }
+    *out = t;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_trace_destroy(comet_trace_t *t) {
+    comet_clear_error();
+    if (!t) return COMET_SUCCESS;
+    free(t->counts);
+    free(t->events);
+    free(t);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_trace_clear(comet_trace_t *t) {
+    comet_clear_error();
+    if (!t) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace is NULL");
+    memset(t->counts, 0, (size_t)t->ranks * (size_t)t->lanes * sizeof *t->counts);
+    atomic_store(&t->out_of_range, 0);
+    return COMET_SUCCESS;
+}
+
+void comet_trace_record(comet_trace_t *t, int lane, const comet_trace_event_t *ev) {
+    if (ev->rank >= t->ranks || lane < 0 || lane >= t->lanes) {
+        atomic_fetch_add_explicit(&t->out_of_range, 1, memory_order_relaxed);
+        return;
+    }
+    const size_t slot = (size_t)ev->rank * (size_t)t->lanes + (size_t)lane;
+    uint32_t n = t->counts[slot];
+    if (n != UINT32_MAX) t->counts[slot] = n + 1; /* saturate: a full lane stays full */
+    if ((int64_t)n < t->capacity) t->events[slot * (size_t)t->capacity + n] = *ev;
+}
+
+size_t comet_trace_buffer_bytes(const comet_trace_t *t) {
+    return (size_t)t->ranks * (size_t)t->lanes * (size_t)t->capacity * sizeof(comet_trace_event_t);
+}
+comet_trace_event_t *comet_trace_buffer(comet_trace_t *t) { return t->events; }
+uint32_t *comet_trace_counts(comet_trace_t *t) { return t->counts; }
+
+static int64_t kept_in(const comet_trace_t *t, size_t slot) {
+    int64_t n = t->counts[slot];
+    return n < t->capacity ? n : t->capacity;
+}
+
+int64_t comet_trace_event_count(const comet_trace_t *t) {
+    if (!t) return 0;
+    int64_t n = 0;
+    for (size_t s = 0; s < (size_t)t->ranks * (size_t)t->lanes; s++) n += kept_in(t, s);
+    return n;
+}
+
+int64_t comet_trace_dropped(const comet_trace_t *t) {
+    if (!t) return 0;
+    int64_t n = atomic_load(&((comet_trace_t *)t)->out_of_range);
+    for (size_t s = 0; s < (size_t)t->ranks * (size_t)t->lanes; s++) n += (int64_t)t->counts[s] - kept_in(t, s);
+    return n;
+}
+
+comet_status_t comet_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    if (l->world->backend == COMET_BACKEND_CUDA)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: tracing is not yet supported on the CUDA backend", l->rank);
+    return comet_cpu_layer_set_trace(l, trace);
+}
+
+/* ---------------------------------------------------------------------------
+ * Names
+ * ------------------------------------------------------------------------- */
+
+static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {"pull", "gemm0", "gemm1", "send",
+                                                              "recv", "wait",  "barrier", "plan"};
+
+const char *comet_trace_kind_name(int kind) {
+    return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_names[kind] : "unknown";
+}
+
+const char *comet_trace_role_name(int role) {
+    return role == COMET_TRACE_HOST ? "host" : role == COMET_TRACE_COMM ? "comm" : role == COMET_TRACE_GEMM ? "gemm" : "other";
+}
+
+int comet_trace_kind_layer(int kind) {
+    switch (kind) {
+    case COMET_TRACE_PULL:
+    case COMET_TRACE_GEMM0: return 0;
+    case COMET_TRACE_GEMM1:
+    case COMET_TRACE_SEND:
+    case COMET_TRACE_RECV: return 1;
+    default: return -1;
+    }
+}
+
+/* "gemm0 b3 t2", "send c1 to r0", "wait for gemm1 c2", ... */
+static void event_label(const comet_trace_event_t *e, char *buf, size_t n) {
+    const char *k = comet_trace_kind_name(e->kind);
+    switch (e->kind) {
+    case COMET_TRACE_PULL: snprintf(buf, n, "pull b%d", e->index); break;
+    case COMET_TRACE_GEMM0: snprintf(buf, n, "gemm0 b%d t%d", e->index, e->aux); break;
+    case COMET_TRACE_GEMM1: snprintf(buf, n, "gemm1 b%d c%d", e->index, e->aux); break;
+    case COMET_TRACE_SEND: snprintf(buf, n, "send c%d to r%d", e->index, e->aux); break;
+    case COMET_TRACE_RECV: snprintf(buf, n, "recv c%d", e->index); break;
+    case COMET_TRACE_WAIT: snprintf(buf, n, "wait for %s %d", comet_trace_kind_name(e->aux), e->index); break;
+    case COMET_TRACE_BARRIER: snprintf(buf, n, "barrier (%s)", e->index ? "entry" : "previous call done"); break;
+    default: snprintf(buf, n, "%s", k); break;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Collected view for the writers: kept events, sorted lanes, time origin.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int rank, role, worker;
+} lane_key_t;
+
+typedef struct {
+    comet_trace_event_t *ev;
+    int64_t n;
+    lane_key_t *lanes;
+    int64_t n_lanes;
+    uint64_t t0, t1; /* earliest begin, latest end */
+} view_t;
+
+static int cmp_lane(const void *a, const void *b) {
+    const lane_key_t *x = a, *y = b;
+    if (x->rank != y->rank) return x->rank - y->rank;
+    if (x->role != y->role) return x->role - y->role;
+    return x->worker - y->worker;
+}
+
+/* By lane, then by begin: the writers walk each lane's events in one run. */
+static int cmp_event(const void *a, const void *b) {
+    const comet_trace_event_t *x = a, *y = b;
+    lane_key_t kx = {x->rank, x->role, x->worker}, ky = {y->rank, y->role, y->worker};
+    int c = cmp_lane(&kx, &ky);
+    if (c) return c;
+    return (x->t_begin_ns > y->t_begin_ns) - (x->t_begin_ns < y->t_begin_ns);
+}
+
+static int same_lane(const comet_trace_event_t *e, const lane_key_t *k) {
+    return e->rank == k->rank && e->role == k->role && e->worker == k->worker;
+}
+
+static void view_free(view_t *v) {
+    free(v->ev);
+    free(v->lanes);
+}
+
+static comet_status_t view_make(const comet_trace_t *t, view_t *v) {
+    memset(v, 0, sizeof *v);
+    if (!t) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace is NULL");
+    int64_t total = comet_trace_event_count(t);
+    v->ev = malloc((size_t)(total ? total : 1) * sizeof *v->ev);
+    v->lanes = malloc((size_t)(total ? total : 1) * sizeof *v->lanes);
+    if (!v->ev || !v->lanes) {
+        view_free(v);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory to write %lld events", (long long)total);
+    }
+    for (size_t s = 0; s < (size_t)t->ranks * (size_t)t->lanes; s++) {
+        int64_t k = kept_in(t, s);
+        memcpy(v->ev + v->n, t->events + s * (size_t)t->capacity, (size_t)k * sizeof *v->ev);
+        v->n += k;
+    }
+    v->t0 = UINT64_MAX;
+    for (int64_t i = 0; i < v->n; i++) {
+        const comet_trace_event_t *e = &v->ev[i];
+        if (e->t_begin_ns < v->t0) v->t0 = e->t_begin_ns;
+        if (e->t_end_ns > v->t1) v->t1 = e->t_end_ns;
+        v->lanes[i] = (lane_key_t){e->rank, e->role, e->worker};
+    }
+    if (v->n == 0) v->t0 = v->t1 = 0;
+    qsort(v->ev, (size_t)v->n, sizeof *v->ev, cmp_event);
+    qsort(v->lanes, (size_t)v->n, sizeof *v->lanes, cmp_lane);
+    for (int64_t i = 0; i < v->n; i++)
+        if (v->n_lanes == 0 || cmp_lane(&v->lanes[v->n_lanes - 1], &v->lanes[i]) != 0) v->lanes[v->n_lanes++] = v->lanes[i];
+    return COMET_SUCCESS;
+}
+
+static double us_since(const view_t *v, uint64_t ns) { return (double)(ns - v->t0) * 1e-3; }
+
+static comet_status_t open_out(const char *path, FILE **f) {
+    if (!path) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: path is NULL");
+    *f = fopen(path, "w");
+    if (!*f) return comet_fail(COMET_ERR_SYSTEM, "trace: cannot open %s for writing: %s", path, strerror(errno));
+    return COMET_SUCCESS;
+}
+
+static comet_status_t close_out(FILE *f, const char *path) {
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad) return comet_fail(COMET_ERR_SYSTEM, "trace: writing %s failed", path);
+    return COMET_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------
+ * Chrome-trace JSON
+ * ------------------------------------------------------------------------- */
+
+comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char *path) {
+    comet_clear_error();
+    view_t v;
+    COMET_TRY(view_make(t, &v));
+    FILE *f;
+    comet_status_t st = open_out(path, &f);
+    if (st != COMET_SUCCESS) {
+        view_free(&v);
+        return st;
+    }
+    fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld},\n"
+               " \"traceEvents\": [\n",
+            (long long)v.n, (long long)comet_trace_dropped(t));
+    const char *sep = "  ";
+    int last_rank = -1;
+    for (int64_t i = 0; i < v.n_lanes; i++) {
+        const lane_key_t *k = &v.lanes[i];
+        if (k->rank != last_rank) {
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}}", sep,
+                    k->rank, k->rank);
+            sep = ",\n  ";
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": %d, \"args\": {\"sort_index\": %d}}",
+                    sep, k->rank, k->rank);
+            last_rank = k->rank;
+        }
+        int tid = k->role * 1000 + k->worker;
+        if (k->role == COMET_TRACE_HOST)
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"host\"}}",
+                    sep, k->rank, tid);
+        else
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"%s %d\"}}",
+                    sep, k->rank, tid, comet_trace_role_name(k->role), k->worker);
+        fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": %d, \"tid\": %d, \"args\": {\"sort_index\": %d}}",
+                sep, k->rank, tid, tid);
+    }
+    for (int64_t i = 0; i < v.n; i++) {
+        const comet_trace_event_t *e = &v.ev[i];
+        char label[96];
+        event_label(e, label, sizeof label);
+        int layer = comet_trace_kind_layer(e->kind);
+        double ts = us_since(&v, e->t_begin_ns);
+        double dur = e->t_end_ns >= e->t_begin_ns ? (double)(e->t_end_ns - e->t_begin_ns) * 1e-3 : 0.0;
+        fprintf(f,
+                "%s{\"ph\": \"X\", \"name\": \"%s\", \"cat\": \"%s%s%s\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, "
+                "\"dur\": %.3f, \"args\": {\"kind\": \"%s\", \"index\": %d, \"aux\": %d, \"call\": %d}}",
+                sep, label, comet_trace_role_name(e->role), layer >= 0 ? (layer ? ",layer1" : ",layer0") : "",
+                e->kind == COMET_TRACE_WAIT ? ",wait" : "", e->rank, e->role * 1000 + e->worker, ts, dur,
+                comet_trace_kind_name(e->kind), e->index, e->aux, e->call);
+        sep = ",\n  ";
+    }
+    fprintf(f, "\n ]\n}\n");
+    view_free(&v);
+    return close_out(f, path);
+}
+
+/* ---------------------------------------------------------------------------
+ * SVG
+ * ------------------------------------------------------------------------- */
+
+#define SVG_WIDTH 1400.0
+#define SVG_LEFT 120.0  /* lane labels */
+#define SVG_RIGHT 30.0
+#define SVG_TOP 62.0    /* title and legend */
+#define SVG_LANE 16.0   /* lane height */
+#define SVG_HEADER 18.0 /* rank header with the layer bands */
+#define SVG_GAP 10.0    /* between ranks */
+
+static const char *kind_color(int kind) {
+    switch (kind) {
+    case COMET_TRACE_PULL: return "#6baed6";   /* comm, layer 0: light blue */
+    case COMET_TRACE_SEND: return "#08519c";   /* comm, layer 1: dark blue */
+    case COMET_TRACE_RECV: return "#54278f";   /* comm, layer 1: purple */
+    case COMET_TRACE_GEMM0: return "#fdae6b";  /* gemm, layer 0: light orange */
+    case COMET_TRACE_GEMM1: return "#d94801";  /* gemm, layer 1: dark orange */
+    case COMET_TRACE_PLAN: return "#74c476";   /* host: green */
+    case COMET_TRACE_BARRIER: return "#d9d9d9";
+    default: return "#969696";                 /* waits */
+    }
+}
+
+/* A tick step of 1, 2 or 5 x 10^k giving about `want` ticks over span. */
+static double tick_step(double span, int want) {
+    double raw = span / want, p = 1;
+    while (p * 10 <= raw) p *= 10;
+    while (p > raw) p /= 10;
+    return raw >= 5 * p ? 5 * p : raw >= 2 * p ? 2 * p : p;
+}
+
+comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
+    comet_clear_error();
+    view_t v;
+    COMET_TRY(view_make(t, &v));
+    FILE *f;
+    comet_status_t st = open_out(path, &f);
+    if (st != COMET_SUCCESS) {
+        view_free(&v);
+        return st;
+    }
+    /* Vertical layout: every rank a header row (layer bands), then its lanes. */
+    double *lane_y = malloc((size_t)(v.n_lanes ? v.n_lanes : 1) * sizeof(double));
+    int max_rank = v.n_lanes ? v.lanes[v.n_lanes - 1].rank : -1;
+    double *rank_y = malloc((size_t)(max_rank + 2) * sizeof(double));
+    if (!lane_y || !rank_y) {
+        free(lane_y), free(rank_y), fclose(f), view_free(&v);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for the picture");
+    }
+    double y = SVG_TOP;
+    for (int64_t i = 0; i < v.n_lanes; i++) {
+        if (i == 0 || v.lanes[i].rank != v.lanes[i - 1].rank) {
+            if (i) y += SVG_GAP;
+            rank_y[v.lanes[i].rank] = y;
+            y += SVG_HEADER;
+        }
+        lane_y[i] = y;
+        y += SVG_LANE;
+    }
+    const double plot_w = SVG_WIDTH - SVG_LEFT - SVG_RIGHT, axis_y = y + 6, height = axis_y + 40;
+    const double span_us = v.n ? (v.t1 > v.t0 ? (double)(v.t1 - v.t0) * 1e-3 : 1e-3) : 1.0;
+#define X_OF(ns) (SVG_LEFT + us_since(&v, (ns)) / span_us * plot_w)
+
+    fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+               "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+               "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"11\">\n"
+               "<!-- comet trace: one lane per rank x worker; %lld events, %lld dropped -->\n"
+               "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+            SVG_WIDTH, height, SVG_WIDTH, height, (long long)v.n, (long long)comet_trace_dropped(t));
+    fprintf(f, "<text x=\"10\" y=\"18\" font-size=\"14\" font-weight=\"bold\">comet trace: %d rank%s, %.1f us, "
+               "%lld events%s</text>\n",
+            max_rank + 1, max_rank ? "s" : "", span_us, (long long)v.n,
+            comet_trace_dropped(t) ? " (some dropped: lanes were full)" : "");
+    /* Legend. */
+    static const int legend[] = {COMET_TRACE_PULL,  COMET_TRACE_GEMM0, COMET_TRACE_GEMM1, COMET_TRACE_SEND,
+                                 COMET_TRACE_RECV,  COMET_TRACE_WAIT,  COMET_TRACE_PLAN,  COMET_TRACE_BARRIER};
+    static const char *const legend_text[] = {"layer 0 comm: pull rows", "layer 0 GEMM0 tile", "layer 1 GEMM1 tile",
+                                              "layer 1 comm: send partials", "layer 1 comm: sum into y", "wait on a flag",
+                                              "host: plan", "host: barrier"};
+    double lx = 10;
+    for (int i = 0; i < 8; i++) {
+        fprintf(f, "<rect x=\"%.1f\" y=\"30\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"40\">%s</text>\n",
+                lx, legend[i] == COMET_TRACE_WAIT ? 4 : 10, kind_color(legend[i]), lx + 16, legend_text[i]);
+        lx += 24 + 6.2 * (double)strlen(legend_text[i]);
+    }
+    fprintf(f, "<text x=\"10\" y=\"54\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + GEMM0) and "
+               "of layer 1 (GEMM1 + combine); overlap shows where comm and GEMM bars share a time</text>\n");
+    /* Grid and time axis. */
+    double step = tick_step(span_us, 10);
+    fprintf(f, "<g class=\"axis\" stroke=\"#ccc\" stroke-width=\"0.5\">\n");
+    for (double u = 0; u <= span_us * 1.0001; u += step)
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n", SVG_LEFT + u / span_us * plot_w,
+                SVG_TOP - 2, SVG_LEFT + u / span_us * plot_w, axis_y);
+    fprintf(f, "</g>\n<g class=\"axis-labels\" text-anchor=\"middle\">\n");
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n", SVG_LEFT, axis_y,
+            SVG_LEFT + plot_w, axis_y);
+    for (double u = 0; u <= span_us * 1.0001; u += step)
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">%g</text>\n", SVG_LEFT + u / span_us * plot_w, axis_y + 14, u);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">time (&#181;s from the first event)</text>\n</g>\n",
+            SVG_LEFT + plot_w / 2, axis_y + 32);
+    /* Rank headers with the span of each layer. */
+    for (int r = 0; r <= max_rank; r++) {
+        uint64_t lo[2] = {UINT64_MAX, UINT64_MAX}, hi[2] = {0, 0};
+        int any = 0;
+        for (int64_t i = 0; i < v.n; i++) {
+            const comet_trace_event_t *e = &v.ev[i];
+            int layer = comet_trace_kind_layer(e->kind);
+            if (e->rank != r || layer < 0) continue;
+            any = 1;
+            if (e->t_begin_ns < lo[layer]) lo[layer] = e->t_begin_ns;
+            if (e->t_end_ns > hi[layer]) hi[layer] = e->t_end_ns;
+        }
+        int present = 0;
+        for (int64_t i = 0; i < v.n_lanes; i++) present |= v.lanes[i].rank == r;
+        if (!present) continue;
+        double ry = rank_y[r];
+        fprintf(f, "<g class=\"rank\" data-rank=\"%d\">\n<text x=\"10\" y=\"%.1f\" font-weight=\"bold\">rank %d</text>\n",
+                r, ry + 12, r);
+        for (int layer = 0; any && layer < 2; layer++) {
+            if (lo[layer] == UINT64_MAX) continue;
+            double x0 = X_OF(lo[layer]), x1 = X_OF(hi[layer]);
+            fprintf(f, "<rect class=\"phase\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"6\" fill=\"%s\">"
+                       "<title>rank %d layer %d: %.1f - %.1f us</title></rect>\n",
+                    x0, ry + 2 + layer * 7, x1 - x0 > 0.5 ? x1 - x0 : 0.5, layer ? "#a50f15" : "#fcbba1", r, layer,
+                    us_since(&v, lo[layer]), us_since(&v, hi[layer]));
+            fprintf(f, "<text x=\"%.2f\" y=\"%.1f\" font-size=\"7\" fill=\"#333\">layer %d</text>\n",
+                    x1 + 3 > SVG_WIDTH - 28 ? x0 - 28 : x1 + 3, ry + 8 + layer * 7, layer);
+        }
+        fprintf(f, "</g>\n");
+    }
+    /* Lanes (events are sorted by lane). */
+    for (int64_t i = 0, j = 0; i < v.n_lanes; i++) {
+        const lane_key_t *k = &v.lanes[i];
+        char name[32];
+        if (k->role == COMET_TRACE_HOST)
+            snprintf(name, sizeof name, "host");
+        else
+            snprintf(name, sizeof name, "%s %d", comet_trace_role_name(k->role), k->worker);
+        fprintf(f,
+                "<g class=\"lane\" data-rank=\"%d\" data-role=\"%s\" data-worker=\"%d\">\n"
+                "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"/>\n"
+                "<text x=\"30\" y=\"%.1f\">%s</text>\n",
+                k->rank, comet_trace_role_name(k->role), k->worker, SVG_LEFT, lane_y[i], plot_w, SVG_LANE - 2,
+                i % 2 ? "#f7f7f7" : "#efefef", lane_y[i] + 11, name);
+        for (; j < v.n && same_lane(&v.ev[j], k); j++) {
+            const comet_trace_event_t *e = &v.ev[j];
+            char label[96];
+            event_label(e, label, sizeof label);
+            double x0 = X_OF(e->t_begin_ns), x1 = X_OF(e->t_end_ns >= e->t_begin_ns ? e->t_end_ns : e->t_begin_ns);
+            int wait = e->kind == COMET_TRACE_WAIT;
+            fprintf(f, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"%s><title>%s: %.2f - %.2f us</title></rect>\n",
+                    x0, lane_y[i] + (wait ? 5 : 1), x1 - x0 > 1.2 ? x1 - x0 : 1.2, wait ? 4.0 : SVG_LANE - 4,
+                    kind_color(e->kind), wait ? "" : " stroke=\"white\" stroke-width=\"0.2\"", label,
+                    us_since(&v, e->t_begin_ns), us_since(&v, e->t_end_ns));
+        }
+        fprintf(f, "</g>\n");
+    }
+#undef X_OF
+    fprintf(f, "</svg>\n");
+    free(lane_y), free(rank_y);
+    view_free(&v);
+    return close_out(f, path);
+}

@@ -1,0 +1,108 @@
+/*
+ * trace.h - the trace recorder (internal side): the event layout every
+ * backend writes, the lock-free per-lane buffers, and the hook a backend
+ * implements to take a recorder. The public calls (create, destroy, write
+ * Chrome-trace JSON and SVG, attach to a layer) are declared in comet.h.
+ *
+ * Event layout (32 bytes, comet_trace_event_t below). One event is one
+ * interval of one worker: a layer-0 pull of a block, a GEMM0 or GEMM1 tile, a
+ * send (top-k reduce into a home rank) or receive (final sum) of a layer-1
+ * chunk, a wait on a flag that did not hold at once, or a host step of the
+ * rank's own thread (barrier, plan). Times are nanoseconds of one clock per
+ * recorder: CLOCK_MONOTONIC on the CPU engine; %globaltimer on a GPU. The
+ * writers only ever use differences, and subtract the earliest begin.
+ *
+ * Buffer layout (what a GPU path fills, then copies into the host recorder):
+ *   events  [ranks][lanes][capacity] comet_trace_event_t
+ *   counts  [ranks][lanes]           uint32_t, events offered to the lane
+ * A writer of lane (r, l) takes n = counts[r][l]++ (a plain increment on the
+ * CPU, where only the lane's owner writes it; atomicAdd on a GPU, where a
+ * lane may be one thread block) and stores the event into
+ * events[r][l][n] only if n < capacity. Events beyond capacity are dropped,
+ * and counted: dropped = sum over lanes of max(0, counts - capacity). Nothing
+ * is ever written outside the buffer, and the recording path takes no lock.
+ * A GPU backend allocates a device buffer of comet_trace_buffer_bytes() with
+ * this layout, zeroes the counts, lets its kernels write, and copies it back
+ * with comet_trace_buffer()/comet_trace_counts() as destinations; then the
+ * writers below work unchanged.
+ *
+ * Lanes of one rank on the CPU engine: 0 is the rank's thread ("host"),
+ * 1..n_comm the communication workers, then the GEMM workers. The lane is
+ * only a storage slot: the writers place an event by (rank, role, worker),
+ * which the event carries, so n_comm may change between traced calls.
+ *
+ * Not part of the public API.
+ */
+#ifndef COMET_TRACE_H
+#define COMET_TRACE_H
+
+#include <stdint.h>
+#include <time.h>
+
+#include "comet.h"
+
+/* What a worker did. index/aux say which piece of the plan it was. */
+enum {
+    COMET_TRACE_PULL = 0,    /* comm, layer 0: rows of block `index` (latest source stage `aux`) copied into a */
+    COMET_TRACE_GEMM0 = 1,   /* gemm, layer 0: block `index`, column tile `aux` (GEMM0 + activation) */
+    COMET_TRACE_GEMM1 = 2,   /* gemm, layer 1: block `index`, column chunk `aux` */
+    COMET_TRACE_SEND = 3,    /* comm, layer 1: chunk `index` reduced and stored into home rank `aux` */
+    COMET_TRACE_RECV = 4,    /* comm, layer 1: chunk `index` of every local token summed into y */
+    COMET_TRACE_WAIT = 5,    /* any: spin on a flag; `aux` = kind of the step it waits to do, `index` its index */
+    COMET_TRACE_BARRIER = 6, /* host: wait for every rank; index 0 = previous call done, 1 = entry */
+    COMET_TRACE_PLAN = 7,    /* host: build the plan from every rank's staged routing */
+    COMET_TRACE_NUM_KINDS = 8
+};
+
+/* Who did it. */
+enum { COMET_TRACE_HOST = 0, COMET_TRACE_COMM = 1, COMET_TRACE_GEMM = 2 };
+
+typedef struct {
+    uint64_t t_begin_ns; /* clock of the recorder (CPU: CLOCK_MONOTONIC; GPU: %globaltimer) */
+    uint64_t t_end_ns;   /* >= t_begin_ns */
+    int32_t index;       /* block, chunk, ... (see the kinds); -1 none */
+    int32_t aux;         /* second index (see the kinds); -1 none */
+    uint16_t rank;
+    uint16_t worker;     /* index within its role */
+    uint8_t role;        /* COMET_TRACE_HOST, _COMM, _GEMM */
+    uint8_t kind;        /* COMET_TRACE_PULL ... */
+    uint16_t call;       /* forward call number on this rank, low 16 bits */
+} comet_trace_event_t;
+
+_Static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");
+
+struct comet_trace {
+    int ranks, lanes;
+    int64_t capacity;             /* events per lane */
+    comet_trace_event_t *events;  /* [ranks][lanes][capacity] */
+    uint32_t *counts;             /* [ranks][lanes] */
+    _Atomic int64_t out_of_range; /* events for a rank or lane the recorder does not have */
+};
+
+/* Nanoseconds of the CPU recorder's clock. */
+static inline uint64_t comet_trace_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Record one event into lane `lane` of ev->rank. Only the lane's owner calls
+ * this for a lane while a forward runs. Never fails: an event that does not
+ * fit is counted as dropped. */
+void comet_trace_record(comet_trace_t *t, int lane, const comet_trace_event_t *ev);
+
+/* Buffer views for a backend that fills the recorder in bulk (see above). */
+size_t comet_trace_buffer_bytes(const comet_trace_t *t);
+comet_trace_event_t *comet_trace_buffer(comet_trace_t *t);
+uint32_t *comet_trace_counts(comet_trace_t *t);
+
+/* Short name of a kind ("pull", "gemm0", ...) and of a role ("host", ...). */
+const char *comet_trace_kind_name(int kind);
+const char *comet_trace_role_name(int role);
+/* Layer of a kind: 0, 1, or -1 (host, wait). */
+int comet_trace_kind_layer(int kind);
+
+/* The CPU engine's side of comet_layer_set_trace (src/cpu/engine.c). */
+comet_status_t comet_cpu_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
+
+#endif /* COMET_TRACE_H */
