@@ -213,52 +213,30 @@ static comet_status_t barrier(cuda_layer_t *L, int rank) {
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
+/* Buffers of one rank's layer and its device state; on failure everything
+ * taken is given back (one path). */
+static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
-    cuda_layer_t *L = calloc(1, sizeof *L);
-    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
-    L->device = device_of(l->world, rank);
-    comet_status_t st = COMET_SUCCESS;
-    cudaError_t e = cudaSetDevice(L->device);
-    if (e != cudaSuccess) {
-        free(L);
-        return cuda_fail(rank, e, "cudaSetDevice");
-    }
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
     comet_cuda_sym_layout(d, &c->lay);
     if (w > 1) {
-        st = join_ranks(l, &L->comm);
-        if (st != COMET_SUCCESS) {
-            free(L);
-            return st;
-        }
-        st = comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym);
-        if (st != COMET_SUCCESS) {
-            free_all(L);
-            leave_ranks(l->world, rank);
-            return st;
-        }
+        COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
         c->sym = L->sym.local;
         for (int q = 0; q < w; q++) c->peers[q] = (char *)L->sym.peers_host[q];
     } else {
-        e = cudaMalloc(&L->sym_single, c->lay.total);
-        if (e != cudaSuccess) {
-            free_all(L);
-            return cuda_fail(rank, e, "cudaMalloc(symmetric buffer)");
-        }
+        CUDA_TRY(rank, cudaMalloc(&L->sym_single, c->lay.total));
         c->sym = c->peers[0] = (char *)L->sym_single;
     }
     const size_t rows = (size_t)d->max_rows_padded;
     const size_t bytes[6] = {sizeof(comet_cuda_state_t), comet_plan_workspace_bytes(d), rows * (size_t)d->hidden * 2,
                              rows * (size_t)d->ffn_local * 2, rows * (size_t)d->hidden * 2, 256};
-    for (int i = 0; i < 6 && e == cudaSuccess; i++) e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
-    if (e != cudaSuccess) {
-        free_all(L);
-        if (w > 1) leave_ranks(l->world, rank);
-        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
-                          cudaGetErrorString(e));
+    for (int i = 0; i < 6; i++) {
+        cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
+        if (e != cudaSuccess)
+            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
+                              cudaGetErrorString(e));
     }
     c->state = L->priv[0];
     c->plan_ws = L->priv[1];
@@ -276,15 +254,25 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
         s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
         s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
     }
-    e = cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice);
-    if (e == cudaSuccess) e = cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t));
-    if (e == cudaSuccess) e = cudaMemset(L->priv[5], 0, 256);
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    if (e == cudaSuccess) st = barrier(L, rank);
-    else st = cuda_fail(rank, e, "initialising the layer");
+    CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
+    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
+    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, 256));
+    CUDA_TRY(rank, cudaDeviceSynchronize());
+    return barrier(L, rank);
+}
+
+comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
+    const int rank = l->rank;
+    cuda_layer_t *L = calloc(1, sizeof *L);
+    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
+    L->device = device_of(l->world, rank);
+    cudaError_t e = cudaSetDevice(L->device);
+    comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
+    const int joined = st == COMET_SUCCESS && l->dims.world_size > 1 && (st = join_ranks(l, &L->comm)) == COMET_SUCCESS;
+    if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
         free_all(L);
-        if (w > 1) leave_ranks(l->world, rank);
+        if (joined) leave_ranks(l->world, rank);
         return st;
     }
     l->backend_state = L;

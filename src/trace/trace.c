@@ -239,6 +239,14 @@ static comet_status_t close_out(FILE *f, const char *path) {
     return COMET_SUCCESS;
 }
 
+/* What both writers start with: the sorted view of the events and the file. */
+static comet_status_t view_open(const comet_trace_t *t, const char *path, view_t *v, FILE **f) {
+    COMET_TRY(view_make(t, v));
+    comet_status_t st = open_out(path, f);
+    if (st != COMET_SUCCESS) view_free(v);
+    return st;
+}
+
 /* ---------------------------------------------------------------------------
  * Chrome-trace JSON
  * ------------------------------------------------------------------------- */
@@ -246,13 +254,8 @@ static comet_status_t close_out(FILE *f, const char *path) {
 comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char *path) {
     comet_clear_error();
     view_t v;
-    COMET_TRY(view_make(t, &v));
     FILE *f;
-    comet_status_t st = open_out(path, &f);
-    if (st != COMET_SUCCESS) {
-        view_free(&v);
-        return st;
-    }
+    COMET_TRY(view_open(t, path, &v, &f));
     fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld},\n"
                " \"traceEvents\": [\n",
             (long long)v.n, (long long)comet_trace_dropped(t));
@@ -334,13 +337,8 @@ static double tick_step(double span, int want) {
 comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     comet_clear_error();
     view_t v;
-    COMET_TRY(view_make(t, &v));
     FILE *f;
-    comet_status_t st = open_out(path, &f);
-    if (st != COMET_SUCCESS) {
-        view_free(&v);
-        return st;
-    }
+    COMET_TRY(view_open(t, path, &v, &f));
     /* Vertical layout: every rank a header row (layer bands), then its lanes. */
     double *lane_y = malloc((size_t)(v.n_lanes ? v.n_lanes : 1) * sizeof(double));
     int max_rank = v.n_lanes ? v.lanes[v.n_lanes - 1].rank : -1;
