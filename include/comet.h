@@ -195,6 +195,16 @@ comet_status_t comet_layer_create(comet_layer_t **layer, comet_world_t *world, i
 /* Collective. NULL is a no-op (and not collective). */
 comet_status_t comet_layer_destroy(comet_layer_t *layer);
 
+/* Memory this rank's layer holds, sized for the worst case at create time:
+ * symmetric (reachable by every rank: staged tokens, routing, partials,
+ * flags) and private (plan, gathered rows, activations, expert outputs).
+ * Device memory on the CUDA backend, host memory on the CPU backend. */
+typedef struct {
+    size_t symmetric_bytes;
+    size_t private_bytes;
+} comet_memory_t;
+comet_status_t comet_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
+
 /* ---------------------------------------------------------------------------
  * Forward.
  * ------------------------------------------------------------------------- */

@@ -227,6 +227,7 @@ typedef struct {
     int rank;
     comet_status_t st;
     char msg[512];
+    comet_memory_t mem;
 } create_job_t;
 
 static void *create_rank(void *arg) {
@@ -234,6 +235,7 @@ static void *create_rank(void *arg) {
     comet_layer_t *l = NULL;
     j->st = comet_layer_create(&l, j->world, j->rank, &j->cfg);
     snprintf(j->msg, sizeof j->msg, "%s", comet_last_error());
+    if (l) comet_layer_memory(l, &j->mem);
     comet_layer_destroy(l);
     return NULL;
 }
@@ -280,7 +282,7 @@ static void test_handles(void) {
     CHECK(comet_world_size(w) == 2, "world size");
 
     /* ranks that disagree on the config all fail */
-    create_job_t jobs[2] = {{w, cfg, 0, 0, ""}, {w, cfg, 1, 0, ""}};
+    create_job_t jobs[2] = {{w, cfg, 0, 0, "", {0, 0}}, {w, cfg, 1, 0, "", {0, 0}}};
     jobs[1].cfg.ffn = 16;
     pthread_t th[2];
     for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, create_rank, &jobs[r]);
@@ -293,6 +295,12 @@ static void test_handles(void) {
     for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, create_rank, &jobs[r]);
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
     CHECK(jobs[0].st == COMET_SUCCESS && jobs[1].st == COMET_SUCCESS, "create after a mismatch: %s", jobs[0].msg);
+    /* memory report: at least the partials (W, max_T, H) fp32 are symmetric, and
+     * the gathered rows (W * max_T * min(topk, E_local), H) bf16 are private */
+    CHECK(jobs[0].mem.symmetric_bytes >= (size_t)(2 * 6 * 16 * 4) && jobs[0].mem.symmetric_bytes < (1u << 20),
+          "symmetric bytes %zu", jobs[0].mem.symmetric_bytes);
+    CHECK(jobs[0].mem.private_bytes >= (size_t)(2 * 6 * 2 * 16 * 2), "private bytes %zu", jobs[0].mem.private_bytes);
+    CHECK(comet_layer_memory(NULL, &jobs[0].mem) == COMET_ERR_INVALID_ARGUMENT, "memory of a NULL layer");
     CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy world");
 
     /* status strings: one per code, distinct */
@@ -309,7 +317,7 @@ static void test_timeout(void) {
     comet_world_t *w;
     comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
     unsetenv("COMET_TIMEOUT_MS");
-    create_job_t jobs[2] = {{w, base_config(), 0, 0, ""}, {w, base_config(), 1, 0, ""}};
+    create_job_t jobs[2] = {{w, base_config(), 0, 0, "", {0, 0}}, {w, base_config(), 1, 0, "", {0, 0}}};
     pthread_t th[2];
     for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, forward_alone, &jobs[r]);
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);

@@ -233,8 +233,34 @@ static void test_random(void) {
     printf("test_plan: %d random layouts checked\n", cases);
 }
 
+/* Bytes crossing between ranks, worked out by hand for the routing above. */
+static void test_link_bytes(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 8, cfg.ffn = 4, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = 2;
+    cfg.max_tokens_per_rank = 2;
+    int64_t tokens[2] = {2, 1};
+    comet_routing_opts_t ro = {0, 0, 1};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) {
+        CHECK(0, "problem: %s", comet_last_error());
+        return;
+    }
+    const int32_t r0[] = {0, 2, 1, 0}, r1[] = {0, 1};
+    memcpy(p->topk_idx[0], r0, sizeof r0), memcpy(p->topk_idx[1], r1, sizeof r1);
+    /* rank 0 token 0: one row to rank 1 (2H) and its partial back (4H); token 1
+     * stays home; rank 1 token 0: two rows to rank 0 (4H), one partial (4H) */
+    CHECK(comet_problem_link_bytes(p) == 14 * 8, "EP=2 link bytes %lld, want %d", (long long)comet_problem_link_bytes(p), 14 * 8);
+    comet_problem_destroy(p);
+    cfg.tp = 2, cfg.ep = 1; /* TP: the other rank pulls every slot's row and returns every token's partial */
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) return;
+    CHECK(comet_problem_link_bytes(p) == (3 * 2 * 2 + 3 * 4) * 8, "TP=2 link bytes %lld",
+          (long long)comet_problem_link_bytes(p));
+    comet_problem_destroy(p);
+}
+
 int main(void) {
     test_by_hand();
+    test_link_bytes();
     test_random();
     return check_summary("test_plan");
 }

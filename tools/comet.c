@@ -290,15 +290,19 @@ static int run(const char *cmd, int argc, char **argv) {
         flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden * (double)cfg.ffn *
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s  %s\n", "model", "M", "TP", "EP", "topk", "E", "hidden",
-           "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "check vs reference");
+    const double link_gbps = (double)comet_problem_link_bytes(p) / world / (r.ms_median * 1e6);
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+           "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[16];
     snprintf(ncomm, sizeof ncomm, o.n_comm ? "%d" : "auto", o.n_comm);
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f  %s (%lld of %lld %s)\n", o.model,
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
-           (long long)cfg.ffn, ncomm, r.ms_median, rate, bad ? "WRONG" : "ok", (long long)bad, (long long)chk.elements,
-           use_cuda ? "sampled elements off" : "elements differ");
+           (long long)cfg.ffn, ncomm, r.ms_median, rate, link_gbps, bad ? "WRONG" : "ok", (long long)bad,
+           (long long)chk.elements, use_cuda ? "sampled elements off" : "elements differ");
+    printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, fp32 partials stored -- per GPU per second)\n");
+    printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
+           r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
     if (o.json) {
         FILE *f = fopen(o.json, "a");
@@ -314,10 +318,11 @@ static int run(const char *cmd, int argc, char **argv) {
         fprintf(f,
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
-                "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"wrong\": %lld, \"checked\": %lld}\n",
+                "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
+                "\"checked\": %lld}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
-                (long long)o.zero_experts, r.ms_median, rate, (long long)bad, (long long)chk.elements);
+                (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements);
         fclose(f);
     }
     comet_problem_destroy(p);

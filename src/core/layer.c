@@ -19,6 +19,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: no CUDA backend in this build", l->rank);
 }
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) { return comet_cuda_layer_forward(l, NULL); }
+void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) { (void)l, memset(out, 0, sizeof *out); }
 #endif
 
 comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,
@@ -65,6 +66,16 @@ comet_status_t comet_layer_forward(comet_layer_t *l, const comet_forward_args_t 
     if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
     if (l->world->backend == COMET_BACKEND_CUDA) return comet_cuda_layer_forward(l, args);
     return comet_cpu_layer_forward(l, args);
+}
+
+comet_status_t comet_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+    comet_clear_error();
+    if (!l || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or out is NULL");
+    if (l->world->backend == COMET_BACKEND_CUDA)
+        comet_cuda_layer_memory(l, out);
+    else
+        comet_cpu_layer_memory(l, out);
+    return COMET_SUCCESS;
 }
 
 comet_status_t comet_layer_sync(comet_layer_t *l) {

@@ -59,10 +59,12 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *layer);
 void comet_cuda_layer_destroy(comet_layer_t *layer);
 comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
 comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
+void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 
 /* CPU backend (src/cpu/engine.c). */
 comet_status_t comet_cpu_layer_create(comet_layer_t *layer);
 void comet_cpu_layer_destroy(comet_layer_t *layer);
 comet_status_t comet_cpu_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
+void comet_cpu_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 
 #endif /* COMET_RUNTIME_H */

@@ -283,6 +283,19 @@ comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
     return COMET_SUCCESS;
 }
 
+/* Private bytes, as comet_cpu_layer_create allocates them. */
+static size_t private_bytes(const comet_dims_t *d) {
+    const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden;
+    return align64(comet_plan_workspace_bytes(d)) + rows * hd * sizeof(comet_bf16_t) * 2 +
+           rows * (size_t)d->ffn_local * sizeof(comet_bf16_t) + (size_t)d->max_blocks * sizeof(flag_t) +
+           hd * (sizeof(flag_t) + sizeof(uint64_t));
+}
+
+void comet_cpu_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+    out->symmetric_bytes = sym_bytes(&l->dims);
+    out->private_bytes = private_bytes(&l->dims);
+}
+
 void comet_cpu_layer_destroy(comet_layer_t *l) {
     cpu_layer_t *L = l->backend_state;
     if (!L) return;

@@ -331,6 +331,15 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     return COMET_SUCCESS;
 }
 
+void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+    const cuda_layer_t *L = l->backend_state;
+    const comet_dims_t *d = &l->dims;
+    const size_t rows = (size_t)d->max_rows_padded;
+    out->symmetric_bytes = L->ctx.lay.total;
+    out->private_bytes = sizeof(comet_cuda_state_t) + comet_plan_workspace_bytes(d) +
+                         rows * (size_t)(2 * d->hidden + d->ffn_local) * 2 + 256;
+}
+
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     CUDA_TRY(l->rank, cudaSetDevice(L->device));

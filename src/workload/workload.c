@@ -265,6 +265,28 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, com
     return COMET_SUCCESS;
 }
 
+int64_t comet_problem_link_bytes(const comet_problem_t *p) {
+    const int64_t hd = p->cfg.hidden, k = p->cfg.topk, el = p->cfg.num_experts / p->cfg.ep;
+    const int tp = p->cfg.tp, ep = p->cfg.ep;
+    int64_t bytes = 0;
+    char *used = calloc((size_t)ep, 1);
+    if (!used) return -1;
+    for (int s = 0; s < p->world_size; s++)
+        for (int64_t t = 0; t < p->tokens[s]; t++) {
+            memset(used, 0, (size_t)ep);
+            for (int64_t j = 0; j < k; j++) {
+                int g = (int)(p->topk_idx[s][t * k + j] / el);
+                used[g] = 1;
+                /* every TP rank of group g pulls this row; those that are not s cross a link */
+                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
+            }
+            for (int g = 0; g < ep; g++) /* partials back to s from every rank of a used group */
+                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++) bytes += q != s ? hd * 4 : 0;
+        }
+    free(used);
+    return bytes;
+}
+
 /* ---- running every rank ------------------------------------------------------ */
 
 typedef struct {
@@ -333,6 +355,7 @@ static void *rank_main(void *arg) {
     comet_run_t *run = job->run;
     comet_layer_t *layer = NULL;
     comet_status_t st = comet_layer_create(&layer, job->world, job->rank, &job->p->cfg);
+    if (st == COMET_SUCCESS && job->rank == 0) comet_layer_memory(layer, &run->memory);
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;

@@ -84,6 +84,12 @@ typedef struct {
 } comet_check_t;
 comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, comet_check_t *out);
 
+/* Bytes that cross between ranks in one forward, summed over every ordered
+ * pair of ranks (docs: benchmarks "comm GB/s"): each token row a rank pulls
+ * for one of its expert slots from another rank (H bf16), and each fp32
+ * partial (H) a rank stores into another token's home rank. */
+int64_t comet_problem_link_bytes(const comet_problem_t *p);
+
 /* ---- running every rank -------------------------------------------------- */
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
@@ -92,6 +98,7 @@ typedef struct {
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     double ms_median;       /* median over timed repeats of the slowest rank's call */
+    comet_memory_t memory;  /* what rank 0's layer holds */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
