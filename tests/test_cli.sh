@@ -51,5 +51,10 @@ expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g 
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 expect trace-cuda 2 'tracing is not yet supported on the CUDA backend' -- "$comet" bench --backend cuda --trace "$tdir/x.json"
 rm -rf "$tdir"
+tune_out=$(mktemp -u /tmp/comet-tune-cli-XXXXXX)
+expect tune-help 0 'usage: comet tune' -- "$comet" tune --help
+expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
+[ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }
+rm -f "$tune_out"
 echo "test_cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -3,6 +3,7 @@
  *
  *   comet bench [flags]   time one MoE layer forward and check it against the reference
  *   comet check [flags]   run one configuration once and compare it with the reference
+ *   comet tune [flags]    time a configuration over the run-time knobs, record the fastest
  *   comet help | --help | --version
  *
  * With GPUs (and a build with the CUDA backend) they run on every local GPU,
@@ -17,6 +18,8 @@
 #include <time.h>
 
 #include "comet.h"
+#include "../src/core/validate.h"
+#include "../src/tuner/tuner.h"
 #include "../src/workload/workload.h"
 
 typedef struct {
@@ -34,6 +37,7 @@ typedef struct {
     const char *backend;
     const char *json;
     const char *trace;
+    const char *out;
 } options_t;
 
 static const char *const flag_help =
@@ -62,6 +66,7 @@ static void usage(FILE *f) {
             "commands:\n"
             "  bench    time one MoE layer forward on every rank and check it against the reference\n"
             "  check    run one configuration once and compare it bitwise with the reference\n"
+            "  tune     time a configuration over the run-time knobs; record the fastest for the library\n"
             "  help     this text; `comet <command> --help` for a command's flags\n\n"
             "comet runs Mixture-of-Experts layers across GPUs with computation-communication\n"
             "overlap. With GPUs it runs on all of them (one rank each); without, on the CPU\n"
@@ -74,6 +79,13 @@ static void command_usage(const char *cmd, FILE *f) {
                    "and check the output bitwise against the reference.\n\nflags:\n%s"
                    "  --iters N          timed runs (default 20 on GPUs, 5 on CPU)\n"
                    "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n",
+                flag_help);
+    else if (strcmp(cmd, "tune") == 0)
+        fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
+                   "workers x layer-1 chunk width), print the curve, and append the fastest to a\n"
+                   "table file that the library reads from COMET_TUNE_FILE.\n\nflags:\n%s"
+                   "  --iters N          timed runs per point (default 3)\n"
+                   "  --out FILE         table to append to (default $COMET_TUNE_FILE, else comet-tune.tsv)\n",
                 flag_help);
     else
         fprintf(f, "usage: comet check [flags]\n\nRun one configuration once and compare its output bitwise with the\n"
@@ -150,6 +162,8 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
             i++;
         } else if (strcmp(f, "--json") == 0 && v) {
             o->json = v, i++;
+        } else if (strcmp(f, "--out") == 0 && v && strcmp(cmd, "tune") == 0) {
+            o->out = v, i++;
         } else if (strcmp(f, "--trace") == 0 && v) {
             o->trace = v, i++;
         } else if (strcmp(f, "--backend") == 0 && v &&
@@ -329,6 +343,72 @@ static int run(const char *cmd, int argc, char **argv) {
     return bad ? 1 : 0;
 }
 
+/* comet tune: the grid, the curve, the best point appended to the table. */
+static int tune(int argc, char **argv) {
+    options_t o;
+    int pr = parse("tune", argc, argv, &o);
+    if (pr) return pr > 0 ? 0 : 2;
+    comet_layer_config_t cfg;
+    int64_t tokens[64];
+    int world, use_cuda;
+    if (configure(&o, &cfg, tokens, &world, &use_cuda)) return 2;
+    if (use_cuda) {
+        fprintf(stderr, "comet tune: the sequential CUDA layer has no run-time knobs yet (the fused kernels will); "
+                        "use --backend cpu\n");
+        return 2;
+    }
+    comet_dims_t d;
+    comet_dims_from_config(&cfg, world, 0, &d);
+    comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        return 2;
+    }
+    const int n_comms[] = {1, 2, 3, 4, 6, 8};
+    int chunks[4], n_chunks = 0;
+    for (int div = 16; div >= 2; div /= 2) { /* hidden/16 .. hidden/2, multiples of 8, distinct */
+        int c = (int)((cfg.hidden / div + 7) / 8 * 8);
+        if (c < 8) c = 8;
+        if (c > cfg.hidden) c = (int)cfg.hidden;
+        if (n_chunks == 0 || chunks[n_chunks - 1] != c) chunks[n_chunks++] = c;
+    }
+    const int iters = o.iters > 0 && o.iters != 5 ? o.iters : 3;
+    printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns)\n%8s", iters, "n_comm");
+    for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
+    printf("\n");
+    comet_tuning_t best = {0, 0};
+    double best_ms = 0;
+    for (int i = 0; i < (int)(sizeof n_comms / sizeof n_comms[0]); i++) {
+        printf("%8d", n_comms[i]);
+        for (int c = 0; c < n_chunks; c++) {
+            comet_world_t *w;
+            comet_run_t r;
+            memset(&r, 0, sizeof r);
+            r.n_comm = n_comms[i], r.chunk_cols = chunks[c], r.repeats = 1 + iters;
+            comet_status_t st = comet_world_create_local(&w, world, COMET_BACKEND_CPU);
+            if (st == COMET_SUCCESS) st = comet_problem_run(p, w, &r, 1);
+            comet_world_destroy(w);
+            if (st != COMET_SUCCESS) {
+                fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());
+                comet_problem_destroy(p);
+                return 1;
+            }
+            printf(" %9.3f", r.ms_median);
+            if (best.n_comm == 0 || r.ms_median < best_ms) best.n_comm = n_comms[i], best.chunk_cols = chunks[c], best_ms = r.ms_median;
+        }
+        printf("\n");
+        fflush(stdout);
+    }
+    const char *out = o.out ? o.out : getenv("COMET_TUNE_FILE");
+    if (!out || !*out) out = "comet-tune.tsv";
+    int rc = comet_tuner_append(out, &d, COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
+    printf("best: n_comm %d, chunk %d: %.3f ms; %s %s\n", best.n_comm, best.chunk_cols, best_ms,
+           rc == 0 ? "appended to" : "could not append to", out);
+    comet_problem_destroy(p);
+    return rc == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         usage(stderr);
@@ -344,6 +424,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (strcmp(cmd, "bench") == 0 || strcmp(cmd, "check") == 0) return run(cmd, argc - 2, argv + 2);
+    if (strcmp(cmd, "tune") == 0) return tune(argc - 2, argv + 2);
     fprintf(stderr, "comet: unknown command '%s'\n", cmd);
     usage(stderr);
     return 2;

@@ -516,7 +516,7 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     if (own == COMET_SUCCESS) {
         tune.n_comm = args->n_comm;
         tune.chunk_cols = args->chunk_cols;
-        comet_tuner_pick(d, t, &tune);
+        comet_tuner_pick(d, COMET_BACKEND_CPU, t, &tune);
     }
 
     const uint64_t epoch = ++L->epoch;

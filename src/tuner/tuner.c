@@ -1,14 +1,91 @@
 /*
- * tuner.c - analytical fallback for the run-time knobs (see tuner.h).
+ * tuner.c - the measured table and the analytical rule behind
+ * comet_tuner_pick (see tuner.h).
  *
- * chunk_cols: about 8 chunks over hidden, a multiple of 8 columns, so the
+ * Rule: chunk_cols about hidden/8, a multiple of 8 columns, so the
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
- * stays wide enough to amortise its flag. n_comm: on the CPU engine, one worker
- * per 4 compute-sized pieces of traffic is plenty; 2 unless the call is tiny.
+ * stays wide enough to amortise its flag; n_comm 2 unless the call is tiny.
  */
 #include "tuner.h"
 
-void comet_tuner_pick(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t) {
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int backend;
+    int64_t hidden, ffn, experts, topk, tp, ep, tokens;
+    comet_tuning_t t;
+} entry_t;
+
+static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+static entry_t *table;
+static int table_len;
+static int table_loaded; /* a table was loaded (explicitly or from the environment) */
+
+int comet_tuner_load(const char *path) {
+    entry_t *fresh = NULL;
+    int n = 0, cap = 0;
+    if (path && *path) {
+        FILE *f = fopen(path, "r");
+        if (!f) return -1;
+        char line[512], backend[16];
+        while (fgets(line, sizeof line, f)) {
+            entry_t e;
+            long long v[9];
+            double ms;
+            if (sscanf(line, "%15s %lld %lld %lld %lld %lld %lld %lld %lld %lld %lf", backend, &v[0], &v[1], &v[2],
+                       &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &ms) != 11)
+                continue; /* the header, or a malformed line */
+            if (strcmp(backend, "cpu") != 0 && strcmp(backend, "cuda") != 0) continue;
+            if (v[7] < 1 || v[8] < 1 || v[6] < 0) continue;
+            e.backend = strcmp(backend, "cuda") == 0 ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
+            e.hidden = v[0], e.ffn = v[1], e.experts = v[2], e.topk = v[3], e.tp = v[4], e.ep = v[5], e.tokens = v[6];
+            e.t.n_comm = (int)v[7], e.t.chunk_cols = (int)v[8];
+            if (n == cap) {
+                cap = cap ? 2 * cap : 16;
+                entry_t *grown = realloc(fresh, sizeof(entry_t) * (size_t)cap);
+                if (!grown) break;
+                fresh = grown;
+            }
+            fresh[n++] = e;
+        }
+        fclose(f);
+    }
+    pthread_mutex_lock(&table_mu);
+    free(table);
+    table = fresh, table_len = n, table_loaded = 1;
+    pthread_mutex_unlock(&table_mu);
+    return n;
+}
+
+/* COMET_TUNE_FILE, unless a table was loaded explicitly first. */
+static void load_from_env(void) {
+    pthread_mutex_lock(&table_mu);
+    int loaded = table_loaded;
+    pthread_mutex_unlock(&table_mu);
+    if (!loaded) comet_tuner_load(getenv("COMET_TUNE_FILE"));
+}
+
+/* The entry for this configuration with the token count nearest `tokens`. */
+static int lookup(const comet_dims_t *d, comet_backend_t backend, int64_t tokens, comet_tuning_t *out) {
+    int found = 0;
+    int64_t best = 0;
+    pthread_mutex_lock(&table_mu);
+    for (int i = 0; i < table_len; i++) {
+        const entry_t *e = &table[i];
+        if (e->backend != (int)backend || e->hidden != d->hidden || e->ffn != d->ffn_local * d->tp ||
+            e->experts != d->num_experts || e->topk != d->topk || e->tp != d->tp || e->ep != d->ep)
+            continue;
+        int64_t dist = e->tokens > tokens ? e->tokens - tokens : tokens - e->tokens;
+        if (!found || dist < best) found = 1, best = dist, *out = e->t;
+    }
+    pthread_mutex_unlock(&table_mu);
+    return found;
+}
+
+void comet_tuner_rule(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t) {
     if (t->chunk_cols == 0) {
         int64_t c = (d->hidden + 7) / 8;
         c = (c + 7) / 8 * 8;
@@ -16,4 +93,25 @@ void comet_tuner_pick(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t 
         t->chunk_cols = (int)c;
     }
     if (t->n_comm == 0) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
+}
+
+void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t) {
+    pthread_once(&table_once, load_from_env);
+    comet_tuning_t m;
+    if (t->chunk_cols == 0 && lookup(d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
+        t->chunk_cols = m.chunk_cols;
+    if (t->n_comm == 0 && lookup(d, backend, num_tokens, &m)) t->n_comm = m.n_comm;
+    comet_tuner_rule(d, num_tokens, t);
+}
+
+int comet_tuner_append(const char *path, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,
+                       const comet_tuning_t *t, double ms) {
+    FILE *f = fopen(path, "a+");
+    if (!f) return -1;
+    fseek(f, 0, SEEK_END);
+    if (ftell(f) == 0) fprintf(f, "backend\thidden\tffn\texperts\ttopk\ttp\tep\ttokens\tn_comm\tchunk_cols\tms\n");
+    fprintf(f, "%s\t%lld\t%lld\t%lld\t%lld\t%d\t%d\t%lld\t%d\t%d\t%.6f\n",
+            backend == COMET_BACKEND_CUDA ? "cuda" : "cpu", (long long)d->hidden, (long long)(d->ffn_local * d->tp),
+            (long long)d->num_experts, (long long)d->topk, d->tp, d->ep, (long long)tokens, t->n_comm, t->chunk_cols, ms);
+    return fclose(f) == 0 ? 0 : -1;
 }

@@ -1,12 +1,22 @@
 /*
  * tuner.h - choice of the run-time knobs of a forward call when the caller
- * leaves them at 0: the number of communication workers (n_comm) and the
- * layer-1 column-chunk width. Today an analytical rule; a measured table from
- * `comet tune` plugs in behind the same call (issue: fused layers).
+ * leaves them at 0: the number of communication workers (CPU) or blocks (GPU)
+ * and the layer-1 column-chunk width.
+ *
+ * A measured table comes first: `comet tune` times a configuration over a
+ * grid of knobs and appends the best to a table file; the library reads the
+ * file named by COMET_TUNE_FILE once per process. Configurations the table
+ * does not hold get the analytical rule. The file is tab-separated text, one
+ * header line, then one line per measured configuration:
+ *   backend hidden ffn experts topk tp ep tokens n_comm chunk_cols ms
+ * (backend "cpu" or "cuda"; tokens per rank). Malformed lines are skipped.
  */
 #ifndef COMET_TUNER_H
 #define COMET_TUNER_H
 
+#include <stdio.h>
+
+#include "comet.h"
 #include "../plan/plan.h"
 
 typedef struct {
@@ -14,8 +24,23 @@ typedef struct {
     int chunk_cols; /* layer-1 column-chunk width; must be equal on every rank */
 } comet_tuning_t;
 
-/* Fill the fields of *t that are 0. chunk_cols depends on the config alone, so
- * every rank of a world picks the same value. */
-void comet_tuner_pick(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t);
+/* Fill the fields of *t that are 0, from the table when it holds this
+ * configuration (the entry whose token count is nearest), else by rule.
+ * chunk_cols never depends on this rank's token count (the nearest entry is
+ * taken for max_tokens), so every rank of a world picks the same value. */
+void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
+
+/* The analytical rule alone (what the table falls back to). */
+void comet_tuner_rule(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t);
+
+/* Read a table file, replacing the process's table (NULL or "" clears it).
+ * Returns the number of entries read, or -1 if the file cannot be opened.
+ * Thread-safe; comet_tuner_pick reads COMET_TUNE_FILE by itself once, unless
+ * a table was loaded before. */
+int comet_tuner_load(const char *path);
+
+/* Append one measured entry to a table file (header written if new). */
+int comet_tuner_append(const char *path, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,
+                       const comet_tuning_t *t, double ms);
 
 #endif /* COMET_TUNER_H */

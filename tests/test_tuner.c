@@ -1,0 +1,82 @@
+/*
+ * test_tuner.c - the knobs of a forward call: the analytical rule, the
+ * measured table (load, lookup by configuration and nearest token count,
+ * malformed lines skipped, backends kept apart, chunk width independent of the
+ * rank's token count), and append -> load round trips.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../src/core/validate.h"
+#include "../src/tuner/tuner.h"
+#include "check.h"
+
+static comet_dims_t dims(int64_t hidden, int64_t max_tokens) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = hidden, cfg.ffn = 1024, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2;
+    cfg.max_tokens_per_rank = max_tokens;
+    comet_dims_t d;
+    comet_dims_from_config(&cfg, 2, 0, &d);
+    return d;
+}
+
+int main(void) {
+    /* rule */
+    comet_dims_t d = dims(4096, 4096);
+    comet_tuning_t t = {0, 0};
+    comet_tuner_rule(&d, 4096, &t);
+    CHECK(t.chunk_cols == 512 && t.n_comm == 2, "rule at hidden 4096: %d %d", t.chunk_cols, t.n_comm);
+    comet_dims_t small = dims(20, 8);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_rule(&small, 3, &t);
+    CHECK(t.chunk_cols == 8 && t.n_comm == 1, "rule at hidden 20, 3 tokens: %d %d", t.chunk_cols, t.n_comm);
+    t = (comet_tuning_t){5, 24};
+    comet_tuner_rule(&d, 4096, &t);
+    CHECK(t.n_comm == 5 && t.chunk_cols == 24, "set fields are kept");
+
+    /* table */
+    char path[] = "/tmp/comet-tune-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    FILE *f = fdopen(fd, "w");
+    fprintf(f, "backend\thidden\tffn\texperts\ttopk\ttp\tep\ttokens\tn_comm\tchunk_cols\tms\n"
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n"
+               "cpu\t4096\t1024\t8\t2\t1\t2\t4000\t7\t1024\t1.0\n"
+               "cuda\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n"
+               "cpu\t4096\tnot-a-number\n"
+               "gpu\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n");
+    fclose(f);
+    CHECK(comet_tuner_load(path) == 3, "three good lines");
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&d, COMET_BACKEND_CPU, 900, &t);
+    CHECK(t.n_comm == 3, "n_comm from the entry nearest 900 tokens: %d", t.n_comm);
+    CHECK(t.chunk_cols == 1024, "chunk from the entry nearest max_tokens 4096: %d", t.chunk_cols);
+    comet_tuning_t u = {0, 0};
+    comet_tuner_pick(&d, COMET_BACKEND_CPU, 3900, &u);
+    CHECK(u.n_comm == 7 && u.chunk_cols == t.chunk_cols, "other token count: n_comm %d, same chunk %d", u.n_comm,
+          u.chunk_cols);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&d, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 20 && t.chunk_cols == 768, "the CUDA entry for the CUDA backend: %d %d", t.n_comm, t.chunk_cols);
+    comet_dims_t other = dims(2048, 4096);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    CHECK(t.chunk_cols == 256 && t.n_comm == 2, "a configuration not in the table gets the rule: %d %d", t.chunk_cols,
+          t.n_comm);
+
+    /* append -> load */
+    unlink(path);
+    comet_tuning_t w = {4, 64};
+    CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append");
+    CHECK(comet_tuner_append(path, &d, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append again");
+    CHECK(comet_tuner_load(path) == 2, "both appended entries load (one header)");
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    CHECK(t.n_comm == 4 && t.chunk_cols == 64, "round trip: %d %d", t.n_comm, t.chunk_cols);
+    unlink(path);
+    CHECK(comet_tuner_load("/nonexistent/dir/table.tsv") == -1, "missing file");
+    CHECK(comet_tuner_load(NULL) == 0, "clear");
+    return check_summary("test_tuner");
+}
