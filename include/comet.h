@@ -151,6 +151,9 @@ comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int worl
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
 comet_backend_t comet_world_backend(const comet_world_t *world);
+/* The one rank this process holds (comet_world_create_nccl), or -1 when every
+ * rank of the world lives in this process. */
+int comet_world_local_rank(const comet_world_t *world);
 /* CUDA devices the CUDA backend can use; 0 without GPUs or in builds without
  * the CUDA backend. */
 int comet_device_count(void);

@@ -51,6 +51,10 @@ expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g 
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 expect trace-cuda 2 'tracing is not yet supported on the CUDA backend' -- "$comet" bench --backend cuda --trace "$tdir/x.json"
 rm -rf "$tdir"
+if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # torchrun-style launch needs GPUs; without, a clear refusal
+    expect launch-no-gpu 2 "launched world .*no CUDA device" -- env WORLD_SIZE=2 RANK=0 "$comet" check
+fi
+expect launch-bad-env 2 "not a valid launch" -- env WORLD_SIZE=2 RANK=5 "$comet" check
 tune_out=$(mktemp -u /tmp/comet-tune-cli-XXXXXX)
 expect tune-help 0 'usage: comet tune' -- "$comet" tune --help
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"

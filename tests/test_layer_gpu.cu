@@ -44,7 +44,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_status_t st = comet_problem_run(p, world, &run, 0);
     CHECK(st == COMET_SUCCESS, "%s: %s: %s", tag, comet_status_string(st), comet_last_error());
     comet_check_t chk;
-    comet_problem_check(p, 0, &chk);
+    comet_problem_check(p, 0, -1, &chk);
     CHECK(chk.wrong == 0, "%s: %lld of %lld elements off the reference (worst %.3g of the row rms)", tag,
           (long long)chk.wrong, (long long)chk.elements, chk.worst);
     CHECK(count_poison(p) == 0, "%s: %lld outputs never written", tag, (long long)count_poison(p));

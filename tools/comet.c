@@ -9,7 +9,8 @@
  * With GPUs (and a build with the CUDA backend) they run on every local GPU,
  * one rank each; without, on the multi-rank CPU engine (ranks are threads)
  * with the default model scaled down so that a run takes seconds. The tool
- * says which in its output.
+ * says which in its output. Launched by torchrun (WORLD_SIZE > 1), each
+ * process is one rank on GPU LOCAL_RANK, and rank 0 prints for all.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include <time.h>
 
 #include "comet.h"
+#include "../src/core/bootstrap.h"
 #include "../src/core/validate.h"
 #include "../src/tuner/tuner.h"
 #include "../src/workload/workload.h"
@@ -178,17 +180,60 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
     return 0;
 }
 
+/* torchrun-style launch: one process per rank, from RANK, WORLD_SIZE,
+ * LOCAL_RANK (the GPU), MASTER_ADDR and MASTER_PORT. The processes exchange
+ * the NCCL id (and, at the end, their results) over a TCP channel on
+ * COMET_BOOTSTRAP_PORT, by default MASTER_PORT + 1 (torchrun's own store holds
+ * MASTER_PORT). */
+typedef struct {
+    int on, rank, size, local_rank, port;
+    const char *addr;
+} launch_t;
+
+static launch_t launch;
+
+static int env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : fallback;
+}
+
+static int launch_from_env(void) {
+    memset(&launch, 0, sizeof launch);
+    launch.size = env_int("WORLD_SIZE", 1);
+    if (launch.size <= 1) return 0;
+    launch.on = 1;
+    launch.rank = env_int("RANK", -1);
+    launch.local_rank = env_int("LOCAL_RANK", launch.rank);
+    launch.addr = getenv("MASTER_ADDR") && *getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
+    launch.port = env_int("COMET_BOOTSTRAP_PORT", env_int("MASTER_PORT", 29500) + 1);
+    if (launch.rank < 0 || launch.rank >= launch.size || launch.local_rank < 0 || launch.port < 1 || launch.port > 65535) {
+        fprintf(stderr, "comet: WORLD_SIZE=%d but RANK=%d, LOCAL_RANK=%d, port %d: not a valid launch\n", launch.size,
+                launch.rank, launch.local_rank, launch.port);
+        return -1;
+    }
+    return 0;
+}
+
+/* Printing is rank 0's job in a launched world. */
+static int speaks(void) { return !launch.on || launch.rank == 0; }
+
 /* Fill in defaults (they depend on the backend) and build the config. */
 static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, int *world, int *use_cuda) {
     const int gpus = comet_device_count();
-    *use_cuda = strcmp(o->backend, "cuda") == 0 || (strcmp(o->backend, "auto") == 0 && gpus > 0);
+    *use_cuda = launch.on || strcmp(o->backend, "cuda") == 0 || (strcmp(o->backend, "auto") == 0 && gpus > 0);
     if (*use_cuda && gpus == 0) {
-        fprintf(stderr, "comet: --backend cuda: no CUDA device found (or this build has no CUDA backend)\n");
+        fprintf(stderr, "comet: %s: no CUDA device found (or this build has no CUDA backend)\n",
+                launch.on ? "a launched world (WORLD_SIZE > 1)" : "--backend cuda");
+        return -1;
+    }
+    if (launch.on && (strcmp(o->backend, "cpu") == 0 || launch.local_rank >= gpus)) {
+        fprintf(stderr, "comet: rank %d: a launched world runs on GPUs, LOCAL_RANK %d of %d here\n", launch.rank,
+                launch.local_rank, gpus);
         return -1;
     }
     const comet_model_t *m = comet_model_find(o->model);
     int scale = o->scale ? o->scale : (*use_cuda ? 1 : 8);
-    int ranks = *use_cuda ? gpus : 2;
+    int ranks = launch.on ? launch.size : *use_cuda ? gpus : 2;
     int tp = o->tp ? o->tp : 1, ep = o->ep ? o->ep : (o->tp ? 1 : ranks);
     *cfg = (comet_layer_config_t)COMET_LAYER_CONFIG_INIT;
     cfg->hidden = o->hidden ? o->hidden : m->hidden / scale;
@@ -198,7 +243,11 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     cfg->activation = o->activation;
     cfg->tp = tp, cfg->ep = ep;
     *world = tp * ep;
-    if (*world > 64 || (*use_cuda && *world > gpus)) {
+    if (launch.on && *world != launch.size) {
+        fprintf(stderr, "comet: TP*EP = %d ranks, but WORLD_SIZE is %d\n", *world, launch.size);
+        return -1;
+    }
+    if (*world > 64 || (*use_cuda && !launch.on && *world > gpus)) {
         fprintf(stderr, "comet: TP*EP = %d ranks, but %s\n", *world,
                 *use_cuda ? "there are not that many GPUs" : "the CPU engine runs at most 64");
         return -1;
@@ -212,7 +261,12 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
         fprintf(stderr, "comet: %s\n", comet_last_error());
         return -1;
     }
-    if (*use_cuda)
+    if (!speaks())
+        return 0;
+    if (launch.on)
+        printf("backend: CUDA, %d ranks (one process per GPU: this is rank 0, %s:%d)\n", *world, launch.addr,
+               launch.port);
+    else if (*use_cuda)
         printf("backend: CUDA, %d rank%s (one thread per GPU)\n", *world, *world > 1 ? "s" : "");
     else
         printf("backend: CPU engine (%d ranks as threads of one process; %s)\n", *world,
@@ -248,9 +302,22 @@ static int run(const char *cmd, int argc, char **argv) {
         return 2;
     }
     comet_problem_poison(p);
-    comet_world_t *w;
-    if (comet_world_create_local(&w, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU) != COMET_SUCCESS) {
+    comet_world_t *w = NULL;
+    comet_bootstrap_t *bs = NULL;
+    comet_status_t ws;
+    if (launch.on) { /* rank 0 makes the id, the channel carries it to the others */
+        comet_unique_id_t id;
+        memset(&id, 0, sizeof id);
+        ws = comet_bootstrap_open(&bs, launch.rank, launch.size, launch.addr, launch.port, 120000);
+        if (ws == COMET_SUCCESS && launch.rank == 0) ws = comet_get_unique_id(&id);
+        if (ws == COMET_SUCCESS) ws = comet_bootstrap_bcast(bs, id.bytes, sizeof id.bytes);
+        if (ws == COMET_SUCCESS) ws = comet_world_create_nccl(&w, launch.rank, launch.size, &id, launch.local_rank);
+    } else {
+        ws = comet_world_create_local(&w, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU);
+    }
+    if (ws != COMET_SUCCESS) {
         fprintf(stderr, "comet: %s\n", comet_last_error());
+        comet_bootstrap_close(bs);
         comet_problem_destroy(p);
         return 1;
     }
@@ -269,6 +336,7 @@ static int run(const char *cmd, int argc, char **argv) {
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
         fprintf(stderr, "comet: forward failed: %s: %s\n", comet_status_string(st), comet_last_error());
+        comet_bootstrap_close(bs);
         comet_trace_destroy(r.trace);
         comet_problem_destroy(p);
         return 1;
@@ -292,12 +360,32 @@ static int run(const char *cmd, int argc, char **argv) {
     /* The CPU engine must equal the reference bitwise; a GPU within the
      * tolerance of a different GEMM accumulation order, on sampled tokens. */
     comet_check_t chk;
-    if (comet_problem_check(p, use_cuda ? 16 : 0, &chk) != COMET_SUCCESS) {
+    if (comet_problem_check(p, use_cuda ? 16 : 0, launch.on ? launch.rank : -1, &chk) != COMET_SUCCESS) {
         fprintf(stderr, "comet: check failed to run: %s\n", comet_last_error());
+        comet_bootstrap_close(bs);
         comet_problem_destroy(p);
         return 1;
     }
     int64_t bad = use_cuda ? chk.wrong : chk.differ, total = 0;
+    if (launch.on) { /* rank 0 reports for every rank: the slowest time, every check */
+        double mine[3] = {r.ms_median, (double)bad, (double)chk.elements}, all[3 * 64];
+        comet_status_t gs = comet_bootstrap_gather(bs, mine, sizeof mine, all);
+        comet_bootstrap_close(bs);
+        if (gs != COMET_SUCCESS) {
+            fprintf(stderr, "comet: gathering the results: %s\n", comet_last_error());
+            comet_problem_destroy(p);
+            return 1;
+        }
+        if (!speaks()) {
+            comet_problem_destroy(p);
+            return bad ? 1 : 0;
+        }
+        bad = 0, chk.elements = 0;
+        for (int q = 0; q < launch.size; q++) {
+            if (all[3 * q] > r.ms_median) r.ms_median = all[3 * q];
+            bad += (int64_t)all[3 * q + 1], chk.elements += (int64_t)all[3 * q + 2];
+        }
+    }
     double flops = 0;
     for (int s = 0; s < world; s++) {
         total += p->tokens[s];
@@ -423,6 +511,7 @@ int main(int argc, char **argv) {
         printf("comet %d.%d.%d\n", COMET_VERSION_MAJOR, COMET_VERSION_MINOR, COMET_VERSION_PATCH);
         return 0;
     }
+    if (launch_from_env()) return 2;
     if (strcmp(cmd, "bench") == 0 || strcmp(cmd, "check") == 0) return run(cmd, argc - 2, argv + 2);
     if (strcmp(cmd, "tune") == 0) return tune(argc - 2, argv + 2);
     fprintf(stderr, "comet: unknown command '%s'\n", cmd);

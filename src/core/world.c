@@ -120,6 +120,8 @@ int comet_world_size(const comet_world_t *w) { return w ? w->size : 0; }
 
 comet_backend_t comet_world_backend(const comet_world_t *w) { return w ? w->backend : COMET_BACKEND_CPU; }
 
+int comet_world_local_rank(const comet_world_t *w) { return w ? w->local_rank : -1; }
+
 int comet_device_count(void) {
 #ifdef COMET_WITH_CUDA
     return comet_cuda_device_count();

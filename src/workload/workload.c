@@ -229,7 +229,7 @@ int64_t comet_problem_count_mismatch(const comet_problem_t *p) {
     return bad;
 }
 
-comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, comet_check_t *out) {
+comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out) {
     memset(out, 0, sizeof *out);
     comet_dims_t d;
     COMET_TRY(comet_dims_from_config(&p->cfg, p->world_size, 0, &d));
@@ -242,6 +242,7 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, com
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
     }
     for (int s = 0; s < p->world_size; s++) {
+        if (only_rank >= 0 && s != only_rank) continue;
         const int64_t t_num = p->tokens[s], n = sample <= 0 || sample >= t_num ? t_num : sample;
         for (int64_t i = 0; i < n; i++) {
             int64_t t = n == t_num ? i : (n == 1 ? 0 : i * (t_num - 1) / (n - 1));
@@ -400,24 +401,26 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         free(ms), free(slowest);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
     }
-    int started = 0;
-    for (; started < w; started++) {
+    /* a world spread over processes runs only the rank it holds here */
+    const int local = comet_world_local_rank(world), first = local >= 0 ? local : 0, last = local >= 0 ? local : w - 1;
+    int started = first;
+    for (; started <= last; started++) {
         jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
     }
-    for (int s = 0; s < started; s++) pthread_join(th[s], NULL);
-    if (started < w) {
+    for (int s = first; s < started; s++) pthread_join(th[s], NULL);
+    if (started <= last) {
         free(ms), free(slowest);
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
     const int timed = run->repeats - warmup;
     for (int i = 0; i < timed; i++)
-        for (int s = 0; s < w; s++)
+        for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
     qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
     run->ms_median = slowest[timed / 2];
     free(ms), free(slowest);
-    for (int s = 0; s < w; s++)
+    for (int s = first; s <= last; s++)
         if (run->status[s] != COMET_SUCCESS) return comet_fail_copy(run->status[s], run->message[s]);
     return COMET_SUCCESS;
 }

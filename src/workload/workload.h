@@ -72,7 +72,8 @@ comet_status_t comet_problem_redraw(comet_problem_t *p, const comet_routing_opts
 int64_t comet_problem_count_mismatch(const comet_problem_t *p);
 
 /* y checked against the reference on up to sample tokens per rank (evenly
- * spaced, first and last included; sample <= 0: every token), evaluated one
+ * spaced, first and last included; sample <= 0: every token) of every rank,
+ * or of only_rank when it is >= 0 (a process of a spread world), evaluated one
  * token at a time (no y_ref needed). An element is wrong when it is NaN or
  * |y - ref| > 4 bf16 ulps of |ref| + 1% of the rms of ref's row: what a
  * different fp32 accumulation order in the GEMMs can move. */
@@ -82,7 +83,7 @@ typedef struct {
     int64_t wrong;     /* over the tolerance */
     double worst;      /* largest |y - ref| / (rms of ref's row) */
 } comet_check_t;
-comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, comet_check_t *out);
+comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out);
 
 /* Bytes that cross between ranks in one forward, summed over every ordered
  * pair of ranks (docs: benchmarks "comm GB/s"): each token row a rank pulls
@@ -102,7 +103,8 @@ typedef struct {
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
- * inputs copied to each rank's GPU and y copied back), run the forward
+ * inputs copied to each rank's GPU and y copied back; a world spread over
+ * processes: only the rank this process holds), run the forward
  * run->repeats times, destroy the layers. The first `warmup` calls are left
  * out of ms_median. Returns the first failing rank's status, else
  * COMET_SUCCESS. */
