@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test bench torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test bench launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -30,6 +30,12 @@ for step in $STEPS; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
+        ;;
+    launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)
+        n=$(nvidia-smi -L | wc -l)
+        timeout 300 torchrun --standalone --nproc-per-node "$n" --no-python build/comet check --model mixtral-8x7b \
+            --tokens 1024 > "$OUT/launch.log" 2>&1
+        summary+=("torchrun launch, $n ranks: exit $? ($(grep -A1 '^model' "$OUT/launch.log" | tail -n 1))")
         ;;
     torch)
         OUT="$OUT" MODELS="${TORCH_MODELS:-mixtral-8x7b,qwen2-moe,phi-3.5-moe}" TOKENS="${TORCH_TOKENS:-4096,8192,16384}" \

@@ -154,6 +154,9 @@ comet_backend_t comet_world_backend(const comet_world_t *world);
 /* The one rank this process holds (comet_world_create_nccl), or -1 when every
  * rank of the world lives in this process. */
 int comet_world_local_rank(const comet_world_t *world);
+/* The CUDA device rank `rank` runs on in this process (-1 on the CPU backend,
+ * or for a rank another process holds). */
+int comet_world_device(const comet_world_t *world, int rank);
 /* CUDA devices the CUDA backend can use; 0 without GPUs or in builds without
  * the CUDA backend. */
 int comet_device_count(void);

@@ -280,6 +280,16 @@ static void test_handles(void) {
     CHECK(comet_layer_create(&l, w, 2, &cfg) == COMET_ERR_INVALID_ARGUMENT && l == NULL, "rank out of range");
     CHECK(comet_layer_create(&l, NULL, 0, &cfg) == COMET_ERR_INVALID_ARGUMENT, "NULL world");
     CHECK(comet_world_size(w) == 2, "world size");
+    CHECK(comet_world_local_rank(w) == -1 && comet_world_device(w, 0) == -1, "a CPU world: all ranks here, no devices");
+    comet_unique_id_t id;
+    memset(&id, 0, sizeof id);
+    comet_world_t *ext = NULL;
+    CHECK(comet_world_create_nccl(&ext, 0, 2, NULL, 0) == COMET_ERR_INVALID_ARGUMENT && !ext, "NULL id");
+    CHECK(comet_world_create_nccl(&ext, 2, 2, &id, 0) == COMET_ERR_INVALID_ARGUMENT && !ext, "rank >= world size");
+    CHECK(comet_world_create_nccl(&ext, 0, 2, &id, -1) == COMET_ERR_INVALID_ARGUMENT && !ext, "negative device");
+    if (comet_device_count() == 0)
+        CHECK(comet_world_create_nccl(&ext, 0, 2, &id, 0) == COMET_ERR_UNSUPPORTED && !ext,
+              "a spread world without a GPU: %s", comet_last_error());
 
     /* ranks that disagree on the config all fail */
     create_job_t jobs[2] = {{w, cfg, 0, 0, "", {0, 0}}, {w, cfg, 1, 0, "", {0, 0}}};

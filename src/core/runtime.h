@@ -54,6 +54,7 @@ int comet_cuda_device_count(void);
  * joining the others through id (128 bytes). */
 comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int device);
 void comet_cuda_world_destroy(comet_world_t *w);
+int comet_cuda_world_device(const comet_world_t *w); /* the local rank's device */
 comet_status_t comet_cuda_unique_id(void *id);
 comet_status_t comet_cuda_layer_create(comet_layer_t *layer);
 void comet_cuda_layer_destroy(comet_layer_t *layer);

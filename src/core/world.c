@@ -122,6 +122,16 @@ comet_backend_t comet_world_backend(const comet_world_t *w) { return w ? w->back
 
 int comet_world_local_rank(const comet_world_t *w) { return w ? w->local_rank : -1; }
 
+int comet_world_device(const comet_world_t *w, int rank) {
+    if (!w || w->backend != COMET_BACKEND_CUDA || rank < 0 || rank >= w->size) return -1;
+    if (w->local_rank < 0) return rank;
+#ifdef COMET_WITH_CUDA
+    return rank == w->local_rank ? comet_cuda_world_device(w) : -1;
+#else
+    return -1;
+#endif
+}
+
 int comet_device_count(void) {
 #ifdef COMET_WITH_CUDA
     return comet_cuda_device_count();

@@ -63,9 +63,9 @@ typedef struct {
     int device;                 /* external worlds: this rank's device */
 } cuda_world_t;
 
-static int device_of(const comet_world_t *w, int rank) {
-    return w->local_rank >= 0 ? ((const cuda_world_t *)w->backend_world)->device : rank;
-}
+int comet_cuda_world_device(const comet_world_t *w) { return ((const cuda_world_t *)w->backend_world)->device; }
+
+static int device_of(const comet_world_t *w, int rank) { return w->local_rank >= 0 ? comet_cuda_world_device(w) : rank; }
 
 comet_status_t comet_cuda_unique_id(void *id) {
     comet_comm_id_t cid;

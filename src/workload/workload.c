@@ -305,7 +305,7 @@ static double wall_ms(void) {
 }
 
 #ifdef COMET_WITH_CUDA
-/* The same on a GPU: inputs copied to device `rank`, y poisoned there, each
+/* The same on a GPU: inputs copied to the rank's device, y poisoned there, each
  * call timed with events, the status of each call taken from
  * comet_layer_sync, y copied back into p->y. */
 static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_forward_args_t *a) {
@@ -318,7 +318,7 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     cudaStream_t stream = NULL;
     cudaEvent_t e0 = NULL, e1 = NULL;
     comet_status_t st = COMET_SUCCESS;
-    cudaError_t e = cudaSetDevice(r);
+    cudaError_t e = cudaSetDevice(comet_world_device(job->world, r));
     if (e == cudaSuccess) e = cudaStreamCreate(&stream);
     if (e == cudaSuccess) e = cudaEventCreate(&e0);
     if (e == cudaSuccess) e = cudaEventCreate(&e1);
