@@ -5,8 +5,9 @@
  * per rank including 0 and 1, small and default tile heights, skewed routing,
  * experts with no tokens, GELU), outputs poisoned before each run. Every
  * element must be within the tolerance of a different GEMM accumulation order
- * (comet_problem_check), every output written, and a second run bitwise equal
- * to the first (fixed reduction order). An invalid expert id on one rank must
+ * (comet_problem_check), every output written, a second run bitwise equal
+ * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
+ * bitwise equal to the sequential chain. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)".
  */
@@ -60,11 +61,22 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_problem_poison(p);
     st = comet_problem_run(p, world, &run, 0);
     int same = st == COMET_SUCCESS;
+    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+    CHECK(same, "%s: a second run differs bitwise", tag);
+
+    /* overlapped mode (n_comm communication CTAs beside the GEMM; the
+     * sequential chain where the Hopper GEMM does not run): the same bits */
+    comet_problem_poison(p);
+    run.n_comm = 8;
+    st = comet_problem_run(p, world, &run, 0);
+    run.n_comm = 0;
+    same = st == COMET_SUCCESS;
     for (int s = 0; s < w; s++) {
         same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
         free(first[s]);
     }
-    CHECK(same, "%s: a second run differs bitwise", tag);
+    CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
+          same ? "equal" : "differs from the sequential one");
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }

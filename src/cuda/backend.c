@@ -23,12 +23,16 @@
 #include "../core/validate.h"
 #include "cuda_layer.h"
 #include "gemm.h"
+#include "../tuner/tuner.h"
 
 typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[6];         /* state, plan, a, h, o, scratch */
+    void *priv[8];         /* state, plan, a, h, o, scratch, block_ready, overlap state */
+    cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
+    cudaEvent_t ev_plan, ev_comm;
+    uint64_t epoch;        /* forwards launched: the device epoch, mirrored */
     comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
     cudaStream_t last_stream;
     int device;
@@ -196,7 +200,10 @@ static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
-    for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
+    for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
+    if (L->stream2) cudaStreamDestroy(L->stream2);
+    if (L->ev_plan) cudaEventDestroy(L->ev_plan);
+    if (L->ev_comm) cudaEventDestroy(L->ev_comm);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
     free(L);
@@ -230,9 +237,10 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         c->sym = c->peers[0] = (char *)L->sym_single;
     }
     const size_t rows = (size_t)d->max_rows_padded;
-    const size_t bytes[6] = {sizeof(comet_cuda_state_t), comet_plan_workspace_bytes(d), rows * (size_t)d->hidden * 2,
-                             rows * (size_t)d->ffn_local * 2, rows * (size_t)d->hidden * 2, 256};
-    for (int i = 0; i < 6; i++) {
+    const size_t bytes[8] = {sizeof(comet_cuda_state_t), comet_plan_workspace_bytes(d), rows * (size_t)d->hidden * 2,
+                             rows * (size_t)d->ffn_local * 2, rows * (size_t)d->hidden * 2, 256,
+                             (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t)};
+    for (int i = 0; i < 8; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
@@ -241,6 +249,13 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     c->state = L->priv[0];
     c->plan_ws = L->priv[1];
     c->a = L->priv[2], c->h = L->priv[3], c->o = L->priv[4];
+    c->block_ready = L->priv[6];
+    c->ov = L->priv[7];
+    CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
+    c->stream2 = L->stream2, c->ev_plan = L->ev_plan, c->ev_comm = L->ev_comm;
+    CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
     int major = 0;
@@ -257,6 +272,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
     CUDA_TRY(rank, cudaMemset(L->priv[5], 0, 256));
+    CUDA_TRY(rank, cudaMemset(L->priv[6], 0, bytes[6]));
+    CUDA_TRY(rank, cudaMemset(L->priv[7], 0, bytes[7]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
     return barrier(L, rank);
 }
@@ -323,7 +340,19 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
+        /* overlapped when asked for (n_comm > 0, the same on every rank) and
+         * the Hopper GEMM with its hooks runs */
+        if (c.gemm && args->n_comm > 0) {
+            c.n_comm = args->n_comm < c.num_sms - 1 ? args->n_comm : c.num_sms - 1;
+            comet_tuning_t tune = {c.n_comm, args->chunk_cols};
+            comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);
+            int64_t cc = (tune.chunk_cols + 255) / 256 * 256, min_cc = (l->dims.hidden + COMET_CUDA_MAX_CHUNKS - 1) /
+                                                                     COMET_CUDA_MAX_CHUNKS;
+            if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
+            c.chunk_cols = (int)cc;
+        }
     }
+    c.host_epoch = ++L->epoch; /* every launch below advances the device epoch by one */
     int e = comet_cuda_forward_launch(&c, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
     L->last_stream = stream;
@@ -337,7 +366,8 @@ void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
     const size_t rows = (size_t)d->max_rows_padded;
     out->symmetric_bytes = L->ctx.lay.total;
     out->private_bytes = sizeof(comet_cuda_state_t) + comet_plan_workspace_bytes(d) +
-                         rows * (size_t)(2 * d->hidden + d->ffn_local) * 2 + 256;
+                         rows * (size_t)(2 * d->hidden + d->ffn_local) * 2 + 256 +
+                         (size_t)d->max_blocks * sizeof(uint64_t) + sizeof(comet_cuda_overlap_t);
 }
 
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {

@@ -44,6 +44,7 @@ extern "C" {
 #endif
 
 #define COMET_CUDA_MAX_RANKS 64
+#define COMET_CUDA_MAX_CHUNKS 32 /* layer-1 column chunks of the overlapped mode */
 
 /* Head of every rank's symmetric buffer. */
 typedef struct {
@@ -52,7 +53,17 @@ typedef struct {
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
     uint64_t partial_flag[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q stored its partials here */
+    uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
+                                                  rank q stored column chunk c of its partials here */
 } comet_sym_flags_t;
+
+/* Private device state of the overlapped mode: flags between the comm CTAs
+ * and the GEMM CTAs of one rank (same GPU: release/acquire at gpu scope). */
+typedef struct {
+    uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk (cumulative, GEMM hook) */
+    uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by the comm CTAs) */
+    uint32_t arrived[COMET_CUDA_MAX_CHUNKS];    /* comm CTAs done with chunk c this call (the last resets) */
+} comet_cuda_overlap_t;
 
 typedef struct {
     size_t flags, x, topk_idx, topk_w, partials, total; /* byte offsets, total size */
@@ -92,6 +103,18 @@ typedef struct {
     uint64_t timeout_ns;
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
+    /* overlapped mode (n_comm > 0, Hopper GEMM only): n_comm communication
+     * CTAs on a second stream run beside GEMM CTAs on the others SMs:
+     * layer 0 pulls rows block by block and releases block_ready[b], which
+     * GEMM0 waits for; layer 1 takes each GEMM1 column chunk as soon as its
+     * tiles are stored, reduces and sends it, and sums the chunks that peers
+     * sent here, one chunk behind (send(0), send(1), recv(0), ...). */
+    int n_comm;                    /* 0: the sequential chain */
+    int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
+    uint64_t host_epoch;           /* the device epoch of this call, mirrored (no graph replay in this mode) */
+    uint64_t *block_ready;         /* device [max_blocks] */
+    comet_cuda_overlap_t *ov;      /* device */
+    void *stream2, *ev_plan, *ev_comm; /* cudaStream_t, cudaEvent_t */
 } comet_cuda_ctx_t;
 
 /* Lay out the symmetric buffer for dims d. */
@@ -102,6 +125,8 @@ void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay);
  * arguments failed the host checks) only the protocol steps run: the failure
  * is published, every rank skips its data steps and writes nothing. */
 int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream);
+/* Load every kernel of the layer (and the GEMM) on the current device. */
+int comet_cuda_layer_warm(void);
 
 #ifdef __cplusplus
 }

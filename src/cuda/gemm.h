@@ -100,6 +100,9 @@ int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len);
  * CTAs claim tiles from a device counter of g (one for GEMM0, one for GEMM1),
  * so one g must not run two GEMM0s (or two GEMM1s) at the same time. */
 int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
+/* Load the GEMM kernels on the current device now (lazy loading while another
+ * kernel spins on a flag can deadlock). Returns a cudaError_t as int. */
+int comet_gemm_warm(void);
 int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
 
 #ifdef __cplusplus

@@ -35,6 +35,10 @@ __device__ static inline uint64_t ld_acquire_sys(const uint64_t *p) {
     return v;
 }
 
+__device__ static inline void st_release_gpu(uint64_t *p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ static inline uint64_t globaltimer(void) {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -303,9 +307,141 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
     st_release_sys(&flags_of(&c, c.d.rank)->done, c.state->epoch);
 }
 
+
+/* ---------------------------------------------------------------------------
+ * Overlapped mode: communication CTAs beside the GEMM CTAs (cuda_layer.h)
+ * ------------------------------------------------------------------------- */
+
+/* Layer 0: pull the rows of each block (local-first order) and release it to
+ * GEMM0, which waits on block_ready[b] >= epoch. */
+__global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
+    if (c.state->skip) return;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const uint64_t e = c.state->epoch;
+    const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+        const int32_t b = p.l0_order[i];
+        const comet_plan_block_t blk = p.blocks[b];
+        for (int r = warp; r < blk.num_rows; r += nwarps) {
+            const comet_plan_row_t pr = p.rows[blk.row_start + r];
+            const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
+            copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) st_release_gpu(&c.block_ready[b], e);
+    }
+}
+
+/* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
+ * 128 x 256 tile). */
+__device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb, int chunk) {
+    const int64_t c0 = (int64_t)chunk * c->chunk_cols;
+    const int64_t width = c->d.hidden - c0 < c->chunk_cols ? c->d.hidden - c0 : c->chunk_cols;
+    return (uint64_t)nb * (uint64_t)((width + 255) / 256);
+}
+
+/* Layer 1: send(0), send(1), recv(0), send(2), recv(1), ...: a send waits for
+ * the chunk's GEMM1 tiles, top-k reduces every home rank's tokens over the
+ * chunk's columns into the home's partials, and the last comm CTA to finish
+ * flags the chunk on every home; a recv waits for every rank's flag of the
+ * chunk and sums the partials in ascending rank order into y. */
+__global__ void k_combine_ov(comet_cuda_ctx_t c) {
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const uint64_t e = c.state->epoch;
+    const int w = c.d.world_size, me = c.d.rank;
+    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
+    const int n_chunks = (int)((hd + c.chunk_cols - 1) / c.chunk_cols);
+    comet_cuda_overlap_t *ov = c.ov;
+    __shared__ uint64_t base;
+    if (c.state->skip) { /* nothing is sent; keep the chunk flags in step */
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            for (int q = 0; q < w; q++)
+                for (int ch = 0; ch < n_chunks; ch++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
+        return;
+    }
+    const int nb = p.totals->num_blocks;
+    const float *partials = (const float *)(c.sym + c.lay.partials);
+    for (int step = 0; step <= n_chunks; step++) {
+        if (step < n_chunks) { /* send(step) */
+            const int ch = step;
+            const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
+            if (threadIdx.x == 0) {
+                base = ov->chunk_base[ch];
+                wait_geq(&ov->chunk_done[ch], base + chunk_tiles(&c, nb, ch), &c, "comm: GEMM1 tiles of chunk", ch);
+            }
+            __syncthreads();
+            for (int hi = 0; hi < w; hi++) {
+                const int h = (me + 1 + hi) % w;
+                const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
+                float *dst = (float *)(c.peers[h] + c.lay.partials) + (int64_t)me * mt * hd;
+                for (int i = blockIdx.x; i < p.send_count[h]; i += gridDim.x) {
+                    const int64_t t = p.send_tokens[(int64_t)h * mt + i];
+                    for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+                        float acc = 0.0f;
+                        for (int64_t j = 0; j < k; j++) {
+                            int32_t row = ros[t * k + j];
+                            if (row >= 0) acc = fmaf(p.rows[row].weight, comet_bf16_to_f32(c.o[(int64_t)row * hd + col]), acc);
+                        }
+                        dst[t * hd + col] = acc;
+                    }
+                }
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0 && atomicAdd(&ov->arrived[ch], 1u) == gridDim.x - 1) { /* the last comm CTA */
+                ov->arrived[ch] = 0;
+                ov->chunk_base[ch] = base + chunk_tiles(&c, nb, ch);
+                __threadfence_system();
+                for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
+            }
+        }
+        if (step >= 1) { /* recv(step - 1) */
+            const int ch = step - 1;
+            const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
+            comet_sym_flags_t *mine = flags_of(&c, me);
+            if (threadIdx.x == 0)
+                for (int q = 0; q < w; q++) wait_geq(&mine->chunk_flag[q][ch], e, &c, "comm: partials of chunk from rank", q);
+            __syncthreads();
+            for (int64_t t = blockIdx.x; t < c.num_tokens; t += gridDim.x) {
+                const int32_t *groups = p.home_groups + t * k;
+                const int ng = p.home_group_count[t];
+                for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+                    float acc = 0.0f;
+                    for (int g = 0; g < ng; g++)
+                        for (int tp = 0; tp < c.d.tp; tp++) {
+                            int64_t q = (int64_t)groups[g] * c.d.tp + tp;
+                            acc += partials[(q * mt + t) * hd + col];
+                        }
+                    c.y[t * hd + col] = comet_f32_to_bf16(acc);
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------
  * Host side
  * ------------------------------------------------------------------------- */
+
+/* Load every kernel of the layer now: with lazy module loading, a kernel
+ * loaded for the first time while another spins on a flag can deadlock. */
+extern "C" int comet_cuda_layer_warm(void) {
+    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
+                         (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
+                         (const void *)k_combine, (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
+                         (const void *)k_dispatch_ov, (const void *)k_combine_ov};
+    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
+        cudaFuncAttributes a;
+        cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
+        if (e != cudaSuccess) return (int)e;
+    }
+    return comet_gemm_warm();
+}
 
 extern "C" void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
     size_t off = 0;
@@ -339,6 +475,33 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     in.topk_w = c.state->peer_w;
     cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, &c.state->skip, stream);
     if (pe != cudaSuccess) return (int)pe;
+    if (c.gemm && c.n_comm > 0) { /* overlapped: comm CTAs on stream2 beside the GEMM CTAs */
+        cudaStream_t s2 = (cudaStream_t)c.stream2;
+        cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
+        if (e != cudaSuccess) return (int)e;
+        comet_gemm_hooks_t hooks;
+        memset(&hooks, 0, sizeof hooks);
+        hooks.skip = &c.state->skip;
+        hooks.num_ctas = c.num_sms - c.n_comm;
+        hooks.timeout_ns = c.timeout_ns;
+        hooks.block_ready = c.block_ready;
+        hooks.epoch = c.host_epoch;
+        k_dispatch_ov<<<c.n_comm, 512, 0, s2>>>(c);
+        int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+        k_combine_ov<<<c.n_comm, 512, 0, s2>>>(c);
+        hooks.block_ready = NULL;
+        hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
+        hooks.chunk_cols = c.chunk_cols;
+        ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+        e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
+        if (e != cudaSuccess) return (int)e;
+        k_exit<<<1, 1, 0, stream>>>(c);
+        return (int)cudaGetLastError();
+    }
     k_dispatch<<<grid, 256, 0, stream>>>(c);
     if (c.gemm) { /* Hopper grouped GEMM */
         comet_gemm_hooks_t hooks;
