@@ -290,7 +290,10 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *trace, const char *pat
  * each rank attaches its own layer, between forward calls, from the thread
  * that calls them; ranks may share one recorder (each writes its own lanes;
  * a rank or lane the recorder lacks counts its events as dropped).
- * Every later forward of this layer records until detached. */
+ * Every later forward of this layer records until detached. CUDA backend:
+ * the recorder needs >= 11 lanes per rank (the stream's steps, communication
+ * CTAs by index mod 8, GEMM0, GEMM1: the GEMMs as whole-kernel intervals);
+ * comet_layer_sync copies the last forward's events into it. */
 comet_status_t comet_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
 
 #ifdef __cplusplus

@@ -58,7 +58,7 @@ static const char *const flag_help =
     "  --seed S           random seed for inputs and routing (default 1)\n"
     "  --backend B        auto (default), cpu, cuda\n"
     "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
-    "  --trace FILE       record every worker's steps in the last forward (CPU engine) as\n"
+    "  --trace FILE       record every worker's steps in the last forward as\n"
     "                     Chrome-trace JSON in FILE (Perfetto, chrome://tracing) and a\n"
     "                     picture in FILE with .svg in place of .json\n";
 
@@ -285,15 +285,7 @@ static int run(const char *cmd, int argc, char **argv) {
     comet_layer_config_t cfg;
     int64_t tokens[64];
     int world, use_cuda;
-    if (o.trace && strcmp(o.backend, "cuda") == 0) {
-        fprintf(stderr, "comet: --trace: tracing is not yet supported on the CUDA backend (use --backend cpu)\n");
-        return 2;
-    }
     if (configure(&o, &cfg, tokens, &world, &use_cuda)) return 2;
-    if (o.trace && use_cuda) { /* --backend auto found GPUs */
-        fprintf(stderr, "comet: --trace: tracing is not yet supported on the CUDA backend (use --backend cpu)\n");
-        return 2;
-    }
 
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;

@@ -8,6 +8,7 @@
 #include "runtime.h"
 #include "status.h"
 #include "validate.h"
+#include "../trace/trace.h"
 
 #ifndef COMET_WITH_CUDA /* worlds refuse the CUDA backend in such builds; these are never reached */
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
@@ -20,6 +21,10 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
 }
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) { return comet_cuda_layer_forward(l, NULL); }
 void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) { (void)l, memset(out, 0, sizeof *out); }
+comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
+    (void)t;
+    return comet_cuda_layer_forward(l, NULL);
+}
 #endif
 
 comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,

@@ -23,6 +23,7 @@
 #include "../core/validate.h"
 #include "cuda_layer.h"
 #include "gemm.h"
+#include "../trace/trace.h"
 #include "../tuner/tuner.h"
 
 typedef struct {
@@ -33,6 +34,9 @@ typedef struct {
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     uint64_t epoch;        /* forwards launched: the device epoch, mirrored */
+    comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
+    void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
+    uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
     comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
     cudaStream_t last_stream;
     int device;
@@ -201,6 +205,8 @@ static void free_all(cuda_layer_t *L) {
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
     for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
+    cudaFree(L->tr_events);
+    cudaFree(L->tr_counts);
     if (L->stream2) cudaStreamDestroy(L->stream2);
     if (L->ev_plan) cudaEventDestroy(L->ev_plan);
     if (L->ev_comm) cudaEventDestroy(L->ev_comm);
@@ -353,6 +359,11 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         }
     }
     c.host_epoch = ++L->epoch; /* every launch below advances the device epoch by one */
+    if (L->trace) {
+        c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;
+        CUDA_TRY(l->rank, cudaMemsetAsync(L->tr_counts, 0, COMET_CUDA_TRACE_LANES * sizeof(uint32_t),
+                                          (cudaStream_t)stream));
+    }
     int e = comet_cuda_forward_launch(&c, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
     L->last_stream = stream;
@@ -370,10 +381,45 @@ void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
                          (size_t)d->max_blocks * sizeof(uint64_t) + sizeof(comet_cuda_overlap_t);
 }
 
+comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
+    cuda_layer_t *L = l->backend_state;
+    CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    cudaFree(L->tr_events), cudaFree(L->tr_counts);
+    L->tr_events = NULL, L->tr_counts = NULL, L->trace = NULL;
+    if (!t) return COMET_SUCCESS;
+    if (t->lanes < COMET_CUDA_TRACE_LANES || l->rank >= t->ranks || t->capacity > UINT32_MAX)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the CUDA backend traces into %d lanes per rank of %d "
+                          "ranks; the recorder has %d lanes, %d ranks", l->rank, COMET_CUDA_TRACE_LANES,
+                          l->dims.world_size, t->lanes, t->ranks);
+    CUDA_TRY(l->rank, cudaMalloc(&L->tr_events, (size_t)COMET_CUDA_TRACE_LANES * (size_t)t->capacity *
+                                                    sizeof(comet_trace_event_t)));
+    CUDA_TRY(l->rank, cudaMalloc((void **)&L->tr_counts, COMET_CUDA_TRACE_LANES * sizeof(uint32_t)));
+    L->trace = t;
+    return COMET_SUCCESS;
+}
+
+/* The last forward's events into this rank's lanes of the recorder. */
+static comet_status_t trace_collect(comet_layer_t *l) {
+    cuda_layer_t *L = l->backend_state;
+    comet_trace_t *t = L->trace;
+    uint32_t counts[COMET_CUDA_TRACE_LANES];
+    CUDA_TRY(l->rank, cudaMemcpy(counts, L->tr_counts, sizeof counts, cudaMemcpyDeviceToHost));
+    for (int lane = 0; lane < COMET_CUDA_TRACE_LANES; lane++) {
+        const size_t slot = (size_t)l->rank * (size_t)t->lanes + (size_t)lane;
+        const size_t kept = counts[lane] < t->capacity ? counts[lane] : (size_t)t->capacity;
+        CUDA_TRY(l->rank, cudaMemcpy(comet_trace_buffer(t) + slot * (size_t)t->capacity,
+                                     (const comet_trace_event_t *)L->tr_events + (size_t)lane * (size_t)t->capacity,
+                                     kept * sizeof(comet_trace_event_t), cudaMemcpyDeviceToHost));
+        comet_trace_counts(t)[slot] = counts[lane];
+    }
+    return COMET_SUCCESS;
+}
+
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
     CUDA_TRY(l->rank, cudaStreamSynchronize(L->last_stream));
+    if (L->trace) COMET_TRY(trace_collect(l));
     uint32_t st = 0;
     CUDA_TRY(l->rank, cudaMemcpy(&st, &L->ctx.state->last_status, sizeof st, cudaMemcpyDeviceToHost));
     if (st == COMET_ERR_INVALID_ROUTING)

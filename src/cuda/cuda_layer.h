@@ -45,6 +45,9 @@ extern "C" {
 
 #define COMET_CUDA_MAX_RANKS 64
 #define COMET_CUDA_MAX_CHUNKS 32 /* layer-1 column chunks of the overlapped mode */
+/* Trace lanes of one rank on a GPU: 0 the stream's own steps, 1..8 the
+ * communication CTAs (CTA index mod 8), 9 GEMM0, 10 GEMM1. */
+#define COMET_CUDA_TRACE_LANES 11
 
 /* Head of every rank's symmetric buffer. */
 typedef struct {
@@ -76,6 +79,7 @@ typedef struct {
     uint32_t skip;            /* 1: some rank's input is invalid this epoch: write nothing */
     uint32_t last_status;     /* comet_status_t to report: own failure, or PEER_FAILED */
     uint32_t pad_;
+    uint64_t gemm_begin[2];   /* trace: %globaltimer when GEMM0 / GEMM1 were reached */
     int64_t token_count[COMET_CUDA_MAX_RANKS];   /* T of every rank, this epoch */
     const int32_t *peer_idx[COMET_CUDA_MAX_RANKS]; /* every rank's staged topk_idx */
     const float *peer_w[COMET_CUDA_MAX_RANKS];     /* every rank's staged topk_w */
@@ -115,6 +119,11 @@ typedef struct {
     uint64_t *block_ready;         /* device [max_blocks] */
     comet_cuda_overlap_t *ov;      /* device */
     void *stream2, *ev_plan, *ev_comm; /* cudaStream_t, cudaEvent_t */
+    /* tracing (comet_layer_set_trace): events in the layout of
+     * src/trace/trace.h, [COMET_CUDA_TRACE_LANES][tr_capacity], counts per lane */
+    void *tr_events;               /* device, or NULL: not tracing */
+    uint32_t *tr_counts;           /* device [COMET_CUDA_TRACE_LANES] */
+    uint32_t tr_capacity;
 } comet_cuda_ctx_t;
 
 /* Lay out the symmetric buffer for dims d. */

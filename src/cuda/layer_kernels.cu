@@ -20,6 +20,7 @@
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "plan_kernel.h"
+#include "../trace/trace.h"
 
 /* ---------------------------------------------------------------------------
  * Flags and waits
@@ -44,6 +45,26 @@ __device__ static inline uint64_t globaltimer(void) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+/* One trace event from t0 to now into a lane (no-op when not tracing). */
+__device__ static void trace_rec(const comet_cuda_ctx_t *c, int lane, int role, int worker, int kind, int index,
+                                 int aux, uint64_t t0) {
+    if (!c->tr_events) return;
+    const unsigned n = atomicAdd(&c->tr_counts[lane], 1u);
+    if (n >= c->tr_capacity) return; /* counted, so the host reports it as dropped */
+    comet_trace_event_t ev;
+    ev.t_begin_ns = t0, ev.t_end_ns = globaltimer();
+    ev.index = index, ev.aux = aux;
+    ev.rank = (uint16_t)c->d.rank, ev.worker = (uint16_t)worker;
+    ev.role = (uint8_t)role, ev.kind = (uint8_t)kind;
+    ev.call = (uint16_t)c->state->epoch;
+    ((comet_trace_event_t *)c->tr_events)[(size_t)lane * c->tr_capacity + n] = ev;
+}
+
+/* The comm lane and worker of this CTA. */
+#define COMM_LANE (1 + (int)(blockIdx.x % 8))
+#define COMM_WORKER ((int)(blockIdx.x % 8))
+#define TRACE_T0 (c.tr_events ? globaltimer() : 0)
 
 /* Spin until *flag >= target; on timeout name rank, role and index, then trap. */
 __device__ static void wait_geq(const uint64_t *flag, uint64_t target, const comet_cuda_ctx_t *c,
@@ -128,7 +149,7 @@ __global__ void k_publish(comet_cuda_ctx_t c) {
 __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
-    const uint64_t e = s->epoch;
+    const uint64_t e = s->epoch, t0 = TRACE_T0;
     uint32_t bad = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         comet_sym_flags_t *f = flags_of(&c, q);
@@ -138,6 +159,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     }
     s->skip = bad;
     s->last_status = s->own_status ? s->own_status : (bad ? 4u /* COMET_ERR_PEER_FAILED */ : 0u);
+    trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, t0);
     /* the plan itself: comet_cuda_plan_build, launched next */
 }
 
@@ -152,11 +174,16 @@ __global__ void k_dispatch(comet_cuda_ctx_t c) {
     const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const size_t row_bytes = (size_t)c.d.hidden * 2;
     for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+        const uint64_t t0 = TRACE_T0;
         const comet_plan_block_t blk = p.blocks[p.l0_order[i]];
         for (int r = warp; r < blk.num_rows; r += nwarps) {
             const comet_plan_row_t pr = p.rows[blk.row_start + r];
             const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
             copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
+        }
+        if (c.tr_events) {
+            __syncthreads();
+            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, p.l0_order[i], blk.stage, t0);
         }
     }
 }
@@ -254,6 +281,7 @@ __global__ void k_combine(comet_cuda_ctx_t c) {
     const int w = c.d.world_size, me = c.d.rank;
     const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
     for (int hi = 0; hi < w; hi++) {
+        const uint64_t t0 = TRACE_T0;
         const int h = (me + 1 + hi) % w;
         const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
         float *dst_base = (float *)(c.peers[h] + c.lay.partials) + (int64_t)me * mt * hd;
@@ -268,6 +296,7 @@ __global__ void k_combine(comet_cuda_ctx_t c) {
                 dst_base[t * hd + col] = acc;
             }
         }
+        if (c.tr_events && threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, h, t0);
     }
     __threadfence_system();
 }
@@ -278,7 +307,7 @@ __global__ void k_signal(comet_cuda_ctx_t c) {
 
 __global__ void k_final(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
-    const uint64_t e = c.state->epoch;
+    const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
     if (threadIdx.x == 0)
         for (int q = 0; q < c.d.world_size; q++) wait_geq(&mine->partial_flag[q], e, &c, "final: partials of rank", q);
@@ -300,6 +329,21 @@ __global__ void k_final(comet_cuda_ctx_t c) {
             c.y[t * hd + col] = comet_f32_to_bf16(acc);
         }
     }
+    if (c.tr_events) {
+        __syncthreads();
+        if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, -1, -1, t0);
+    }
+}
+
+/* Trace: mark where a GEMM starts (which 0/1, end 0) or record it (end 1) as
+ * one interval of the GEMM lane (the GEMM kernels themselves record nothing). */
+__global__ void k_mark(comet_cuda_ctx_t c, int which, int end) {
+    if (!end) {
+        c.state->gemm_begin[which] = globaltimer();
+        return;
+    }
+    trace_rec(&c, 9 + which, COMET_TRACE_GEMM, which, which ? COMET_TRACE_GEMM1 : COMET_TRACE_GEMM0, -1, -1,
+              c.state->gemm_begin[which]);
 }
 
 __global__ void k_exit(comet_cuda_ctx_t c) {
@@ -322,6 +366,7 @@ __global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
     const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const size_t row_bytes = (size_t)c.d.hidden * 2;
     for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+        const uint64_t t0 = TRACE_T0;
         const int32_t b = p.l0_order[i];
         const comet_plan_block_t blk = p.blocks[b];
         for (int r = warp; r < blk.num_rows; r += nwarps) {
@@ -331,7 +376,10 @@ __global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
         }
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) st_release_gpu(&c.block_ready[b], e);
+        if (threadIdx.x == 0) {
+            st_release_gpu(&c.block_ready[b], e);
+            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, b, blk.stage, t0);
+        }
     }
 }
 
@@ -369,11 +417,14 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
         if (step < n_chunks) { /* send(step) */
             const int ch = step;
             const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
+            uint64_t t0 = TRACE_T0;
             if (threadIdx.x == 0) {
                 base = ov->chunk_base[ch];
                 wait_geq(&ov->chunk_done[ch], base + chunk_tiles(&c, nb, ch), &c, "comm: GEMM1 tiles of chunk", ch);
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
             }
             __syncthreads();
+            t0 = TRACE_T0;
             for (int hi = 0; hi < w; hi++) {
                 const int h = (me + 1 + hi) % w;
                 const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
@@ -392,6 +443,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             }
             __threadfence_system();
             __syncthreads();
+            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
             if (threadIdx.x == 0 && atomicAdd(&ov->arrived[ch], 1u) == gridDim.x - 1) { /* the last comm CTA */
                 ov->arrived[ch] = 0;
                 ov->chunk_base[ch] = base + chunk_tiles(&c, nb, ch);
@@ -403,9 +455,13 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             const int ch = step - 1;
             const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
             comet_sym_flags_t *mine = flags_of(&c, me);
-            if (threadIdx.x == 0)
+            uint64_t t0 = TRACE_T0;
+            if (threadIdx.x == 0) {
                 for (int q = 0; q < w; q++) wait_geq(&mine->chunk_flag[q][ch], e, &c, "comm: partials of chunk from rank", q);
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_RECV, t0);
+            }
             __syncthreads();
+            t0 = TRACE_T0;
             for (int64_t t = blockIdx.x; t < c.num_tokens; t += gridDim.x) {
                 const int32_t *groups = p.home_groups + t * k;
                 const int ng = p.home_group_count[t];
@@ -420,6 +476,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
                 }
             }
             __syncthreads();
+            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
         }
     }
 }
@@ -434,7 +491,7 @@ extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_combine, (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_combine_ov};
+                         (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
@@ -488,14 +545,18 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.block_ready = c.block_ready;
         hooks.epoch = c.host_epoch;
         k_dispatch_ov<<<c.n_comm, 512, 0, s2>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
         if (ge != cudaSuccess) return ge;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
         k_combine_ov<<<c.n_comm, 512, 0, s2>>>(c);
         hooks.block_ready = NULL;
         hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
         hooks.chunk_cols = c.chunk_cols;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
         ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
         if (ge != cudaSuccess) return ge;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
         e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
         if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
         if (e != cudaSuccess) return (int)e;
@@ -508,12 +569,21 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         memset(&hooks, 0, sizeof hooks);
         hooks.skip = &c.state->skip;
         hooks.num_ctas = c.num_sms;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
-        if (ge == cudaSuccess) ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
         if (ge != cudaSuccess) return ge;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
+        ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     } else {
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     }
     k_combine<<<grid, 256, 0, stream>>>(c);
     k_signal<<<1, 1, 0, stream>>>(c);

@@ -107,8 +107,7 @@ int64_t comet_trace_dropped(const comet_trace_t *t) {
 comet_status_t comet_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
     comet_clear_error();
     if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
-    if (l->world->backend == COMET_BACKEND_CUDA)
-        return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: tracing is not yet supported on the CUDA backend", l->rank);
+    if (l->world->backend == COMET_BACKEND_CUDA) return comet_cuda_layer_set_trace(l, trace);
     return comet_cpu_layer_set_trace(l, trace);
 }
 

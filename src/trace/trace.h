@@ -69,6 +69,9 @@ typedef struct {
     uint16_t call;       /* forward call number on this rank, low 16 bits */
 } comet_trace_event_t;
 
+#ifdef __cplusplus /* the event layout is shared with the CUDA kernels (src/cuda/layer_kernels.cu) */
+static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");
+#else
 _Static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");
 
 struct comet_trace {
@@ -102,7 +105,10 @@ const char *comet_trace_role_name(int role);
 /* Layer of a kind: 0, 1, or -1 (host, wait). */
 int comet_trace_kind_layer(int kind);
 
-/* The CPU engine's side of comet_layer_set_trace (src/cpu/engine.c). */
+/* The backends' side of comet_layer_set_trace (src/cpu/engine.c,
+ * src/cuda/backend.c). */
 comet_status_t comet_cpu_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
+comet_status_t comet_cuda_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
+#endif /* C only: the recorder */
 
 #endif /* COMET_TRACE_H */

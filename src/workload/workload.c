@@ -362,7 +362,7 @@ static void *rank_main(void *arg) {
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
 #ifdef COMET_WITH_CUDA
     if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA) {
-        if (run->trace) st = comet_layer_set_trace(layer, run->trace); /* says: not yet on CUDA */
+        if (run->trace) st = comet_layer_set_trace(layer, run->trace); /* each sync keeps the latest call */
         if (st == COMET_SUCCESS) st = rank_cuda(job, layer, &a);
     } else
 #endif
