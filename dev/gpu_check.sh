@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test bench launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -30,6 +30,14 @@ for step in $STEPS; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
+        ;;
+    trace) # the overlap as a picture: sequential and overlapped, 2 GPUs
+        for mode in "" "--n-comm 8"; do
+            name=trace-gpu${mode:+-overlap}
+            timeout 300 build/comet bench --model mixtral-8x7b --tokens 8192 --ep 2 --iters 3 --warmup 1 $mode \
+                --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
+            summary+=("trace $mode: exit $? ($OUT/$name.svg)")
+        done
         ;;
     launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)
         n=$(nvidia-smi -L | wc -l)
