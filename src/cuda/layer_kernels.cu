@@ -272,30 +272,57 @@ __global__ void k_gemm1(comet_cuda_ctx_t c) {
  * combine / signal / final / exit
  * ------------------------------------------------------------------------- */
 
+/* Columns [c0, c1) of home rank h's tokens that have rows here: the top-k
+ * reduce (ascending slot, fmaf) stored into h's partials[me][t]. This CTA
+ * takes every gridDim.x-th token. Both modes use it, hence equal bits. */
+__device__ static void reduce_into_home(const comet_cuda_ctx_t *c, const comet_plan_t *p, int h, int64_t c0,
+                                        int64_t c1) {
+    const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
+    const int32_t *ros = p->row_of_slot + (int64_t)h * mt * k;
+    float *dst = (float *)(c->peers[h] + c->lay.partials) + (int64_t)c->d.rank * mt * hd;
+    for (int i = blockIdx.x; i < p->send_count[h]; i += gridDim.x) {
+        const int64_t t = p->send_tokens[(int64_t)h * mt + i];
+        for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                int32_t row = ros[t * k + j];
+                if (row >= 0) acc = fmaf(p->rows[row].weight, comet_bf16_to_f32(c->o[(int64_t)row * hd + col]), acc);
+            }
+            dst[t * hd + col] = acc;
+        }
+    }
+}
+
+/* Columns [c0, c1) of y for every local token (this CTA: every gridDim.x-th):
+ * the partials of the contributing ranks summed in ascending rank order. */
+__device__ static void sum_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1) {
+    const int64_t hd = c->d.hidden, mt = c->d.max_tokens;
+    const float *partials = (const float *)(c->sym + c->lay.partials);
+    for (int64_t t = blockIdx.x; t < c->num_tokens; t += gridDim.x) {
+        const int32_t *groups = p->home_groups + t * c->d.topk;
+        const int ng = p->home_group_count[t];
+        for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
+            float acc = 0.0f;
+            for (int g = 0; g < ng; g++)
+                for (int tp = 0; tp < c->d.tp; tp++) {
+                    int64_t q = (int64_t)groups[g] * c->d.tp + tp;
+                    acc += partials[(q * mt + t) * hd + col];
+                }
+            c->y[t * hd + col] = comet_f32_to_bf16(acc);
+        }
+    }
+}
+
 /* Top-k reduce of every home rank's tokens that have rows here, stored into
  * the home's partials[me][t]. */
 __global__ void k_combine(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int w = c.d.world_size, me = c.d.rank;
-    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
-    for (int hi = 0; hi < w; hi++) {
+    for (int hi = 0; hi < c.d.world_size; hi++) {
         const uint64_t t0 = TRACE_T0;
-        const int h = (me + 1 + hi) % w;
-        const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
-        float *dst_base = (float *)(c.peers[h] + c.lay.partials) + (int64_t)me * mt * hd;
-        for (int i = blockIdx.x; i < p.send_count[h]; i += gridDim.x) {
-            const int64_t t = p.send_tokens[(int64_t)h * mt + i];
-            for (int64_t col = threadIdx.x; col < hd; col += blockDim.x) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < k; j++) {
-                    int32_t row = ros[t * k + j];
-                    if (row >= 0) acc = fmaf(p.rows[row].weight, comet_bf16_to_f32(c.o[(int64_t)row * hd + col]), acc);
-                }
-                dst_base[t * hd + col] = acc;
-            }
-        }
+        const int h = (c.d.rank + 1 + hi) % c.d.world_size;
+        reduce_into_home(&c, &p, h, 0, c.d.hidden);
         if (c.tr_events && threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, h, t0);
     }
     __threadfence_system();
@@ -314,21 +341,7 @@ __global__ void k_final(comet_cuda_ctx_t c) {
     __syncthreads();
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int64_t hd = c.d.hidden, mt = c.d.max_tokens;
-    const float *partials = (const float *)(c.sym + c.lay.partials);
-    for (int64_t t = blockIdx.x; t < c.num_tokens; t += gridDim.x) {
-        const int32_t *groups = p.home_groups + t * c.d.topk;
-        const int ng = p.home_group_count[t];
-        for (int64_t col = threadIdx.x; col < hd; col += blockDim.x) {
-            float acc = 0.0f;
-            for (int g = 0; g < ng; g++)
-                for (int tp = 0; tp < c.d.tp; tp++) {
-                    int64_t q = (int64_t)groups[g] * c.d.tp + tp;
-                    acc += partials[(q * mt + t) * hd + col];
-                }
-            c.y[t * hd + col] = comet_f32_to_bf16(acc);
-        }
-    }
+    sum_partials(&c, &p, 0, c.d.hidden);
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, -1, -1, t0);
@@ -401,7 +414,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const uint64_t e = c.state->epoch;
     const int w = c.d.world_size, me = c.d.rank;
-    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
+    const int64_t hd = c.d.hidden;
     const int n_chunks = (int)((hd + c.chunk_cols - 1) / c.chunk_cols);
     comet_cuda_overlap_t *ov = c.ov;
     __shared__ uint64_t base;
@@ -412,7 +425,6 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
         return;
     }
     const int nb = p.totals->num_blocks;
-    const float *partials = (const float *)(c.sym + c.lay.partials);
     for (int step = 0; step <= n_chunks; step++) {
         if (step < n_chunks) { /* send(step) */
             const int ch = step;
@@ -425,22 +437,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             }
             __syncthreads();
             t0 = TRACE_T0;
-            for (int hi = 0; hi < w; hi++) {
-                const int h = (me + 1 + hi) % w;
-                const int32_t *ros = p.row_of_slot + (int64_t)h * mt * k;
-                float *dst = (float *)(c.peers[h] + c.lay.partials) + (int64_t)me * mt * hd;
-                for (int i = blockIdx.x; i < p.send_count[h]; i += gridDim.x) {
-                    const int64_t t = p.send_tokens[(int64_t)h * mt + i];
-                    for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
-                        float acc = 0.0f;
-                        for (int64_t j = 0; j < k; j++) {
-                            int32_t row = ros[t * k + j];
-                            if (row >= 0) acc = fmaf(p.rows[row].weight, comet_bf16_to_f32(c.o[(int64_t)row * hd + col]), acc);
-                        }
-                        dst[t * hd + col] = acc;
-                    }
-                }
-            }
+            for (int hi = 0; hi < w; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
             __threadfence_system();
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
@@ -462,19 +459,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             }
             __syncthreads();
             t0 = TRACE_T0;
-            for (int64_t t = blockIdx.x; t < c.num_tokens; t += gridDim.x) {
-                const int32_t *groups = p.home_groups + t * k;
-                const int ng = p.home_group_count[t];
-                for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
-                    float acc = 0.0f;
-                    for (int g = 0; g < ng; g++)
-                        for (int tp = 0; tp < c.d.tp; tp++) {
-                            int64_t q = (int64_t)groups[g] * c.d.tp + tp;
-                            acc += partials[(q * mt + t) * hd + col];
-                        }
-                    c.y[t * hd + col] = comet_f32_to_bf16(acc);
-                }
-            }
+            sum_partials(&c, &p, c0, c1);
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
         }
