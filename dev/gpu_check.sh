@@ -25,7 +25,7 @@ for step in $STEPS; do
         summary+=("tests: $(tail -n 1 "$OUT/test.log")")
         ;;
     bench)
-        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8;--tp 2;--tp 2 --n-comm 8;--ep 1}"
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")

@@ -225,10 +225,18 @@ typedef struct {
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
     int n_comm;              /* [in]  communication workers / blocks; 0 = tuner's choice */
     int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
+    int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;
 
+/* For "communication hidden" (bench): run the overlapped protocol with one
+ * side's work left out (its flags still go up, so the other side runs as in
+ * the real call). Only the CPU engine and the CUDA overlapped mode honour
+ * them; every rank must pass the same bits. */
+#define COMET_DISABLE_COMM 1 /* no rows copied, no partials reduced, sent or summed */
+#define COMET_DISABLE_GEMM 2 /* no GEMM arithmetic (CUDA: the GEMM kernels are not launched) */
+
 #define COMET_FORWARD_ARGS_INIT \
-    {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0}
+    {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0, 0}
 
 /* Collective: every rank calls it with its own tokens. On failure no output is
  * written on any rank: a rank whose own input is invalid returns the specific

@@ -219,7 +219,35 @@ static void test_epochs(int tp, int ep) {
     comet_problem_destroy(p);
 }
 
+/* The measurement modes of --comm-hidden: either side left out, the protocol
+ * still completes on every rank (no wait is left hanging); without
+ * communication nothing is summed into y, so y keeps its poison. */
+static void test_disable(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
+    int64_t tokens[2] = {12, 9};
+    comet_routing_opts_t ro = {0.2, 0, 3};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) return;
+    const int modes[] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, COMET_DISABLE_COMM | COMET_DISABLE_GEMM};
+    for (int m = 0; m < 3; m++) {
+        comet_world_t *world;
+        comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
+        comet_problem_poison(p);
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.repeats = 2, run.disable = modes[m], run.n_comm = 2;
+        comet_status_t st = comet_problem_run(p, world, &run, 0);
+        CHECK(st == COMET_SUCCESS, "disable=%d: %s", modes[m], comet_last_error());
+        if (modes[m] & COMET_DISABLE_COMM)
+            CHECK(count_poison(p) == (12 + 9) * 32, "disable=%d: y written without communication", modes[m]);
+        comet_world_destroy(world);
+    }
+    comet_problem_destroy(p);
+}
+
 int main(void) {
+    test_disable();
     const int layouts[][2] = {{1, 1}, {1, 2}, {2, 1}, {2, 2}, {1, 4}, {4, 1}};
     for (int i = 0; i < 6; i++) test_exact(layouts[i][0], layouts[i][1]);
     test_matrix();

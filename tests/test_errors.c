@@ -172,6 +172,7 @@ static void e_size(comet_forward_args_t *a, comet_problem_t *p) { a->struct_size
 static void e_chunk(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = (int)p->cfg.hidden + 1; }
 static void e_ncomm(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = -2; (void)p; }
 static void e_chunk_differs(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = 5; (void)p; }
+static void e_disable(comet_forward_args_t *a, comet_problem_t *p) { a->disable = 4; (void)p; }
 
 static void test_forward(void) {
     comet_layer_config_t cfg = base_config();
@@ -199,6 +200,7 @@ static void test_forward(void) {
         {"struct size", e_size, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "COMET_FORWARD_ARGS_INIT"},
         {"chunk too wide", e_chunk, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
         {"negative n_comm", e_ncomm, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "n_comm"},
+        {"unknown disable bits", e_disable, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.disable"},
         {"chunk differs across ranks", e_chunk_differs, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_INVALID_ARGUMENT,
          "chunk_cols differ across ranks"},
     };

@@ -40,6 +40,7 @@ typedef struct {
     const char *json;
     const char *trace;
     const char *out;
+    int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
 } options_t;
 
 static const char *const flag_help =
@@ -80,7 +81,10 @@ static void command_usage(const char *cmd, FILE *f) {
         fprintf(f, "usage: comet bench [flags]\n\nTime the forward of one MoE layer (median over --iters after --warmup)\n"
                    "and check the output bitwise against the reference.\n\nflags:\n%s"
                    "  --iters N          timed runs (default 20 on GPUs, 5 on CPU)\n"
-                   "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n",
+                   "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n"
+                   "  --comm-hidden      also time the same protocol with the GEMMs left out and with the\n"
+                   "                     communication left out, and report the communication hidden:\n"
+                   "                     (t_gemm_only + t_comm_only - t) / t_comm_only (GPUs: with --n-comm)\n",
                 flag_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
@@ -162,6 +166,8 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
                 return -1;
             }
             i++;
+        } else if (strcmp(f, "--comm-hidden") == 0 && strcmp(cmd, "bench") == 0) {
+            o->hidden_metric = 1;
         } else if (strcmp(f, "--json") == 0 && v) {
             o->json = v, i++;
         } else if (strcmp(f, "--out") == 0 && v && strcmp(cmd, "tune") == 0) {
@@ -349,6 +355,39 @@ static int run(const char *cmd, int argc, char **argv) {
                (long long)comet_trace_event_count(r.trace), (long long)comet_trace_dropped(r.trace), o.trace, svg);
         comet_trace_destroy(r.trace);
     }
+    /* --comm-hidden: the same calls with one side left out (outputs not checked) */
+    double only_ms[2] = {0, 0}; /* [0] gemm only (comm disabled), [1] comm only (GEMMs disabled) */
+    for (int side = 0; o.hidden_metric && side < 2; side++) {
+        comet_run_t ro2 = r;
+        ro2.trace = NULL;
+        ro2.disable = side == 0 ? COMET_DISABLE_COMM : COMET_DISABLE_GEMM;
+        comet_world_t *w2 = NULL;
+        comet_status_t s2 = launch.on ? COMET_ERR_UNSUPPORTED
+                                      : comet_world_create_local(&w2, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU);
+        if (s2 == COMET_SUCCESS) s2 = comet_problem_run(p, w2, &ro2, o.warmup);
+        comet_world_destroy(w2);
+        if (s2 != COMET_SUCCESS) {
+            fprintf(stderr, "comet: --comm-hidden: %s\n", launch.on ? "not in a launched world yet" : comet_last_error());
+            comet_bootstrap_close(bs);
+            comet_problem_destroy(p);
+            return 1;
+        }
+        only_ms[side] = ro2.ms_median;
+    }
+    if (o.hidden_metric) { /* the "only" runs left y undefined: run the real call once more for the check */
+        comet_problem_poison(p);
+        comet_world_t *w3 = NULL;
+        comet_run_t r3 = r;
+        r3.trace = NULL, r3.repeats = 1;
+        comet_status_t s3 = comet_world_create_local(&w3, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU);
+        if (s3 == COMET_SUCCESS) s3 = comet_problem_run(p, w3, &r3, 0);
+        comet_world_destroy(w3);
+        if (s3 != COMET_SUCCESS) {
+            fprintf(stderr, "comet: forward failed: %s\n", comet_last_error());
+            comet_problem_destroy(p);
+            return 1;
+        }
+    }
     /* The CPU engine must equal the reference bitwise; a GPU within the
      * tolerance of a different GEMM accumulation order, on sampled tokens. */
     comet_check_t chk;
@@ -398,6 +437,10 @@ static int run(const char *cmd, int argc, char **argv) {
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
+    double hidden = o.hidden_metric && only_ms[1] > 0 ? (only_ms[0] + only_ms[1] - r.ms_median) / only_ms[1] : -1;
+    if (o.hidden_metric)
+        printf("communication hidden: %.1f%% (gemm only %.3f ms, comm only %.3f ms, both %.3f ms)\n", 100 * hidden,
+               only_ms[0], only_ms[1], r.ms_median);
     if (o.json) {
         FILE *f = fopen(o.json, "a");
         if (!f) {
@@ -413,10 +456,11 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"comm_hidden\": %.4f}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
-                (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements);
+                (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
+                hidden);
         fclose(f);
     }
     comet_problem_destroy(p);

@@ -100,6 +100,7 @@ typedef struct {
     comet_bf16_t *y;
     int64_t num_tokens;
     int n_comm, n_compute, chunk_cols, n_chunks;
+    int disable;         /* COMET_DISABLE_* of this call (measurement only) */
     /* first failure of a worker */
     pthread_mutex_t err_mu;
     comet_status_t err;
@@ -338,7 +339,7 @@ static void *compute_worker(void *arg) {
         if (tw) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, b, COMET_TRACE_GEMM0, tw);
         uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
         const comet_bf16_t *w1_e = L->w1 + (int64_t)blk->expert * d->w1_rows * hd;
-        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
+        for (int64_t row = blk->row_start; !(L->disable & COMET_DISABLE_GEMM) && row < blk->row_start + blk->num_rows; row++)
             comet_cpu_gemm0_row(d, L->a + row * hd, w1_e, n0, n1, L->h + row * fl);
         if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM0, b, i % nt0, t0);
         mine++;
@@ -357,7 +358,7 @@ static void *compute_worker(void *arg) {
         int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
         uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
         const comet_bf16_t *w2_e = L->w2 + (int64_t)blk->expert * hd * fl;
-        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
+        for (int64_t row = blk->row_start; !(L->disable & COMET_DISABLE_GEMM) && row < blk->row_start + blk->num_rows; row++)
             comet_cpu_gemm1_row(d, L->h + row * fl, w2_e, c0, c1, L->o + row * hd);
         if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM1, p->l0_order[i % nb], c, t0);
         atomic_fetch_add_explicit(&L->l1_done[c], 1, memory_order_release);
@@ -382,7 +383,7 @@ static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
     cpu_sym_t *home = &L->sh->rank[h];
     const int32_t *ros = p->row_of_slot + (int64_t)h * d->max_tokens * topk;
     const int32_t *list = p->send_tokens + (int64_t)h * d->max_tokens;
-    for (int32_t i = 0; i < p->send_count[h]; i++) {
+    for (int32_t i = 0; !(L->disable & COMET_DISABLE_COMM) && i < p->send_count[h]; i++) {
         int64_t t = list[i];
         float *acc = home->partials + ((int64_t)l->rank * d->max_tokens + t) * hd;
         for (int64_t col = c0; col < c1; col++) acc[col] = 0.0f;
@@ -413,7 +414,7 @@ static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
     if (tw) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_RECV, tw);
     uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
     int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
-    for (int64_t t = 0; t < L->num_tokens; t++) {
+    for (int64_t t = 0; !(L->disable & COMET_DISABLE_COMM) && t < L->num_tokens; t++) {
         const int32_t *groups = p->home_groups + t * topk;
         for (int64_t col = c0; col < c1; col++) {
             float acc = 0.0f;
@@ -443,7 +444,7 @@ static void *comm_worker(void *arg) {
         int32_t b = p->l0_order[i];
         const comet_plan_block_t *blk = &p->blocks[b];
         uint64_t t0 = L->trace ? comet_trace_now_ns() : 0;
-        for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++) {
+        for (int64_t row = blk->row_start; !(L->disable & COMET_DISABLE_COMM) && row < blk->row_start + blk->num_rows; row++) {
             const comet_plan_row_t *pr = &p->rows[row];
             memcpy(L->a + row * hd, L->sh->rank[pr->src_rank].x + (int64_t)pr->src_token * hd,
                    (size_t)hd * sizeof(comet_bf16_t));
@@ -586,6 +587,7 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     L->n_comm = tune.n_comm;
     L->n_compute = l->world->cpu_workers;
     L->chunk_cols = tune.chunk_cols;
+    L->disable = args->disable;
     L->n_chunks = (int)((d->hidden + tune.chunk_cols - 1) / tune.chunk_cols);
     COMET_TRY(run_workers(l));
 

@@ -356,6 +356,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
                                                                      COMET_CUDA_MAX_CHUNKS;
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
+            c.disable = args->disable;
         }
     }
     c.host_epoch = ++L->epoch; /* every launch below advances the device epoch by one */

@@ -21,6 +21,7 @@
 #include "gemm.h"
 #include "plan_kernel.h"
 #include "../trace/trace.h"
+#include "comet.h"
 
 /* ---------------------------------------------------------------------------
  * Flags and waits
@@ -382,7 +383,7 @@ __global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
         const uint64_t t0 = TRACE_T0;
         const int32_t b = p.l0_order[i];
         const comet_plan_block_t blk = p.blocks[b];
-        for (int r = warp; r < blk.num_rows; r += nwarps) {
+        for (int r = warp; !(c.disable & COMET_DISABLE_COMM) && r < blk.num_rows; r += nwarps) {
             const comet_plan_row_t pr = p.rows[blk.row_start + r];
             const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
             copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
@@ -430,20 +431,21 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             const int ch = step;
             const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
             uint64_t t0 = TRACE_T0;
+            const uint64_t tiles = c.disable & COMET_DISABLE_GEMM ? 0 : chunk_tiles(&c, nb, ch); /* no GEMM, no tiles */
             if (threadIdx.x == 0) {
                 base = ov->chunk_base[ch];
-                wait_geq(&ov->chunk_done[ch], base + chunk_tiles(&c, nb, ch), &c, "comm: GEMM1 tiles of chunk", ch);
+                wait_geq(&ov->chunk_done[ch], base + tiles, &c, "comm: GEMM1 tiles of chunk", ch);
                 trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
             }
             __syncthreads();
             t0 = TRACE_T0;
-            for (int hi = 0; hi < w; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
+            for (int hi = 0; !(c.disable & COMET_DISABLE_COMM) && hi < w; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
             __threadfence_system();
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
             if (threadIdx.x == 0 && atomicAdd(&ov->arrived[ch], 1u) == gridDim.x - 1) { /* the last comm CTA */
                 ov->arrived[ch] = 0;
-                ov->chunk_base[ch] = base + chunk_tiles(&c, nb, ch);
+                ov->chunk_base[ch] = base + tiles;
                 __threadfence_system();
                 for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
             }
@@ -459,7 +461,7 @@ __global__ void k_combine_ov(comet_cuda_ctx_t c) {
             }
             __syncthreads();
             t0 = TRACE_T0;
-            sum_partials(&c, &p, c0, c1);
+            if (!(c.disable & COMET_DISABLE_COMM)) sum_partials(&c, &p, c0, c1);
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
         }
@@ -529,19 +531,20 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.timeout_ns = c.timeout_ns;
         hooks.block_ready = c.block_ready;
         hooks.epoch = c.host_epoch;
+        const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         k_dispatch_ov<<<c.n_comm, 512, 0, s2>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
-        int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
+        int ge = gemm_on ? comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
         k_combine_ov<<<c.n_comm, 512, 0, s2>>>(c);
         hooks.block_ready = NULL;
         hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
         hooks.chunk_cols = c.chunk_cols;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
-        ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
+        ge = gemm_on ? comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
         e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
         if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
         if (e != cudaSuccess) return (int)e;

@@ -360,6 +360,7 @@ static void *rank_main(void *arg) {
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
+    if (run->disable) a.disable = run->disable;
 #ifdef COMET_WITH_CUDA
     if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA) {
         if (run->trace) st = comet_layer_set_trace(layer, run->trace); /* each sync keeps the latest call */

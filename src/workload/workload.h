@@ -95,6 +95,7 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p);
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
     int repeats;            /* forward calls per rank (>= 1) */
+    int disable;            /* when not 0, COMET_DISABLE_* bits for every rank's args */
     comet_trace_t *trace;   /* when not NULL, attached to every rank's layer for the last call */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
