@@ -327,10 +327,25 @@ static int run(const char *cmd, int argc, char **argv) {
     if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);
+        comet_bootstrap_close(bs);
         comet_problem_destroy(p);
         return 1;
     }
-    comet_status_t st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
+    /* --comm-hidden: the same calls with one side left out first (outputs not
+     * checked), so the real call below leaves y for the check */
+    double only_ms[2] = {0, 0}; /* [0] gemm only (comm disabled), [1] comm only (GEMMs disabled) */
+    comet_status_t st = COMET_SUCCESS;
+    for (int side = 0; o.hidden_metric && side < 2 && st == COMET_SUCCESS; side++) {
+        comet_run_t only = r;
+        only.trace = NULL;
+        only.disable = side == 0 ? COMET_DISABLE_COMM : COMET_DISABLE_GEMM;
+        st = comet_problem_run(p, w, &only, o.warmup);
+        only_ms[side] = only.ms_median;
+    }
+    if (st == COMET_SUCCESS) {
+        comet_problem_poison(p);
+        st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
+    }
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
         fprintf(stderr, "comet: forward failed: %s: %s\n", comet_status_string(st), comet_last_error());
@@ -347,6 +362,7 @@ static int run(const char *cmd, int argc, char **argv) {
         if (comet_trace_write_chrome_json(r.trace, o.trace) != COMET_SUCCESS ||
             comet_trace_write_svg(r.trace, svg) != COMET_SUCCESS) {
             fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
+            comet_bootstrap_close(bs);
             comet_trace_destroy(r.trace);
             comet_problem_destroy(p);
             return 1;
@@ -354,39 +370,6 @@ static int run(const char *cmd, int argc, char **argv) {
         printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n",
                (long long)comet_trace_event_count(r.trace), (long long)comet_trace_dropped(r.trace), o.trace, svg);
         comet_trace_destroy(r.trace);
-    }
-    /* --comm-hidden: the same calls with one side left out (outputs not checked) */
-    double only_ms[2] = {0, 0}; /* [0] gemm only (comm disabled), [1] comm only (GEMMs disabled) */
-    for (int side = 0; o.hidden_metric && side < 2; side++) {
-        comet_run_t ro2 = r;
-        ro2.trace = NULL;
-        ro2.disable = side == 0 ? COMET_DISABLE_COMM : COMET_DISABLE_GEMM;
-        comet_world_t *w2 = NULL;
-        comet_status_t s2 = launch.on ? COMET_ERR_UNSUPPORTED
-                                      : comet_world_create_local(&w2, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU);
-        if (s2 == COMET_SUCCESS) s2 = comet_problem_run(p, w2, &ro2, o.warmup);
-        comet_world_destroy(w2);
-        if (s2 != COMET_SUCCESS) {
-            fprintf(stderr, "comet: --comm-hidden: %s\n", launch.on ? "not in a launched world yet" : comet_last_error());
-            comet_bootstrap_close(bs);
-            comet_problem_destroy(p);
-            return 1;
-        }
-        only_ms[side] = ro2.ms_median;
-    }
-    if (o.hidden_metric) { /* the "only" runs left y undefined: run the real call once more for the check */
-        comet_problem_poison(p);
-        comet_world_t *w3 = NULL;
-        comet_run_t r3 = r;
-        r3.trace = NULL, r3.repeats = 1;
-        comet_status_t s3 = comet_world_create_local(&w3, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU);
-        if (s3 == COMET_SUCCESS) s3 = comet_problem_run(p, w3, &r3, 0);
-        comet_world_destroy(w3);
-        if (s3 != COMET_SUCCESS) {
-            fprintf(stderr, "comet: forward failed: %s\n", comet_last_error());
-            comet_problem_destroy(p);
-            return 1;
-        }
     }
     /* The CPU engine must equal the reference bitwise; a GPU within the
      * tolerance of a different GEMM accumulation order, on sampled tokens. */
@@ -485,8 +468,11 @@ static int tune(int argc, char **argv) {
     comet_dims_from_config(&cfg, world, 0, &d);
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;
-    if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS) {
+    comet_world_t *w = NULL;
+    if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS ||
+        comet_world_create_local(&w, world, COMET_BACKEND_CPU) != COMET_SUCCESS) {
         fprintf(stderr, "comet: %s\n", comet_last_error());
+        comet_problem_destroy(p);
         return 2;
     }
     const int n_comms[] = {1, 2, 3, 4, 6, 8};
@@ -506,15 +492,13 @@ static int tune(int argc, char **argv) {
     for (int i = 0; i < (int)(sizeof n_comms / sizeof n_comms[0]); i++) {
         printf("%8d", n_comms[i]);
         for (int c = 0; c < n_chunks; c++) {
-            comet_world_t *w;
             comet_run_t r;
             memset(&r, 0, sizeof r);
             r.n_comm = n_comms[i], r.chunk_cols = chunks[c], r.repeats = 1 + iters;
-            comet_status_t st = comet_world_create_local(&w, world, COMET_BACKEND_CPU);
-            if (st == COMET_SUCCESS) st = comet_problem_run(p, w, &r, 1);
-            comet_world_destroy(w);
+            comet_status_t st = comet_problem_run(p, w, &r, 1);
             if (st != COMET_SUCCESS) {
                 fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());
+                comet_world_destroy(w);
                 comet_problem_destroy(p);
                 return 1;
             }
@@ -526,6 +510,7 @@ static int tune(int argc, char **argv) {
     }
     const char *out = o.out ? o.out : getenv("COMET_TUNE_FILE");
     if (!out || !*out) out = "comet-tune.tsv";
+    comet_world_destroy(w);
     int rc = comet_tuner_append(out, &d, COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
     printf("best: n_comm %d, chunk %d: %.3f ms; %s %s\n", best.n_comm, best.chunk_cols, best_ms,
            rc == 0 ? "appended to" : "could not append to", out);
