@@ -18,13 +18,6 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
-static int64_t count_poison(const comet_problem_t *p) {
-    int64_t n = 0;
-    for (int s = 0; s < p->world_size; s++)
-        for (int64_t i = 0; i < p->tokens[s] * p->cfg.hidden; i++) n += p->y[s][i] == 0xffff;
-    return n;
-}
-
 static comet_status_t run_engine(comet_problem_t *p, int n_comm, int chunk_cols, int repeats) {
     comet_world_t *world;
     comet_status_t st = comet_world_create_local(&world, p->world_size, COMET_BACKEND_CPU);
@@ -145,7 +138,7 @@ static void test_matrix(void) {
                          (long long)cfg.topk, cfg.tile_m, n_comm, chunk, ro.skew, (long long)ro.zero_experts);
                 CHECK(rs == COMET_SUCCESS && es == COMET_SUCCESS, "%s: status %s/%s: %s", tag,
                       comet_status_string(rs), comet_status_string(es), comet_last_error());
-                int64_t mism = comet_problem_count_mismatch(p), unwritten = count_poison(p);
+                int64_t mism = comet_problem_count_mismatch(p), unwritten = comet_problem_count_poison(p);
                 CHECK(mism == 0, "%s: %lld elements differ from the reference", tag, (long long)mism);
                 CHECK(unwritten == 0, "%s: %lld outputs never written", tag, (long long)unwritten);
                 comet_problem_destroy(p);
@@ -183,7 +176,7 @@ static void *epoch_rank(void *arg) {
         a.n_comm = 1 + (j->rank + i) % 3;                     /* differs per rank */
         j->st = comet_layer_forward(layer, &a);
         pthread_barrier_wait(j->bar);
-        if (j->rank == 0) j->mismatches += comet_problem_count_mismatch(j->p) + count_poison(j->p);
+        if (j->rank == 0) j->mismatches += comet_problem_count_mismatch(j->p) + comet_problem_count_poison(j->p);
     }
     comet_layer_destroy(layer);
     return NULL;
@@ -240,7 +233,7 @@ static void test_disable(void) {
         comet_status_t st = comet_problem_run(p, world, &run, 0);
         CHECK(st == COMET_SUCCESS, "disable=%d: %s", modes[m], comet_last_error());
         if (modes[m] & COMET_DISABLE_COMM)
-            CHECK(count_poison(p) == (12 + 9) * 32, "disable=%d: y written without communication", modes[m]);
+            CHECK(comet_problem_count_poison(p) == (12 + 9) * 32, "disable=%d: y written without communication", modes[m]);
         comet_world_destroy(world);
     }
     comet_problem_destroy(p);

@@ -17,13 +17,6 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
-static int64_t count_poison(const comet_problem_t *p) {
-    int64_t n = 0;
-    for (int s = 0; s < p->world_size; s++)
-        for (int64_t i = 0; i < p->tokens[s] * p->cfg.hidden; i++) n += p->y[s][i] == 0xffff;
-    return n;
-}
-
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro,
                      const char *tag) {
     const int w = cfg->tp * cfg->ep;
@@ -48,7 +41,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_problem_check(p, 0, -1, &chk);
     CHECK(chk.wrong == 0, "%s: %lld of %lld elements off the reference (worst %.3g of the row rms)", tag,
           (long long)chk.wrong, (long long)chk.elements, chk.worst);
-    CHECK(count_poison(p) == 0, "%s: %lld outputs never written", tag, (long long)count_poison(p));
+    CHECK(comet_problem_count_poison(p) == 0, "%s: %lld outputs never written", tag, (long long)comet_problem_count_poison(p));
     printf("test_layer_gpu: %-60s %lld elements, %lld not bitwise equal, worst %.2e\n", tag, (long long)chk.elements,
            (long long)chk.differ, chk.worst);
 
@@ -102,7 +95,7 @@ static void bad_routing(int w) {
           comet_status_string(run.status[w - 1]), run.message[w - 1]);
     if (w > 1)
         CHECK(run.status[0] == COMET_ERR_PEER_FAILED, "W=%d: its peer got %s", w, comet_status_string(run.status[0]));
-    CHECK(count_poison(p) == (int64_t)w * 8 * 64, "W=%d: outputs written despite invalid routing", w);
+    CHECK(comet_problem_count_poison(p) == (int64_t)w * 8 * 64, "W=%d: outputs written despite invalid routing", w);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }

@@ -222,6 +222,13 @@ void comet_problem_poison(comet_problem_t *p) {
     }
 }
 
+int64_t comet_problem_count_poison(const comet_problem_t *p) {
+    int64_t n = 0;
+    for (int s = 0; s < p->world_size; s++)
+        for (int64_t i = 0; i < p->tokens[s] * p->cfg.hidden; i++) n += p->y[s][i] == 0xffff;
+    return n;
+}
+
 int64_t comet_problem_count_mismatch(const comet_problem_t *p) {
     int64_t bad = 0;
     for (int s = 0; s < p->world_size; s++)

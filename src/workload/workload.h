@@ -68,6 +68,8 @@ void comet_problem_slice_weights(comet_problem_t *p);
 void comet_problem_poison(comet_problem_t *p);
 /* Draw fresh x and routing for every rank (weights stay). */
 comet_status_t comet_problem_redraw(comet_problem_t *p, const comet_routing_opts_t *routing);
+/* Elements of y that still hold the poison (never written), over every rank. */
+int64_t comet_problem_count_poison(const comet_problem_t *p);
 /* Elements of y that differ bitwise from y_ref, over every rank. */
 int64_t comet_problem_count_mismatch(const comet_problem_t *p);
 
