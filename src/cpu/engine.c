@@ -94,6 +94,7 @@ typedef struct {
     flag_t *l1_done;     /* [H] */
     uint64_t *l1_base;   /* [H] */
     uint64_t epoch;
+    size_t private_bytes; /* what take() allocated */
     comet_trace_t *trace; /* recorder attached by comet_layer_set_trace, or NULL */
     /* the call in flight */
     const comet_bf16_t *w1, *w2;
@@ -247,23 +248,32 @@ static void free_private(cpu_layer_t *L) {
     free(L);
 }
 
+/* Private memory of the layer, counted for comet_layer_memory; aligned (64
+ * bytes) when asked. NULL when out of memory. */
+static void *take(cpu_layer_t *L, size_t bytes, int aligned) {
+    void *ptr = aligned ? aligned_alloc(64, bytes) : malloc(bytes);
+    if (ptr) L->private_bytes += bytes;
+    return ptr;
+}
+
 comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
     const comet_dims_t *d = &l->dims;
     cpu_layer_t *L = calloc(1, sizeof *L);
     if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer", l->rank);
     pthread_mutex_init(&L->err_mu, NULL);
     const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden;
-    L->plan_ws = aligned_alloc(64, align64(comet_plan_workspace_bytes(d)));
-    L->a = malloc(rows * hd * sizeof(comet_bf16_t) + 1);
-    L->h = malloc(rows * (size_t)d->ffn_local * sizeof(comet_bf16_t) + 1);
-    L->o = malloc(rows * hd * sizeof(comet_bf16_t) + 1);
-    L->block_ready = malloc((size_t)d->max_blocks * sizeof(flag_t));
-    L->l1_done = malloc(hd * sizeof(flag_t));
-    L->l1_base = calloc(hd, sizeof(uint64_t));
+    L->plan_ws = take(L, align64(comet_plan_workspace_bytes(d)), 1);
+    L->a = take(L, rows * hd * sizeof(comet_bf16_t) + 1, 0);
+    L->h = take(L, rows * (size_t)d->ffn_local * sizeof(comet_bf16_t) + 1, 0);
+    L->o = take(L, rows * hd * sizeof(comet_bf16_t) + 1, 0);
+    L->block_ready = take(L, (size_t)d->max_blocks * sizeof(flag_t), 0);
+    L->l1_done = take(L, hd * sizeof(flag_t), 0);
+    L->l1_base = take(L, hd * sizeof(uint64_t), 0);
     if (!L->plan_ws || !L->a || !L->h || !L->o || !L->block_ready || !L->l1_done || !L->l1_base) {
         free_private(L);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
     }
+    memset(L->l1_base, 0, hd * sizeof(uint64_t));
     comet_plan_carve(d, L->plan_ws, &L->plan);
     for (int64_t b = 0; b < d->max_blocks; b++) atomic_init(&L->block_ready[b], 0);
     for (size_t c = 0; c < hd; c++) atomic_init(&L->l1_done[c], 0);
@@ -284,17 +294,9 @@ comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
     return COMET_SUCCESS;
 }
 
-/* Private bytes, as comet_cpu_layer_create allocates them. */
-static size_t private_bytes(const comet_dims_t *d) {
-    const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden;
-    return align64(comet_plan_workspace_bytes(d)) + rows * hd * sizeof(comet_bf16_t) * 2 +
-           rows * (size_t)d->ffn_local * sizeof(comet_bf16_t) + (size_t)d->max_blocks * sizeof(flag_t) +
-           hd * (sizeof(flag_t) + sizeof(uint64_t));
-}
-
 void comet_cpu_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
     out->symmetric_bytes = sym_bytes(&l->dims);
-    out->private_bytes = private_bytes(&l->dims);
+    out->private_bytes = ((const cpu_layer_t *)l->backend_state)->private_bytes;
 }
 
 void comet_cpu_layer_destroy(comet_layer_t *l) {

@@ -34,6 +34,7 @@ typedef struct {
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     uint64_t epoch;        /* forwards launched: the device epoch, mirrored */
+    size_t private_bytes;  /* what layer_init allocated */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
     uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
@@ -251,6 +252,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
                               cudaGetErrorString(e));
+        L->private_bytes += bytes[i];
     }
     c->state = L->priv[0];
     c->plan_ws = L->priv[1];
@@ -374,12 +376,8 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
 
 void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
     const cuda_layer_t *L = l->backend_state;
-    const comet_dims_t *d = &l->dims;
-    const size_t rows = (size_t)d->max_rows_padded;
     out->symmetric_bytes = L->ctx.lay.total;
-    out->private_bytes = sizeof(comet_cuda_state_t) + comet_plan_workspace_bytes(d) +
-                         rows * (size_t)(2 * d->hidden + d->ffn_local) * 2 + 256 +
-                         (size_t)d->max_blocks * sizeof(uint64_t) + sizeof(comet_cuda_overlap_t);
+    out->private_bytes = L->private_bytes;
 }
 
 comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
