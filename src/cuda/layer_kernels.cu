@@ -164,6 +164,17 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     /* the plan itself: comet_cuda_plan_build, launched next */
 }
 
+/* The token rows of one block, pulled from their home ranks' stages into a:
+ * one warp a row. Both dispatch kernels use it. */
+__device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *p, const comet_plan_block_t *blk) {
+    const size_t row_bytes = (size_t)c->d.hidden * 2;
+    for (int r = threadIdx.x / 32; r < blk->num_rows; r += blockDim.x / 32) {
+        const comet_plan_row_t pr = p->rows[blk->row_start + r];
+        const char *src = c->peers[pr.src_rank] + c->lay.x + (size_t)pr.src_token * row_bytes;
+        copy_bytes(c->a + (size_t)(blk->row_start + r) * c->d.hidden, src, row_bytes, threadIdx.x % 32, 32);
+    }
+}
+
 /* ---------------------------------------------------------------------------
  * dispatch: pull my experts' token rows from every rank's stage
  * ------------------------------------------------------------------------- */
@@ -172,16 +183,11 @@ __global__ void k_dispatch(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    const int nb = p.totals->num_blocks;
     for (int i = blockIdx.x; i < nb; i += gridDim.x) {
         const uint64_t t0 = TRACE_T0;
         const comet_plan_block_t blk = p.blocks[p.l0_order[i]];
-        for (int r = warp; r < blk.num_rows; r += nwarps) {
-            const comet_plan_row_t pr = p.rows[blk.row_start + r];
-            const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
-            copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
-        }
+        pull_rows(&c, &p, &blk);
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, p.l0_order[i], blk.stage, t0);
@@ -377,17 +383,12 @@ __global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const uint64_t e = c.state->epoch;
-    const int nb = p.totals->num_blocks, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    const int nb = p.totals->num_blocks;
     for (int i = blockIdx.x; i < nb; i += gridDim.x) {
         const uint64_t t0 = TRACE_T0;
         const int32_t b = p.l0_order[i];
         const comet_plan_block_t blk = p.blocks[b];
-        for (int r = warp; !(c.disable & COMET_DISABLE_COMM) && r < blk.num_rows; r += nwarps) {
-            const comet_plan_row_t pr = p.rows[blk.row_start + r];
-            const char *src = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
-            copy_bytes(c.a + (size_t)(blk.row_start + r) * c.d.hidden, src, row_bytes, threadIdx.x % 32, 32);
-        }
+        if (!(c.disable & COMET_DISABLE_COMM)) pull_rows(&c, &p, &blk);
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) {
