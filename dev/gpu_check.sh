@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -23,6 +23,13 @@ for step in $STEPS; do
         COMET_TEST_GPU=1 tests/run.sh build > "$OUT/test.log" 2>&1
         grep -E "FAIL|skipped|test_layer_gpu: " "$OUT/test.log" | head -60
         summary+=("tests: $(tail -n 1 "$OUT/test.log")")
+        ;;
+    gputests) # only the GPU test binaries (the CPU suite runs in CI), one log
+        for t in build/tests/test_*_gpu; do
+            timeout "${COMET_TEST_TIMEOUT:-300}" "$t" >> "$OUT/gputests.log" 2>&1
+            summary+=("$(basename "$t"): exit $? $(grep -E '^[a-z_]+: [0-9]+ passed' "$OUT/gputests.log" | tail -n 1)")
+        done
+        grep -E "FAIL" "$OUT/gputests.log" | head -40
         ;;
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
