@@ -3,7 +3,8 @@
  * and, where there are two or more, on two (both (TP, EP) layouts): model
  * presets scaled down, random configurations (topk 1..8, E up to 256, tokens
  * per rank including 0 and 1, small and default tile heights, skewed routing,
- * experts with no tokens, GELU), outputs poisoned before each run. Every
+ * experts with no tokens, GELU; hidden % 8 != 0, topk > 32, tall row
+ * blocks), outputs poisoned before each run. Every
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
@@ -145,6 +146,21 @@ int main(void) {
                 snprintf(tag, sizeof tag, "random W=%d TP=%d H=%lld F=%lld E=%lld k=%lld tile_m=%d", w, tp,
                          (long long)cfg.hidden, (long long)cfg.ffn, (long long)cfg.num_experts, (long long)cfg.topk,
                          cfg.tile_m);
+                run_case(&cfg, tokens, &ro, tag);
+            }
+            /* the data movers' narrow paths: hidden % 8 != 0 (scalar
+             * accesses), topk > 32 (slots beyond a warp's lanes), row blocks
+             * taller than the pull's 128-row batch */
+            {
+                comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+                cfg.tp = tp, cfg.ep = ep, cfg.hidden = 36, cfg.ffn = 16 * tp, cfg.num_experts = 64, cfg.topk = 40;
+                cfg.max_tokens_per_rank = 90, cfg.tile_m = 200;
+                int64_t tokens[2] = {90, 61};
+                comet_routing_opts_t ro = {0.2, 0, (uint64_t)(7 + w)};
+                snprintf(tag, sizeof tag, "narrow W=%d TP=%d H=36 k=40 tile_m=200", w, tp);
+                run_case(&cfg, tokens, &ro, tag);
+                cfg.hidden = 264, cfg.topk = 3, cfg.tile_m = 0;
+                snprintf(tag, sizeof tag, "wide W=%d TP=%d H=264 k=3 (a partial 256-column group)", w, tp);
                 run_case(&cfg, tokens, &ro, tag);
             }
         }

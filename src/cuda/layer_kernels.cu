@@ -62,6 +62,10 @@ __device__ static void trace_rec(const comet_cuda_ctx_t *c, int lane, int role, 
     ((comet_trace_event_t *)c->tr_events)[(size_t)lane * c->tr_capacity + n] = ev;
 }
 
+/* Threads of a CTA that moves rows (dispatch, combine, final sum; in the
+ * overlapped mode one such CTA an SM beside the GEMM's). */
+#define COMM_THREADS 512
+
 /* The comm lane and worker of this CTA. */
 #define COMM_LANE (1 + (int)(blockIdx.x % 8))
 #define COMM_WORKER ((int)(blockIdx.x % 8))
@@ -164,14 +168,95 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     /* the plan itself: comet_cuda_plan_build, launched next */
 }
 
-/* The token rows of one block, pulled from their home ranks' stages into a:
- * one warp a row. Both dispatch kernels use it. */
+/* ---------------------------------------------------------------------------
+ * Vector accesses: 8 bf16 or 8 fp32 columns at once. vec: the address is
+ * 16-byte aligned and all 8 columns exist; else n (<= 8) scalar accesses.
+ * ------------------------------------------------------------------------- */
+
+__device__ static inline uint4 ld8_bf16(const comet_bf16_t *p, int n, int vec) {
+    if (vec) return *(const uint4 *)p;
+    uint32_t w[4] = {0, 0, 0, 0};
+    for (int i = 0; i < n; i++) w[i / 2] |= (uint32_t)p[i] << (16 * (i % 2));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* Element i (0..7) of 8 packed bf16, as a float (exact). */
+__device__ static inline float bf16_at(uint4 r, int i) {
+    const uint32_t w = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
+    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+}
+
+__device__ static inline void st8_f32(float *p, const float v[8], int n, int vec) {
+    if (vec) {
+        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        for (int i = 0; i < n; i++) p[i] = v[i];
+    }
+}
+
+__device__ static inline void ld8_f32(const float *p, float v[8], int n, int vec) {
+    if (vec) {
+        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+        for (int i = 0; i < 8; i++) v[i] = i < n ? p[i] : 0.0f;
+    }
+}
+
+__device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n, int vec) {
+    if (vec) {
+        uint32_t w[4];
+        for (int i = 0; i < 4; i++)
+            w[i] = (uint32_t)comet_f32_to_bf16(v[2 * i]) | (uint32_t)comet_f32_to_bf16(v[2 * i + 1]) << 16;
+        *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int i = 0; i < n; i++) p[i] = comet_f32_to_bf16(v[i]);
+    }
+}
+
+/* Rows of a pull in flight per thread: enough bytes outstanding per CTA
+ * (512 threads x 8 x 16 B = 64 KB) to cover NVLink latency with few CTAs. */
+#define PULL_UNROLL 8
+
+/* Rows whose sources a CTA looks up at once. */
+#define PULL_ROWS 128
+
+/* The token rows of one block, pulled from their home ranks' stages into a,
+ * by the whole CTA (both dispatch kernels use it), PULL_ROWS rows at a time:
+ * their sources go to shared memory, then every thread keeps PULL_UNROLL
+ * 16-byte loads in flight before it stores them. */
 __device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *p, const comet_plan_block_t *blk) {
+    __shared__ const char *src_of[PULL_ROWS];
     const size_t row_bytes = (size_t)c->d.hidden * 2;
-    for (int r = threadIdx.x / 32; r < blk->num_rows; r += blockDim.x / 32) {
-        const comet_plan_row_t pr = p->rows[blk->row_start + r];
-        const char *src = c->peers[pr.src_rank] + c->lay.x + (size_t)pr.src_token * row_bytes;
-        copy_bytes(c->a + (size_t)(blk->row_start + r) * c->d.hidden, src, row_bytes, threadIdx.x % 32, 32);
+    for (int r0 = 0; r0 < blk->num_rows; r0 += PULL_ROWS) {
+        const int nr = blk->num_rows - r0 < PULL_ROWS ? blk->num_rows - r0 : PULL_ROWS;
+        __syncthreads(); /* the previous sources are no longer read */
+        for (int r = threadIdx.x; r < nr; r += blockDim.x) {
+            const comet_plan_row_t pr = p->rows[blk->row_start + r0 + r];
+            src_of[r] = c->peers[pr.src_rank] + c->lay.x + (size_t)pr.src_token * row_bytes;
+        }
+        __syncthreads();
+        char *dst = (char *)(c->a + (size_t)(blk->row_start + r0) * c->d.hidden);
+        if (row_bytes % 16) { /* hidden % 8 != 0: one warp a row, narrower accesses */
+            for (int r = threadIdx.x / 32; r < nr; r += blockDim.x / 32)
+                copy_bytes(dst + r * row_bytes, src_of[r], row_bytes, threadIdx.x % 32, 32);
+            continue;
+        }
+        const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
+        for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
+            uint4 v[PULL_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PULL_UNROLL; u++) {
+                const uint32_t i = base + u * blockDim.x + threadIdx.x;
+                if (i < total) v[u] = ((const uint4 *)src_of[i / per_row])[i % per_row];
+            }
+#pragma unroll
+            for (int u = 0; u < PULL_UNROLL; u++) {
+                const uint32_t i = base + u * blockDim.x + threadIdx.x;
+                if (i < total) ((uint4 *)dst)[i] = v[u];
+            }
+        }
     }
 }
 
@@ -179,7 +264,7 @@ __device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *
  * dispatch: pull my experts' token rows from every rank's stage
  * ------------------------------------------------------------------------- */
 
-__global__ void k_dispatch(comet_cuda_ctx_t c) {
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -279,50 +364,107 @@ __global__ void k_gemm1(comet_cuda_ctx_t c) {
  * combine / signal / final / exit
  * ------------------------------------------------------------------------- */
 
+/* Slots whose row loads a lane issues before it uses them. */
+#define SLOT_BATCH 4
+
 /* Columns [c0, c1) of home rank h's tokens that have rows here: the top-k
- * reduce (ascending slot, fmaf) stored into h's partials[me][t]. This CTA
- * takes every gridDim.x-th token. Both modes use it, hence equal bits. */
+ * reduce (ascending slot, fmaf) stored into h's partials[me][t]. Both modes
+ * use it, hence equal bits. One warp a token, 8 columns a lane; lane j holds
+ * slot j's row and weight (slots from 32 on are read directly), loaded one
+ * token ahead, so a token costs about one memory round trip. */
 __device__ static void reduce_into_home(const comet_cuda_ctx_t *c, const comet_plan_t *p, int h, int64_t c0,
                                         int64_t c1) {
     const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
     const int32_t *ros = p->row_of_slot + (int64_t)h * mt * k;
+    const int32_t *tokens = p->send_tokens + (int64_t)h * mt;
     float *dst = (float *)(c->peers[h] + c->lay.partials) + (int64_t)c->d.rank * mt * hd;
-    for (int i = blockIdx.x; i < p->send_count[h]; i += gridDim.x) {
-        const int64_t t = p->send_tokens[(int64_t)h * mt + i];
-        for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < k; j++) {
-                int32_t row = ros[t * k + j];
-                if (row >= 0) acc = fmaf(p->rows[row].weight, comet_bf16_to_f32(c->o[(int64_t)row * hd + col]), acc);
+    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
+    const int64_t n = p->send_count[h], stride = (int64_t)gridDim.x * (blockDim.x / 32);
+    int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    /* the pipeline: t of token i and the one after, the row of slot lane of token i */
+    int64_t t = i < n ? tokens[i] : 0, t_next = i + stride < n ? tokens[i + stride] : 0;
+    int32_t row = i < n && lane < k ? ros[t * k + lane] : -1;
+    for (; i < n; i += stride) {
+        const float w = row >= 0 ? p->rows[row].weight : 0.0f;
+        const int32_t row_next = i + stride < n && lane < k ? ros[t_next * k + lane] : -1;
+        const int64_t t_after = i + 2 * stride < n ? tokens[i + 2 * stride] : 0;
+        for (int64_t g = c0; g < c1; g += 256) {
+            const int64_t col = g + lane * 8;
+            const int cn = col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
+                uint4 v[SLOT_BATCH];
+                int32_t r[SLOT_BATCH];
+                float wj[SLOT_BATCH];
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++) {
+                    const int64_t j = j0 + u;
+                    r[u] = -1, wj[u] = 0.0f;
+                    if (j < 32) {
+                        r[u] = __shfl_sync(0xffffffffu, row, (int)j), wj[u] = __shfl_sync(0xffffffffu, w, (int)j);
+                    } else if (j < k) {
+                        r[u] = ros[t * k + j];
+                        if (r[u] >= 0) wj[u] = p->rows[r[u]].weight;
+                    }
+                    if (j >= k) r[u] = -1;
+                    if (r[u] >= 0 && cn) v[u] = ld8_bf16(c->o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+                }
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++)
+                    if (r[u] >= 0 && cn)
+                        for (int e = 0; e < 8; e++) acc[e] = fmaf(wj[u], bf16_at(v[u], e), acc[e]);
             }
-            dst[t * hd + col] = acc;
+            if (cn) st8_f32(dst + t * hd + col, acc, cn, vec && cn == 8);
         }
+        t = t_next, t_next = t_after, row = row_next;
     }
 }
 
-/* Columns [c0, c1) of y for every local token (this CTA: every gridDim.x-th):
- * the partials of the contributing ranks summed in ascending rank order. */
+/* Columns [c0, c1) of y for every local token: the partials of the
+ * contributing ranks summed in ascending rank order. One warp a token, 8
+ * columns a lane; the token's groups are loaded one token ahead. */
 __device__ static void sum_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1) {
-    const int64_t hd = c->d.hidden, mt = c->d.max_tokens;
+    const int64_t hd = c->d.hidden, mt = c->d.max_tokens, k = c->d.topk;
     const float *partials = (const float *)(c->sym + c->lay.partials);
-    for (int64_t t = blockIdx.x; t < c->num_tokens; t += gridDim.x) {
-        const int32_t *groups = p->home_groups + t * c->d.topk;
-        const int ng = p->home_group_count[t];
-        for (int64_t col = c0 + threadIdx.x; col < c1; col += blockDim.x) {
-            float acc = 0.0f;
-            for (int g = 0; g < ng; g++)
-                for (int tp = 0; tp < c->d.tp; tp++) {
-                    int64_t q = (int64_t)groups[g] * c->d.tp + tp;
-                    acc += partials[(q * mt + t) * hd + col];
+    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    const int vec_in = hd % 8 == 0, vec_out = vec_in && ((uintptr_t)c->y % 16) == 0;
+    const int64_t n = c->num_tokens, stride = (int64_t)gridDim.x * (blockDim.x / 32);
+    int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int ng = t < n ? p->home_group_count[t] : 0;
+    int32_t grp = t < n && lane < k ? p->home_groups[t * k + lane] : 0; /* group of lane (< ng) */
+    for (; t < n; t += stride) {
+        const int ng_next = t + stride < n ? p->home_group_count[t + stride] : 0;
+        const int32_t grp_next = t + stride < n && lane < k ? p->home_groups[(t + stride) * k + lane] : 0;
+        const int nq = ng * tp; /* contributing ranks, ascending: group-major, then tp */
+        for (int64_t g = c0; g < c1; g += 256) {
+            const int64_t col = g + lane * 8;
+            const int cn = col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int q0 = 0; q0 < nq; q0 += SLOT_BATCH) {
+                float v[SLOT_BATCH][8];
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++) {
+                    const int qi = q0 + u;
+                    if (qi >= nq) continue;
+                    const int gi = qi / tp;
+                    const int32_t group = gi < 32 ? __shfl_sync(0xffffffffu, grp, gi) : p->home_groups[t * k + gi];
+                    const int64_t q = (int64_t)group * tp + qi % tp;
+                    if (cn) ld8_f32(partials + (q * mt + t) * hd + col, v[u], cn, vec_in && cn == 8);
                 }
-            c->y[t * hd + col] = comet_f32_to_bf16(acc);
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++)
+                    if (q0 + u < nq && cn)
+                        for (int e = 0; e < 8; e++) acc[e] += v[u][e];
+            }
+            if (cn) st8_bf16(c->y + t * hd + col, acc, cn, vec_out && cn == 8);
         }
+        ng = ng_next, grp = grp_next;
     }
 }
 
 /* Top-k reduce of every home rank's tokens that have rows here, stored into
  * the home's partials[me][t]. */
-__global__ void k_combine(comet_cuda_ctx_t c) {
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_combine(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -339,7 +481,7 @@ __global__ void k_signal(comet_cuda_ctx_t c) {
     for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->partial_flag[c.d.rank], c.state->epoch);
 }
 
-__global__ void k_final(comet_cuda_ctx_t c) {
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
@@ -378,7 +520,7 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
 
 /* Layer 0: pull the rows of each block (local-first order) and release it to
  * GEMM0, which waits on block_ready[b] >= epoch. */
-__global__ void k_dispatch_ov(comet_cuda_ctx_t c) {
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -411,7 +553,7 @@ __device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb,
  * chunk's columns into the home's partials, and the last comm CTA to finish
  * flags the chunk on every home; a recv waits for every rank's flag of the
  * chunk and sums the partials in ascending rank order into y. */
-__global__ void k_combine_ov(comet_cuda_ctx_t c) {
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t c) {
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const uint64_t e = c.state->epoch;
@@ -533,12 +675,12 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.block_ready = c.block_ready;
         hooks.epoch = c.host_epoch;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
-        k_dispatch_ov<<<c.n_comm, 512, 0, s2>>>(c);
+        k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         int ge = gemm_on ? comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
         if (ge != cudaSuccess) return ge;
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
-        k_combine_ov<<<c.n_comm, 512, 0, s2>>>(c);
+        k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
         hooks.block_ready = NULL;
         hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
         hooks.chunk_cols = c.chunk_cols;
@@ -552,7 +694,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         k_exit<<<1, 1, 0, stream>>>(c);
         return (int)cudaGetLastError();
     }
-    k_dispatch<<<grid, 256, 0, stream>>>(c);
+    k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
     if (c.gemm) { /* Hopper grouped GEMM */
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
@@ -574,9 +716,9 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     }
-    k_combine<<<grid, 256, 0, stream>>>(c);
+    k_combine<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_signal<<<1, 1, 0, stream>>>(c);
-    k_final<<<grid, 256, 0, stream>>>(c);
+    k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
 }
