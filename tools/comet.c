@@ -459,9 +459,8 @@ static int tune(int argc, char **argv) {
     int64_t tokens[64];
     int world, use_cuda;
     if (configure(&o, &cfg, tokens, &world, &use_cuda)) return 2;
-    if (use_cuda) {
-        fprintf(stderr, "comet tune: the sequential CUDA layer has no run-time knobs yet (the fused kernels will); "
-                        "use --backend cpu\n");
+    if (launch.on) {
+        fprintf(stderr, "comet tune: runs in one process over the local GPUs (no torchrun launch)\n");
         return 2;
     }
     comet_dims_t d;
@@ -470,16 +469,20 @@ static int tune(int argc, char **argv) {
     comet_problem_t *p;
     comet_world_t *w = NULL;
     if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS ||
-        comet_world_create_local(&w, world, COMET_BACKEND_CPU) != COMET_SUCCESS) {
+        comet_world_create_local(&w, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU) != COMET_SUCCESS) {
         fprintf(stderr, "comet: %s\n", comet_last_error());
         comet_problem_destroy(p);
         return 2;
     }
-    const int n_comms[] = {1, 2, 3, 4, 6, 8};
+    /* communication workers: threads on the CPU engine, CTAs (SMs) on a GPU;
+     * chunk widths hidden/16 .. hidden/2 in multiples of 8 columns (CPU) or
+     * of GEMM1's 256-column tile (GPU), distinct */
+    const int cpu_comms[] = {1, 2, 3, 4, 6, 8}, gpu_comms[] = {4, 8, 12, 16, 24, 32};
+    const int *n_comms = use_cuda ? gpu_comms : cpu_comms, unit = use_cuda ? 256 : 8;
     int chunks[4], n_chunks = 0;
-    for (int div = 16; div >= 2; div /= 2) { /* hidden/16 .. hidden/2, multiples of 8, distinct */
-        int c = (int)((cfg.hidden / div + 7) / 8 * 8);
-        if (c < 8) c = 8;
+    for (int div = 16; div >= 2; div /= 2) {
+        int c = (int)((cfg.hidden / div + unit - 1) / unit * unit);
+        if (c < unit) c = unit;
         if (c > cfg.hidden) c = (int)cfg.hidden;
         if (n_chunks == 0 || chunks[n_chunks - 1] != c) chunks[n_chunks++] = c;
     }
@@ -489,7 +492,7 @@ static int tune(int argc, char **argv) {
     printf("\n");
     comet_tuning_t best = {0, 0};
     double best_ms = 0;
-    for (int i = 0; i < (int)(sizeof n_comms / sizeof n_comms[0]); i++) {
+    for (int i = 0; i < (int)(sizeof cpu_comms / sizeof cpu_comms[0]); i++) {
         printf("%8d", n_comms[i]);
         for (int c = 0; c < n_chunks; c++) {
             comet_run_t r;
@@ -511,7 +514,7 @@ static int tune(int argc, char **argv) {
     const char *out = o.out ? o.out : getenv("COMET_TUNE_FILE");
     if (!out || !*out) out = "comet-tune.tsv";
     comet_world_destroy(w);
-    int rc = comet_tuner_append(out, &d, COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
+    int rc = comet_tuner_append(out, &d, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
     printf("best: n_comm %d, chunk %d: %.3f ms; %s %s\n", best.n_comm, best.chunk_cols, best_ms,
            rc == 0 ? "appended to" : "could not append to", out);
     comet_problem_destroy(p);
