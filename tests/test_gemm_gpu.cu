@@ -385,6 +385,9 @@ int main(void) {
         {"gelu H1024 F576 E8 k3 skewed", 1024, 576, 8, 3, 333, 1, 0, 1.5, 256, 100000},
         {"one token gated E4 k1", 256, 128, 4, 1, 1, 0, 0, 0.0, 0, 100000},
         {"full blocks gated H256 F384 E2 k1", 256, 384, 2, 1, 256, 0, 0, 0.0, 0, 100000},
+        {"qwen2-TP2-like gated H2048 F704 (last h tile half) E30 k4", 2048, 704, 30, 4, 600, 0, 0, 0.5, 512, 100000},
+        {"gated H512 F200 (h tile of 72, K tail of 8) E6 k2", 512, 200, 6, 2, 250, 0, 1, 0.0, 256, 100000},
+        {"gelu H768 F136 (K tail of 8) E5 k2", 768, 136, 5, 2, 190, 1, 0, 0.0, 256, 100000},
     };
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
@@ -396,10 +399,12 @@ int main(void) {
     memset(&d, 0, sizeof d);
     d.tile_m = 64, d.hidden = 4096, d.ffn_local = 14336, d.activation = 0;
     CHECK(comet_gemm_check(&d) != NULL, "tile_m 64 accepted");
-    d.tile_m = 128, d.ffn_local = 1344;
-    CHECK(comet_gemm_check(&d) != NULL, "gated F_local 1344 accepted");
+    d.tile_m = 128, d.ffn_local = 1340;
+    CHECK(comet_gemm_check(&d) != NULL, "gated F_local 1340 (rows of h not 16-byte multiples) accepted");
+    d.ffn_local = 704;
+    CHECK(comet_gemm_check(&d) == NULL, "gated F_local 704 rejected");
     d.activation = 1;
-    CHECK(comet_gemm_check(&d) == NULL, "GELU F_local 1344 rejected");
+    CHECK(comet_gemm_check(&d) == NULL, "GELU F_local 704 rejected");
     d.hidden = 4000;
     CHECK(comet_gemm_check(&d) != NULL, "H 4000 accepted");
     return check_summary("test_gemm_gpu");

@@ -11,6 +11,7 @@
  *   topk_idx  (max_T, topk) int32       staged routing, read by peers' planners
  *   topk_w    (max_T, topk) fp32
  *   partials  (W, max_T, H) fp32        [q][t]: rank q's top-k partial of my token t
+ *                                       (q != me: my own is computed in the final sum)
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
@@ -22,10 +23,12 @@
  *            build my plan from every rank's staged routing (peer pointers)
  *   dispatch pull my experts' token rows from the peers' stages
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
- *   combine  per home rank: top-k reduce of its tokens' rows here, stored
- *            into the home's partials; then partial_flag[me] = e on the home
+ *   combine  per other home rank: top-k reduce of its tokens' rows here,
+ *            stored into the home's partials; then partial_flag[me] = e on
+ *            every rank
  *   final    wait partial_flag[q] >= e for all q; y = sum over contributing
- *            ranks in ascending order (fp32), stored bf16
+ *            ranks in ascending order (fp32; my own partial computed here
+ *            with the same arithmetic), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
  * index, then traps: never a silent hang.

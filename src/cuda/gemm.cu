@@ -476,10 +476,11 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
     if (!d) return "no dims";
     if (d->tile_m != COMET_GEMM_TILE_M) return "the Hopper grouped GEMM needs tile_m == 128";
     if (d->hidden <= 0 || d->hidden % 64) return "the Hopper grouped GEMM needs hidden % 64 == 0";
-    if (d->activation == 0 && (d->ffn_local <= 0 || d->ffn_local % 128))
-        return "the Hopper grouped GEMM (gated SiLU) needs ffn_local % 128 == 0";
-    if (d->activation != 0 && (d->ffn_local <= 0 || d->ffn_local % 64))
-        return "the Hopper grouped GEMM (GELU) needs ffn_local % 64 == 0";
+    /* ffn_local: any multiple of 8 (16-byte rows of h for the tensor maps): a
+     * last h tile narrower than the tile is masked at the store (gated: its
+     * gate half reads up rows and its up half the next expert's rows or zeros,
+     * all in masked columns), GEMM1's last K step reads zeros past F_local */
+    if (d->ffn_local <= 0 || d->ffn_local % 8) return "the Hopper grouped GEMM needs ffn_local % 8 == 0";
     if (d->activation != 0 && d->activation != 1) return "the Hopper grouped GEMM knows gated SiLU and GELU only";
     const int64_t lim = (int64_t)1 << 31;
     if (d->max_rows_padded >= lim || d->experts_local * d->w1_rows >= lim || d->experts_local * d->hidden >= lim ||

@@ -176,7 +176,9 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
 __device__ static inline uint4 ld8_bf16(const comet_bf16_t *p, int n, int vec) {
     if (vec) return *(const uint4 *)p;
     uint32_t w[4] = {0, 0, 0, 0};
-    for (int i = 0; i < n; i++) w[i / 2] |= (uint32_t)p[i] << (16 * (i % 2));
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (i < n) w[i / 2] |= (uint32_t)p[i] << (16 * (i % 2));
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -191,7 +193,9 @@ __device__ static inline void st8_f32(float *p, const float v[8], int n, int vec
         ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
         ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
     } else {
-        for (int i = 0; i < n; i++) p[i] = v[i];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (i < n) p[i] = v[i];
     }
 }
 
@@ -200,6 +204,7 @@ __device__ static inline void ld8_f32(const float *p, float v[8], int n, int vec
         const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     } else {
+#pragma unroll
         for (int i = 0; i < 8; i++) v[i] = i < n ? p[i] : 0.0f;
     }
 }
@@ -211,7 +216,9 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
             w[i] = (uint32_t)comet_f32_to_bf16(v[2 * i]) | (uint32_t)comet_f32_to_bf16(v[2 * i + 1]) << 16;
         *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
-        for (int i = 0; i < n; i++) p[i] = comet_f32_to_bf16(v[i]);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (i < n) p[i] = comet_f32_to_bf16(v[i]);
     }
 }
 
@@ -364,14 +371,71 @@ __global__ void k_gemm1(comet_cuda_ctx_t c) {
  * combine / signal / final / exit
  * ------------------------------------------------------------------------- */
 
-/* Slots whose row loads a lane issues before it uses them. */
-#define SLOT_BATCH 4
+/* Slots, and 256-column groups, whose loads a lane issues before it uses
+ * them: 2 x 2 x 16 B = 64 B in flight a lane, 32 KB a 512-thread CTA (more
+ * spills registers at the 128 a thread that 512-thread CTAs allow). */
+#define SLOT_BATCH 2
+#define COL_GROUPS 2
 
-/* Columns [c0, c1) of home rank h's tokens that have rows here: the top-k
- * reduce (ascending slot, fmaf) stored into h's partials[me][t]. Both modes
- * use it, hence equal bits. One warp a token, 8 columns a lane; lane j holds
- * slot j's row and weight (slots from 32 on are read directly), loaded one
- * token ahead, so a token costs about one memory round trip. */
+/* Columns of a lane's 8 from col that lie below c1 (0..8). */
+__device__ static inline int cols_below(int64_t col, int64_t c1) {
+    return col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
+}
+
+/* The top-k reduce (ascending slot, fmaf, from 0) over token t's rows on
+ * this rank, for the columns g0 + gi*256 + lane*8 + e (gi < groups, below
+ * c1) into acc[gi * 8 + e]; groups (<= COL_GROUPS) a constant where it is
+ * inlined, so the arrays of unused groups vanish. Slot j's row and weight come from lane j (row, w) for
+ * j < 32 and from memory (ros_t = row_of_slot of t) beyond. Every lane of the
+ * warp calls it (shuffles). The send and the home's own partial use it, so
+ * both give the same bits. */
+__device__ static __forceinline__ void topk_reduce(const comet_cuda_ctx_t *c, const comet_plan_t *p,
+                                                   const int32_t *ros_t, int32_t row, float w, int64_t g0, int64_t c1,
+                                                   int groups, float *acc) {
+    const int64_t hd = c->d.hidden, k = c->d.topk;
+    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
+#pragma unroll
+    for (int gi = 0; gi < COL_GROUPS; gi++)
+        if (gi < groups)
+            for (int e = 0; e < 8; e++) acc[gi * 8 + e] = 0.0f;
+    for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
+        int32_t r[SLOT_BATCH];
+        float wj[SLOT_BATCH];
+        uint4 v[SLOT_BATCH][COL_GROUPS];
+#pragma unroll
+        for (int u = 0; u < SLOT_BATCH; u++) {
+            const int64_t j = j0 + u;
+            r[u] = -1, wj[u] = 0.0f;
+            if (j < 32) {
+                r[u] = __shfl_sync(0xffffffffu, row, (int)j), wj[u] = __shfl_sync(0xffffffffu, w, (int)j);
+            } else if (j < k) {
+                r[u] = ros_t[j];
+                wj[u] = r[u] >= 0 ? p->rows[r[u]].weight : 0.0f;
+            }
+            if (j >= k) r[u] = -1;
+#pragma unroll
+            for (int gi = 0; gi < COL_GROUPS; gi++) {
+                const int64_t col = g0 + gi * 256 + lane * 8;
+                const int cn = gi < groups ? cols_below(col, c1) : 0;
+                if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(c->o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SLOT_BATCH; u++)
+#pragma unroll
+            for (int gi = 0; gi < COL_GROUPS; gi++) {
+                const int cn = gi < groups ? cols_below(g0 + gi * 256 + lane * 8, c1) : 0;
+                if (r[u] >= 0 && cn)
+                    for (int e = 0; e < 8; e++) acc[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), acc[gi * 8 + e]);
+            }
+    }
+}
+
+/* Columns [c0, c1) of home rank h's tokens that have rows here (h != me):
+ * the top-k reduce stored into h's partials[me][t]. One warp a token, 8
+ * columns a lane, COL_GROUPS x 256 columns at once. The routing of a token is
+ * fetched in three steps over the three tokens ahead (its index, the rows of
+ * its slots, their weights), so no load is waited on where it was issued. */
 __device__ static void reduce_into_home(const comet_cuda_ctx_t *c, const comet_plan_t *p, int h, int64_t c0,
                                         int64_t c1) {
     const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
@@ -379,86 +443,104 @@ __device__ static void reduce_into_home(const comet_cuda_ctx_t *c, const comet_p
     const int32_t *tokens = p->send_tokens + (int64_t)h * mt;
     float *dst = (float *)(c->peers[h] + c->lay.partials) + (int64_t)c->d.rank * mt * hd;
     const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
-    const int64_t n = p->send_count[h], stride = (int64_t)gridDim.x * (blockDim.x / 32);
+    const int64_t n = p->send_count[h], s = (int64_t)gridDim.x * (blockDim.x / 32);
     int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    /* the pipeline: t of token i and the one after, the row of slot lane of token i */
-    int64_t t = i < n ? tokens[i] : 0, t_next = i + stride < n ? tokens[i + stride] : 0;
-    int32_t row = i < n && lane < k ? ros[t * k + lane] : -1;
-    for (; i < n; i += stride) {
-        const float w = row >= 0 ? p->rows[row].weight : 0.0f;
-        const int32_t row_next = i + stride < n && lane < k ? ros[t_next * k + lane] : -1;
-        const int64_t t_after = i + 2 * stride < n ? tokens[i + 2 * stride] : 0;
-        for (int64_t g = c0; g < c1; g += 256) {
-            const int64_t col = g + lane * 8;
-            const int cn = col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
-                uint4 v[SLOT_BATCH];
-                int32_t r[SLOT_BATCH];
-                float wj[SLOT_BATCH];
+    /* token i (t0, row0, w0), i + s (t1, row1), i + 2s (t2) */
+    int64_t t0 = i < n ? tokens[i] : 0, t1 = i + s < n ? tokens[i + s] : 0, t2 = i + 2 * s < n ? tokens[i + 2 * s] : 0;
+    int32_t row0 = i < n && lane < k ? ros[t0 * k + lane] : -1, row1 = i + s < n && lane < k ? ros[t1 * k + lane] : -1;
+    float w0 = row0 >= 0 ? p->rows[row0].weight : 0.0f;
+    for (; i < n; i += s) {
+        const int64_t t3 = i + 3 * s < n ? tokens[i + 3 * s] : 0;
+        const int32_t row2 = i + 2 * s < n && lane < k ? ros[t2 * k + lane] : -1;
+        const float w1 = row1 >= 0 ? p->rows[row1].weight : 0.0f;
+        for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
+            float acc[COL_GROUPS * 8];
+            topk_reduce(c, p, ros + t0 * k, row0, w0, g0, c1, COL_GROUPS, acc);
 #pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++) {
-                    const int64_t j = j0 + u;
-                    r[u] = -1, wj[u] = 0.0f;
-                    if (j < 32) {
-                        r[u] = __shfl_sync(0xffffffffu, row, (int)j), wj[u] = __shfl_sync(0xffffffffu, w, (int)j);
-                    } else if (j < k) {
-                        r[u] = ros[t * k + j];
-                        if (r[u] >= 0) wj[u] = p->rows[r[u]].weight;
-                    }
-                    if (j >= k) r[u] = -1;
-                    if (r[u] >= 0 && cn) v[u] = ld8_bf16(c->o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
-                }
-#pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++)
-                    if (r[u] >= 0 && cn)
-                        for (int e = 0; e < 8; e++) acc[e] = fmaf(wj[u], bf16_at(v[u], e), acc[e]);
+            for (int gi = 0; gi < COL_GROUPS; gi++) {
+                const int64_t col = g0 + gi * 256 + lane * 8;
+                const int cn = cols_below(col, c1);
+                if (cn) st8_f32(dst + t0 * hd + col, acc + gi * 8, cn, vec && cn == 8);
             }
-            if (cn) st8_f32(dst + t * hd + col, acc, cn, vec && cn == 8);
         }
-        t = t_next, t_next = t_after, row = row_next;
+        t0 = t1, row0 = row1, w0 = w1;
+        t1 = t2, row1 = row2;
+        t2 = t3;
     }
 }
 
+/* Column groups of the final sum a lane works on at once (fp32 partials are
+ * twice as wide as the bf16 rows; 2 spills registers). */
+#define SUM_GROUPS 1
+
 /* Columns [c0, c1) of y for every local token: the partials of the
- * contributing ranks summed in ascending rank order. One warp a token, 8
- * columns a lane; the token's groups are loaded one token ahead. */
+ * contributing ranks summed in ascending rank order (from 0), this rank's own
+ * computed here by topk_reduce instead of read back. One warp a token;
+ * routing fetched a token ahead, weights in the iteration before use. */
 __device__ static void sum_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1) {
     const int64_t hd = c->d.hidden, mt = c->d.max_tokens, k = c->d.topk;
     const float *partials = (const float *)(c->sym + c->lay.partials);
-    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    const int32_t *ros = p->row_of_slot + (int64_t)c->d.rank * mt * k;
+    const int lane = threadIdx.x % 32, tp = c->d.tp, me = c->d.rank;
     const int vec_in = hd % 8 == 0, vec_out = vec_in && ((uintptr_t)c->y % 16) == 0;
-    const int64_t n = c->num_tokens, stride = (int64_t)gridDim.x * (blockDim.x / 32);
+    const int64_t n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
     int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int ng = t < n ? p->home_group_count[t] : 0;
-    int32_t grp = t < n && lane < k ? p->home_groups[t * k + lane] : 0; /* group of lane (< ng) */
-    for (; t < n; t += stride) {
-        const int ng_next = t + stride < n ? p->home_group_count[t + stride] : 0;
-        const int32_t grp_next = t + stride < n && lane < k ? p->home_groups[(t + stride) * k + lane] : 0;
-        const int nq = ng * tp; /* contributing ranks, ascending: group-major, then tp */
-        for (int64_t g = c0; g < c1; g += 256) {
-            const int64_t col = g + lane * 8;
-            const int cn = col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int q0 = 0; q0 < nq; q0 += SLOT_BATCH) {
-                float v[SLOT_BATCH][8];
+    /* token t: groups (ng0, grp0 in lane g), rows of my slots (row0), weights (w0); token t + s: ng1, grp1, row1 */
+    int ng0 = t < n ? p->home_group_count[t] : 0, ng1 = t + s < n ? p->home_group_count[t + s] : 0;
+    int32_t grp0 = t < n && lane < k ? p->home_groups[t * k + lane] : 0;
+    int32_t grp1 = t + s < n && lane < k ? p->home_groups[(t + s) * k + lane] : 0;
+    int32_t row0 = t < n && lane < k ? ros[t * k + lane] : -1, row1 = t + s < n && lane < k ? ros[(t + s) * k + lane] : -1;
+    float w0 = row0 >= 0 ? p->rows[row0].weight : 0.0f;
+    for (; t < n; t += s) {
+        const int64_t t2 = t + 2 * s;
+        const int ng2 = t2 < n ? p->home_group_count[t2] : 0;
+        const int32_t grp2 = t2 < n && lane < k ? p->home_groups[t2 * k + lane] : 0;
+        const int32_t row2 = t2 < n && lane < k ? ros[t2 * k + lane] : -1;
+        const float w1 = row1 >= 0 ? p->rows[row1].weight : 0.0f;
+        const int nq = ng0 * tp; /* contributing ranks, ascending: group-major, then tp */
+        for (int64_t g0 = c0; g0 < c1; g0 += 256 * SUM_GROUPS) {
+            float acc[SUM_GROUPS][8], mine[SUM_GROUPS * 8];
 #pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++) {
-                    const int qi = q0 + u;
-                    if (qi >= nq) continue;
-                    const int gi = qi / tp;
-                    const int32_t group = gi < 32 ? __shfl_sync(0xffffffffu, grp, gi) : p->home_groups[t * k + gi];
-                    const int64_t q = (int64_t)group * tp + qi % tp;
-                    if (cn) ld8_f32(partials + (q * mt + t) * hd + col, v[u], cn, vec_in && cn == 8);
+            for (int gi = 0; gi < SUM_GROUPS; gi++)
+                for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
+            for (int q0 = 0; q0 < nq; q0 += SLOT_BATCH) {
+                float v[SLOT_BATCH][SUM_GROUPS][8];
+                int64_t q[SLOT_BATCH];
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++) { /* the peers' partials: loads in flight */
+                    const int qi = q0 + u, gi = qi / tp;
+                    const int32_t group = gi < 32 ? __shfl_sync(0xffffffffu, grp0, gi & 31)
+                                                  : (qi < nq ? p->home_groups[t * k + gi] : 0);
+                    q[u] = qi < nq ? (int64_t)group * tp + qi % tp : -1;
+#pragma unroll
+                    for (int g = 0; g < SUM_GROUPS; g++) {
+                        const int64_t col = g0 + g * 256 + lane * 8;
+                        const int cn = cols_below(col, c1);
+                        if (q[u] >= 0 && q[u] != me && cn)
+                            ld8_f32(partials + (q[u] * mt + t) * hd + col, v[u][g], cn, vec_in && cn == 8);
+                    }
                 }
+                int has_me = 0;
+#pragma unroll
+                for (int u = 0; u < SLOT_BATCH; u++) has_me |= q[u] == me;
+                if (has_me) /* mine, while those loads fly */
+                    topk_reduce(c, p, ros + t * k, row0, w0, g0, c1, SUM_GROUPS, mine);
 #pragma unroll
                 for (int u = 0; u < SLOT_BATCH; u++)
-                    if (q0 + u < nq && cn)
-                        for (int e = 0; e < 8; e++) acc[e] += v[u][e];
+#pragma unroll
+                    for (int g = 0; g < SUM_GROUPS; g++)
+                        if (q[u] >= 0 && cols_below(g0 + g * 256 + lane * 8, c1))
+                            for (int e = 0; e < 8; e++) acc[g][e] += q[u] == me ? mine[g * 8 + e] : v[u][g][e];
             }
-            if (cn) st8_bf16(c->y + t * hd + col, acc, cn, vec_out && cn == 8);
+#pragma unroll
+            for (int g = 0; g < SUM_GROUPS; g++) {
+                const int64_t col = g0 + g * 256 + lane * 8;
+                const int cn = cols_below(col, c1);
+                if (cn) st8_bf16(c->y + t * hd + col, acc[g], cn, vec_out && cn == 8);
+            }
         }
-        ng = ng_next, grp = grp_next;
+        ng0 = ng1, grp0 = grp1, row0 = row1, w0 = w1;
+        ng1 = ng2, grp1 = grp2, row1 = row2;
     }
 }
 
@@ -468,7 +550,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine(comet_cuda_ctx_t c)
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    for (int hi = 0; hi < c.d.world_size; hi++) {
+    for (int hi = 0; hi < c.d.world_size - 1; hi++) { /* my own tokens: k_final */
         const uint64_t t0 = TRACE_T0;
         const int h = (c.d.rank + 1 + hi) % c.d.world_size;
         reduce_into_home(&c, &p, h, 0, c.d.hidden);
@@ -582,7 +664,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
             }
             __syncthreads();
             t0 = TRACE_T0;
-            for (int hi = 0; !(c.disable & COMET_DISABLE_COMM) && hi < w; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
+            for (int hi = 0; !(c.disable & COMET_DISABLE_COMM) && hi < w - 1; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
             __threadfence_system();
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
