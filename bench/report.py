@@ -32,7 +32,7 @@ def load(paths):
                 if line.strip():
                     r = json.loads(line)
                     comet_rows.append(r)
-                    machines.add(f"comet {r['baseline']}, {r['date']}, commit {r['commit']}")
+                    machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
     return torch_rows, comet_rows, sorted(machines)
 
 
@@ -51,14 +51,19 @@ def main(paths):
                   f"{r['check_rel_err']:.1e} |")
     else:
         base = {key(r): r for r in torch_rows}
-        print("| model | M | TP | EP | skew | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | check (wrong/checked) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in sorted(comet_rows, key=key):
-            b = base.get(key(r))
+        # mode: seq (the sequential chain) or the overlapped mode's n_comm;
+        # comm hidden only where --comm-hidden measured it
+        print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
+              "comm hidden | check (wrong/checked) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
+            b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
             sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
-            print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r['ms']:.3f} | {tb} | {sp} | "
-                  f"{r['rate']:.0f} | {r['wrong']}/{r['checked']} |")
+            mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
+            hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) >= 0 else "-"
+            print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
+                  f"{sp} | {r['rate']:.0f} | {hidden} | {r['wrong']}/{r['checked']} |")
     print()
     for m in machines:
         print(f"- {m}")
