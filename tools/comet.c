@@ -416,6 +416,9 @@ static int run(const char *cmd, int argc, char **argv) {
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
            (long long)cfg.ffn, ncomm, r.ms_median, rate, link_gbps, bad ? "WRONG" : "ok", (long long)bad,
            (long long)chk.elements, use_cuda ? "sampled elements off" : "elements differ");
+    if (use_cuda && !launch.on) /* how far off: the tolerance is 4 bf16 ulps + 1% of the row's rms */
+        printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
+               chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, fp32 partials stored -- per GPU per second)\n");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
