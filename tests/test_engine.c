@@ -9,6 +9,9 @@
  *            element written (outputs poisoned first)
  *   epochs:  one layer, many forwards with fresh inputs, chunk widths and
  *            n_comm per call: every call equal to the reference
+ *   check:   the tolerance check the GPU runs are judged by
+ *            (comet_problem_check) passes the engine's output and one-ulp
+ *            changes, and fails a changed element and a missing expert row
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -239,7 +242,47 @@ static void test_disable(void) {
     comet_problem_destroy(p);
 }
 
+static void test_check(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 64, cfg.ffn = 32, cfg.num_experts = 4, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 10;
+    int64_t tokens[2] = {10, 7};
+    comet_routing_opts_t ro = {0, 0, 5};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) return;
+    comet_problem_poison(p);
+    CHECK(run_engine(p, 2, 0, 1) == COMET_SUCCESS, "check: engine: %s", comet_last_error());
+    comet_check_t chk;
+    comet_problem_check(p, 0, -1, &chk);
+    CHECK(chk.wrong == 0 && chk.differ == 0 && chk.elements == 17 * 64, "check: exact output: %lld wrong, %lld differ",
+          (long long)chk.wrong, (long long)chk.differ);
+    uint16_t *y = p->y[1] + 3 * 64;
+    for (int c = 0; c < 64; c += 5) y[c] ^= 1; /* one ulp */
+    comet_problem_check(p, 0, -1, &chk);
+    CHECK(chk.wrong == 0 && chk.differ == 13, "check: one-ulp changes: %lld wrong, %lld differ", (long long)chk.wrong,
+          (long long)chk.differ);
+    y[7] = comet_f32_to_bf16(comet_bf16_to_f32(y[7]) * 1.5f + 0.25f);
+    comet_problem_check(p, 0, -1, &chk);
+    CHECK(chk.wrong == 1, "check: one changed element: %lld wrong", (long long)chk.wrong);
+    /* token 2 of rank 0 without its second expert's row: the output the
+     * reference gives for that token with the weight of slot 1 set to 0 */
+    float *w = (float *)p->args[0].topk_w.data;
+    const float keep = w[2 * 2 + 1];
+    w[2 * 2 + 1] = 0.0f;
+    comet_problem_poison(p);
+    CHECK(run_engine(p, 2, 0, 1) == COMET_SUCCESS, "check: engine: %s", comet_last_error());
+    uint16_t row[64];
+    memcpy(row, p->y[0] + 2 * 64, sizeof row);
+    w[2 * 2 + 1] = keep;
+    comet_problem_poison(p);
+    CHECK(run_engine(p, 2, 0, 1) == COMET_SUCCESS, "check: engine: %s", comet_last_error());
+    memcpy(p->y[0] + 2 * 64, row, sizeof row);
+    comet_problem_check(p, 0, -1, &chk);
+    CHECK(chk.wrong > 32, "check: a missing expert row: only %lld of 64 elements wrong", (long long)chk.wrong);
+    comet_problem_destroy(p);
+}
+
 int main(void) {
+    test_check();
     test_disable();
     const int layouts[][2] = {{1, 1}, {1, 2}, {2, 1}, {2, 2}, {1, 4}, {4, 1}};
     for (int i = 0; i < 6; i++) test_exact(layouts[i][0], layouts[i][1]);

@@ -10,6 +10,7 @@
  * y[t] = bf16(sum_q p_q).
  */
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,14 +24,15 @@ comet_status_t comet_reference_scratch_init(const comet_dims_t *d, comet_referen
     s->partial = malloc(sizeof(float) * (size_t)d->hidden);
     s->h = malloc(sizeof(comet_bf16_t) * (size_t)d->ffn_local);
     s->o = malloc(sizeof(comet_bf16_t) * (size_t)d->hidden);
-    if (s->acc_y && s->partial && s->h && s->o) return COMET_SUCCESS;
+    s->o_ulps = malloc(sizeof(float) * (size_t)d->hidden);
+    if (s->acc_y && s->partial && s->h && s->o && s->o_ulps) return COMET_SUCCESS;
     comet_reference_scratch_free(s);
     return comet_fail(COMET_ERR_OUT_OF_MEMORY, "reference: no memory");
 }
 
 void comet_reference_scratch_free(comet_reference_scratch_t *s) {
-    free(s->acc_y), free(s->partial), free(s->h), free(s->o);
-    s->acc_y = s->partial = NULL;
+    free(s->acc_y), free(s->partial), free(s->h), free(s->o), free(s->o_ulps);
+    s->acc_y = s->partial = s->o_ulps = NULL;
     s->h = s->o = NULL;
 }
 
@@ -42,7 +44,7 @@ void comet_reference_token(const comet_layer_config_t *cfg, int world_size, cons
     const comet_bf16_t *x = (const comet_bf16_t *)inputs[s].x.data + t * hd;
     const int32_t *idx = (const int32_t *)inputs[s].topk_idx.data + t * topk;
     const float *wt = (const float *)inputs[s].topk_w.data + t * topk;
-    for (int64_t c = 0; c < hd; c++) sc->acc_y[c] = 0.0f;
+    for (int64_t c = 0; c < hd; c++) sc->acc_y[c] = 0.0f, sc->o_ulps[c] = 0.0f;
     for (int q = 0; q < world_size; q++) {
         comet_dims_t dq;
         comet_dims_from_config(cfg, world_size, q, &dq);
@@ -57,6 +59,10 @@ void comet_reference_token(const comet_layer_config_t *cfg, int world_size, cons
             comet_cpu_gemm0_row(&dq, x, w1_e, 0, dq.ffn_local, sc->h);
             comet_cpu_gemm1_row(&dq, sc->h, w2_e, 0, hd, sc->o);
             comet_cpu_topk_accumulate(sc->partial, wt[j], sc->o, 0, hd);
+            for (int64_t c = 0; c < hd; c++) {
+                const float v = comet_bf16_to_f32(sc->o[c]);
+                sc->o_ulps[c] += v != 0.0f ? fabsf(wt[j]) * ldexpf(1.0f, ilogbf(v) - 7) : 0.0f;
+            }
         }
         if (contributes)
             for (int64_t c = 0; c < hd; c++) sc->acc_y[c] += sc->partial[c];

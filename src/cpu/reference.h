@@ -19,6 +19,8 @@ typedef struct {
     float *acc_y, *partial; /* (H) */
     comet_bf16_t *h;        /* (F_local) */
     comet_bf16_t *o;        /* (H) */
+    float *o_ulps;          /* (H) sum over the token's rows of |w| * one bf16 ulp of o: how far a
+                             * different GEMM1 order can move y by flipping o's roundings */
 } comet_reference_scratch_t;
 
 comet_status_t comet_reference_scratch_init(const comet_dims_t *d, comet_reference_scratch_t *s);
