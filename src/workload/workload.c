@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../core/numerics.h"
 #include "../core/status.h"
@@ -50,8 +51,60 @@ double comet_rng_normal(comet_rng_t *r) {
     return sqrt(-2.0 * log(1.0 - u)) * cos(6.283185307179586 * v);
 }
 
+/* ---- host work in parallel ------------------------------------------------
+ * fn(arg, part, parts) on `parts` threads (the online cores, at most 64; one
+ * when n is small or a thread cannot start: then the caller runs the rest).
+ * Each part's result must not depend on the part count. */
+typedef void (*part_fn)(void *arg, int part, int parts);
+typedef struct {
+    part_fn fn;
+    void *arg;
+    int part, parts;
+} part_job_t;
+
+static void *part_main(void *v) {
+    part_job_t *j = v;
+    j->fn(j->arg, j->part, j->parts);
+    return NULL;
+}
+
+static void run_parts(part_fn fn, void *arg, int64_t n) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int parts = n < (1 << 16) || cores < 2 ? 1 : cores > 64 ? 64 : (int)cores;
+    pthread_t th[64];
+    part_job_t jobs[64];
+    int started = 0;
+    for (int i = 1; i < parts; i++) {
+        jobs[i] = (part_job_t){fn, arg, i, parts};
+        if (pthread_create(&th[i], NULL, part_main, &jobs[i])) break;
+        started = i;
+    }
+    for (int i = started + 1; i < parts; i++) fn(arg, i, parts); /* parts whose thread did not start */
+    fn(arg, 0, parts);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+}
+
+/* Uniform bf16 in [-scale, scale): the values of drawing them one by one from
+ * r (splitmix64's state advances by a constant per draw, so a part starts at
+ * its own offset), drawn in parallel. */
+typedef struct {
+    uint16_t *a;
+    int64_t n;
+    double scale;
+    uint64_t state;
+} fill_t;
+
+static void fill_part(void *v, int part, int parts) {
+    const fill_t *f = v;
+    const int64_t i0 = f->n * part / parts, i1 = f->n * (part + 1) / parts;
+    comet_rng_t r = {f->state + (uint64_t)i0 * 0x9e3779b97f4a7c15ull};
+    for (int64_t i = i0; i < i1; i++) f->a[i] = comet_f32_to_bf16((float)((2.0 * comet_rng_uniform(&r) - 1.0) * f->scale));
+}
+
 static void fill_bf16(uint16_t *a, int64_t n, double scale, comet_rng_t *r) {
-    for (int64_t i = 0; i < n; i++) a[i] = comet_f32_to_bf16((float)((2.0 * comet_rng_uniform(r) - 1.0) * scale));
+    fill_t f = {a, n, scale, r->state};
+    run_parts(fill_part, &f, n);
+    r->state += (uint64_t)n * 0x9e3779b97f4a7c15ull;
 }
 
 /* ---- routing ---------------------------------------------------------------
@@ -236,43 +289,76 @@ int64_t comet_problem_count_mismatch(const comet_problem_t *p) {
     return bad;
 }
 
-comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out) {
-    memset(out, 0, sizeof *out);
+/* The check's work: sampled (rank, token) pairs; each part its own result. */
+typedef struct {
+    const comet_problem_t *p;
     comet_dims_t d;
-    COMET_TRY(comet_dims_from_config(&p->cfg, p->world_size, 0, &d));
+    int64_t n_pairs, *pairs; /* rank * 2^40 + token */
+    comet_check_t part_out[64];
+    int part_failed[64];
+} check_t;
+
+static void check_part(void *v, int part, int parts) {
+    check_t *k = v;
+    const comet_problem_t *p = k->p;
+    const int64_t hd = k->d.hidden;
+    comet_check_t *out = &k->part_out[part];
     comet_reference_scratch_t sc;
-    COMET_TRY(comet_reference_scratch_init(&d, &sc));
-    const int64_t hd = d.hidden;
     uint16_t *want = malloc(sizeof(uint16_t) * (size_t)hd);
-    if (!want) {
-        comet_reference_scratch_free(&sc);
-        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
+    if (!want || comet_reference_scratch_init(&k->d, &sc) != COMET_SUCCESS) {
+        free(want);
+        k->part_failed[part] = 1;
+        return;
     }
-    for (int s = 0; s < p->world_size; s++) {
-        if (only_rank >= 0 && s != only_rank) continue;
-        const int64_t t_num = p->tokens[s], n = sample <= 0 || sample >= t_num ? t_num : sample;
-        for (int64_t i = 0; i < n; i++) {
-            int64_t t = n == t_num ? i : (n == 1 ? 0 : i * (t_num - 1) / (n - 1));
-            comet_reference_token(&p->cfg, p->world_size, p->args, s, t, &sc, want);
-            double ss = 0;
-            for (int64_t c = 0; c < hd; c++) ss += (double)comet_bf16_to_f32(want[c]) * comet_bf16_to_f32(want[c]);
-            double rms = sqrt(ss / (double)hd) + 1e-30;
-            for (int64_t c = 0; c < hd; c++) {
-                double g = comet_bf16_to_f32(p->y[s][t * hd + c]), r = comet_bf16_to_f32(want[c]);
-                double ulp = r != 0 ? ldexp(1.0, ilogb(r) - 7) : 0;
-                double err = fabs(g - r);
-                out->differ += p->y[s][t * hd + c] != want[c];
-                /* 4 ulps of y, 1% of the row's rms, and two flipped roundings of every o
-                 * row it sums (near cancellation those dominate: they scale with o, not y) */
-                out->wrong += !(err <= 4 * ulp + 0.01 * rms + 2.0 * sc.o_ulps[c]); /* NaN is wrong */
-                if (!(err / rms <= out->worst)) out->worst = isnan(err) ? INFINITY : err / rms;
-                out->elements++;
-            }
+    for (int64_t i = part; i < k->n_pairs; i += parts) {
+        const int s = (int)(k->pairs[i] >> 40);
+        const int64_t t = k->pairs[i] & (((int64_t)1 << 40) - 1);
+        comet_reference_token(&p->cfg, p->world_size, p->args, s, t, &sc, want);
+        double ss = 0;
+        for (int64_t c = 0; c < hd; c++) ss += (double)comet_bf16_to_f32(want[c]) * comet_bf16_to_f32(want[c]);
+        double rms = sqrt(ss / (double)hd) + 1e-30;
+        for (int64_t c = 0; c < hd; c++) {
+            double g = comet_bf16_to_f32(p->y[s][t * hd + c]), r = comet_bf16_to_f32(want[c]);
+            double ulp = r != 0 ? ldexp(1.0, ilogb(r) - 7) : 0;
+            double err = fabs(g - r);
+            out->differ += p->y[s][t * hd + c] != want[c];
+            /* 4 ulps of y, 1% of the row's rms, and two flipped roundings of every o
+             * row it sums (near cancellation those dominate: they scale with o, not y) */
+            out->wrong += !(err <= 4 * ulp + 0.01 * rms + 2.0 * sc.o_ulps[c]); /* NaN is wrong */
+            if (!(err / rms <= out->worst)) out->worst = isnan(err) ? INFINITY : err / rms;
+            out->elements++;
         }
     }
     free(want);
     comet_reference_scratch_free(&sc);
-    return COMET_SUCCESS;
+}
+
+comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out) {
+    memset(out, 0, sizeof *out);
+    check_t *k = calloc(1, sizeof *k);
+    if (!k) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
+    k->p = p;
+    comet_status_t st = comet_dims_from_config(&p->cfg, p->world_size, 0, &k->d);
+    int64_t total = 0;
+    for (int s = 0; s < p->world_size; s++) total += p->tokens[s];
+    k->pairs = malloc(sizeof(int64_t) * (size_t)(total + 1));
+    if (st == COMET_SUCCESS && !k->pairs) st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
+    for (int s = 0; st == COMET_SUCCESS && s < p->world_size; s++) {
+        if (only_rank >= 0 && s != only_rank) continue;
+        const int64_t t_num = p->tokens[s], n = sample <= 0 || sample >= t_num ? t_num : sample;
+        for (int64_t i = 0; i < n; i++)
+            k->pairs[k->n_pairs++] = ((int64_t)s << 40) | (n == t_num ? i : (n == 1 ? 0 : i * (t_num - 1) / (n - 1)));
+    }
+    if (st == COMET_SUCCESS) run_parts(check_part, k, k->n_pairs * k->d.hidden * k->d.topk * k->d.ffn_local / 256);
+    for (int i = 0; st == COMET_SUCCESS && i < 64; i++) {
+        if (k->part_failed[i]) st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
+        out->elements += k->part_out[i].elements, out->differ += k->part_out[i].differ;
+        out->wrong += k->part_out[i].wrong;
+        if (!(k->part_out[i].worst <= out->worst)) out->worst = k->part_out[i].worst; /* NaN-safe max */
+    }
+    free(k->pairs);
+    free(k);
+    return st;
 }
 
 int64_t comet_problem_link_bytes(const comet_problem_t *p) {
