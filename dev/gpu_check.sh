@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests sanitize bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -30,6 +30,14 @@ for step in $STEPS; do
             summary+=("$(basename "$t"): exit $? $(grep -E '^[a-z_]+: [0-9]+ passed' "$OUT/gputests.log" | tail -n 1)")
         done
         grep -E "FAIL" "$OUT/gputests.log" | head -40
+        ;;
+    sanitize) # compute-sanitizer on the small configurations (works on Firecracker
+              # machines only: on gVisor it refuses the device, which the log shows)
+        for tool in memcheck racecheck; do
+            COMET_TIMEOUT_MS=120000 COMET_LAYER_TEST_SMALL=1 COMET_GEMM_TEST_SMALL=1 timeout 400 compute-sanitizer --tool $tool \
+                --error-exitcode 99 build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
+            summary+=("compute-sanitizer $tool test_layer_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_layer_gpu: [0-9]' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')")
+        done
         ;;
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"

@@ -278,6 +278,19 @@ static void test_check(void) {
     memcpy(p->y[0] + 2 * 64, row, sizeof row);
     comet_problem_check(p, 0, -1, &chk);
     CHECK(chk.wrong > 32, "check: a missing expert row: only %lld of 64 elements wrong", (long long)chk.wrong);
+    /* the runner's repeat comparison (what the GPU test's 100 forwards use) */
+    comet_world_t *world;
+    if (comet_world_create_local(&world, 2, COMET_BACKEND_CPU) == COMET_SUCCESS) {
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.n_comm = 2, run.repeats = 6, run.compare_repeats = 1;
+        run.repeats_differ[0] = 9;
+        comet_status_t st = comet_problem_run(p, world, &run, 0);
+        CHECK(st == COMET_SUCCESS && run.repeats_differ[0] == 0 && run.repeats_differ[1] == 0,
+              "check: 6 forwards compared: %s, %d and %d differ", comet_status_string(st), run.repeats_differ[0],
+              run.repeats_differ[1]);
+        comet_world_destroy(world);
+    }
     comet_problem_destroy(p);
 }
 

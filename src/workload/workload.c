@@ -399,6 +399,17 @@ static double wall_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
+/* compare_repeats: keep call 0's y of this rank (host copy), count later
+ * calls that differ. */
+static void compare_call(rank_job_t *job, int call, const uint16_t *y, uint16_t **first) {
+    const size_t bytes = (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2;
+    if (call == 0) {
+        *first = malloc(bytes ? bytes : 1);
+        if (*first) memcpy(*first, y, bytes);
+    }
+    if (job->rank < 64 && (!*first || memcmp(*first, y, bytes) != 0)) job->run->repeats_differ[job->rank]++;
+}
+
 #ifdef COMET_WITH_CUDA
 /* The same on a GPU: inputs copied to the rank's device, y poisoned there, each
  * call timed with events, the status of each call taken from
@@ -426,7 +437,9 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         ts[i]->data = dev[i];
     }
     a->stream = stream;
+    uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
+        if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(dev[5], 0xff, (size_t)(t * hd) * 2, stream);
         cudaEventRecord(e0, stream);
         st = comet_layer_forward(layer, a);
         cudaEventRecord(e1, stream);
@@ -434,7 +447,12 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         float ms = 0;
         cudaEventElapsedTime(&ms, e0, e1);
         job->ms[i] = ms;
+        if (job->run->compare_repeats && st == COMET_SUCCESS && e == cudaSuccess) {
+            e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
+            compare_call(job, i, p->y[r], &first);
+        }
     }
+    free(first);
     if (e == cudaSuccess) e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
     for (int i = 0; i < 6; i++) cudaFree(dev[i]);
     if (e0) cudaEventDestroy(e0);
@@ -462,13 +480,20 @@ static void *rank_main(void *arg) {
         if (st == COMET_SUCCESS) st = rank_cuda(job, layer, &a);
     } else
 #endif
+    {
+        uint16_t *first = NULL;
         for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
             if (run->trace && i == run->repeats - 1) st = comet_layer_set_trace(layer, run->trace);
             if (st != COMET_SUCCESS) break;
+            if (run->compare_repeats && i > 0)
+                memset(job->p->y[job->rank], 0xff, (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2);
             double t0 = wall_ms();
             st = comet_layer_forward(layer, &a);
             job->ms[i] = wall_ms() - t0;
+            if (run->compare_repeats && st == COMET_SUCCESS) compare_call(job, i, job->p->y[job->rank], &first);
         }
+        free(first);
+    }
     if (job->rank < 64) {
         run->status[job->rank] = st;
         snprintf(run->message[job->rank], sizeof run->message[0], "%s", st ? comet_last_error() : "");
@@ -489,6 +514,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
     if (run->repeats < 1) run->repeats = 1;
     if (warmup < 0 || warmup >= run->repeats) warmup = 0;
+    memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
     rank_job_t jobs[64];
     double *ms = calloc((size_t)(w * run->repeats), sizeof(double));

@@ -99,6 +99,9 @@ typedef struct {
     int repeats;            /* forward calls per rank (>= 1) */
     int disable;            /* when not 0, COMET_DISABLE_* bits for every rank's args */
     comet_trace_t *trace;   /* when not NULL, attached to every rank's layer for the last call */
+    int compare_repeats;    /* when not 0: y poisoned before every call and compared bitwise with
+                             * the first call's output after it (not for timing) */
+    int repeats_differ[64]; /* out, per rank: calls whose y differed from the first call's */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     double ms_median;       /* median over timed repeats of the slowest rank's call */
