@@ -9,6 +9,15 @@
  * Also a sanity count: GEMM1 o vs the cuBLAS loop fed with our h (bf16 ulps).
  * Not a correctness test (tests/test_gemm_gpu.cu is). Prints a table, writes
  * JSON to $OUT/gemm_bench.json (or ./gemm_bench.json).
+ * GEMM_BENCH_CURVE=1 (default off) adds the n_compute curve: ours only, with
+ * hooks.num_ctas (persistent CTAs; the rest of the SMs are left to
+ * communication) in {SMs, SMs-4, SMs-8, SMs-16, SMs-32, SMs/2} (SMs =
+ * multiProcessorCount; values < 1 and repeats dropped), median of NREP
+ * interleaved rounds of its own; efficiency = (TFLOP/s at n / TFLOP/s at SMs)
+ * / (n / SMs), 1.0 = throughput proportional to the CTAs. Printed as a second
+ * table and written as the JSON key "curve" of each model (list of
+ * {num_ctas, gemm0_ms, gemm0_tflops, gemm0_eff, gemm1_ms, gemm1_tflops,
+ * gemm1_eff}; the top level gains "sms").
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets)
  */
 #include <cublas_v2.h>
@@ -40,6 +49,7 @@
     } while (0)
 
 #define NREP 10
+#define NCURVE 6 /* num_ctas points of the GEMM_BENCH_CURVE=1 curve */
 
 typedef struct {
     const char *name;
@@ -96,9 +106,30 @@ typedef struct {
     double ms[2][3];
     int blocks, rows, rows_padded;
     unsigned long long bad;
+    int ncurve;                 /* 0: no curve */
+    int curve_ctas[NCURVE];     /* curve_ctas[0] = SMs */
+    double curve_ms[2][NCURVE]; /* [gemm][point] */
+    double curve_tf[2][NCURVE];
 } bresult_t;
 
-static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, bresult_t *res) {
+/* num_ctas points of the curve: SMs first, then fewer; drops values < 1 and repeats */
+static int curve_points(int sms, int *pts) {
+    const int want[NCURVE] = {sms, sms - 4, sms - 8, sms - 16, sms - 32, sms / 2};
+    int n = 0;
+    for (int i = 0; i < NCURVE; i++) {
+        int dup = want[i] < 1;
+        for (int j = 0; j < n; j++) dup |= pts[j] == want[i];
+        if (!dup) pts[n++] = want[i];
+    }
+    return n;
+}
+
+/* (TFLOP/s at point p / TFLOP/s at SMs) / (num_ctas / SMs); 1.0: throughput proportional to the CTAs */
+static double curve_eff(const bresult_t *r, int gm, int p, int sms) {
+    return r->curve_tf[gm][p] / r->curve_tf[gm][0] / ((double)r->curve_ctas[p] / sms);
+}
+
+static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, int sms, int curve, bresult_t *res) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = m->hidden, cfg.ffn = m->ffn, cfg.num_experts = m->experts, cfg.topk = m->topk;
     cfg.max_tokens_per_rank = T, cfg.tile_m = 128;
@@ -229,6 +260,31 @@ static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, bresult_
             res->ms[gm][v] = ms;
             res->tf[gm][v] = fl[gm] / (ms * 1e-3) / 1e12;
         }
+    /* n_compute curve: ours with num_ctas persistent CTAs, rounds interleaved over the points */
+    res->ncurve = curve ? curve_points(sms, res->curve_ctas) : 0;
+    if (res->ncurve) {
+        float tc[2][NCURVE][NREP];
+        for (int rep = -2; rep < NREP; rep++)
+            for (int gm = 0; gm < 2; gm++)
+                for (int p = 0; p < res->ncurve; p++) {
+                    comet_gemm_hooks_t hk;
+                    memset(&hk, 0, sizeof hk);
+                    hk.num_ctas = res->curve_ctas[p];
+                    CK(cudaEventRecord(ev[0]));
+                    if (gm == 0) CK((cudaError_t)comet_gemm0_launch(g, 0, &hk));
+                    else CK((cudaError_t)comet_gemm1_launch(g, 0, &hk));
+                    CK(cudaEventRecord(ev[1]));
+                    CK(cudaEventSynchronize(ev[1]));
+                    if (rep >= 0) CK(cudaEventElapsedTime(&tc[gm][p][rep], ev[0], ev[1]));
+                }
+        CK(cudaGetLastError());
+        for (int gm = 0; gm < 2; gm++)
+            for (int p = 0; p < res->ncurve; p++) {
+                double ms = median(tc[gm][p], NREP);
+                res->curve_ms[gm][p] = ms;
+                res->curve_tf[gm][p] = fl[gm] / (ms * 1e-3) / 1e12;
+            }
+    }
     comet_gemm_destroy(g);
     cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
     cudaFree(d_ws), cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
@@ -245,6 +301,8 @@ int main(int argc, char **argv) {
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
+    const char *cv = getenv("GEMM_BENCH_CURVE");
+    const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
     cublasHandle_t cub;
     CKB(cublasCreate(&cub));
     bresult_t res[8];
@@ -253,7 +311,7 @@ int main(int argc, char **argv) {
         int want = argc <= 2;
         for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
         if (!want) continue;
-        run_model(&models[i], T, cub, &res[nres]);
+        run_model(&models[i], T, cub, sms, curve, &res[nres]);
         fprintf(stderr, "%s done\n", models[i].name);
         nres++;
     }
@@ -271,13 +329,28 @@ int main(int argc, char **argv) {
                    res[r].name, res[r].rows, res[r].blocks, gm ? "gemm1" : "gemm0", res[r].tf[gm][0], res[r].ms[gm][0],
                    res[r].tf[gm][1], res[r].ms[gm][1], res[r].tf[gm][2], res[r].ms[gm][2],
                    res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull);
+    if (curve) {
+        printf("\nn_compute curve (GEMM_BENCH_CURVE=1): ours with num_ctas of %d SMs, median of %d; "
+               "eff = (TFLOP/s / TFLOP/s at %d) / (num_ctas / %d)\n", sms, NREP, sms, sms);
+        printf("%-13s %8s | %-32s | %s\n", "model", "num_ctas", "gemm0 (+SiLU): TFLOP/s, ms, eff",
+               "gemm1: TFLOP/s, ms, eff");
+        for (int r = 0; r < nres; r++)
+            for (int p = 0; p < res[r].ncurve; p++) {
+                const bresult_t *q = &res[r];
+                printf("%-13s %8d | %7.1f %10.3f ms %7.3f    | %7.1f %10.3f ms %7.3f\n", q->name, q->curve_ctas[p],
+                       q->curve_tf[0][p], q->curve_ms[0][p], curve_eff(q, 0, p, sms), q->curve_tf[1][p],
+                       q->curve_ms[1][p], curve_eff(q, 1, p, sms));
+            }
+    }
     const char *out = getenv("OUT");
     char path[512];
     snprintf(path, sizeof path, "%s/gemm_bench.json", out && *out ? out : ".");
     FILE *f = fopen(path, "w");
     if (f) {
-        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"reps\": %d, \"models\": [\n", prop.name,
-                date, (long long)T, NREP);
+        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"reps\": %d, ", prop.name, date,
+                (long long)T, NREP);
+        if (curve) fprintf(f, "\"sms\": %d, ", sms);
+        fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
             fprintf(f, "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"gemm1_bad\": %llu",
                     res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].bad);
@@ -286,6 +359,17 @@ int main(int argc, char **argv) {
                 for (int v = 0; v < 3; v++)
                     fprintf(f, ", \"gemm%d_%s_tflops\": %.1f, \"gemm%d_%s_ms\": %.4f", gm, vn[v], res[r].tf[gm][v], gm,
                             vn[v], res[r].ms[gm][v]);
+            if (res[r].ncurve) {
+                fprintf(f, ",\n   \"curve\": [");
+                for (int p = 0; p < res[r].ncurve; p++) {
+                    fprintf(f, "%s\n    {\"num_ctas\": %d", p ? "," : "", res[r].curve_ctas[p]);
+                    for (int gm = 0; gm < 2; gm++)
+                        fprintf(f, ", \"gemm%d_ms\": %.4f, \"gemm%d_tflops\": %.1f, \"gemm%d_eff\": %.3f", gm,
+                                res[r].curve_ms[gm][p], gm, res[r].curve_tf[gm][p], gm, curve_eff(&res[r], gm, p, sms));
+                    fprintf(f, "}");
+                }
+                fprintf(f, "]");
+            }
             fprintf(f, "}%s\n", r + 1 < nres ? "," : "");
         }
         fprintf(f, "]}\n");

@@ -22,6 +22,8 @@ def load(paths):
             doc = json.loads(text)
         except json.JSONDecodeError:
             doc = None
+        if isinstance(doc, dict) and doc.get("baseline") == "torch._grouped_mm":
+            continue  # GEMM-only figures (bench/torch_grouped_mm.py), not layer times
         if isinstance(doc, dict) and "records" in doc:
             m = doc["machine"]
             machines.add(f"{m['gpus']}x {m['gpu']}, driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "

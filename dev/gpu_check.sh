@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests sanitize bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests sanitize gemm bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -38,6 +38,13 @@ for step in $STEPS; do
                 --error-exitcode 99 build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
             summary+=("compute-sanitizer $tool test_layer_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_layer_gpu: [0-9]' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')")
         done
+        ;;
+    gemm) # one GPU: our grouped GEMM vs cuBLAS and its n_compute curve, then torch._grouped_mm
+        GEMM_BENCH_CURVE=1 SKIP_TEST=1 OUT="$OUT" timeout 300 bench/run_gemm_bench.sh "${TOKENS%% *}" > "$OUT/gemm.log" 2>&1
+        summary+=("gemm_bench: exit $? (gemm.log, gemm_bench.json)")
+        timeout 200 python3 bench/torch_grouped_mm.py --tokens "$(tr ' ' , <<<"$TOKENS")" --json "$OUT/grouped_mm.json" \
+            >> "$OUT/gemm.log" 2>&1
+        summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
