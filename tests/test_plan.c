@@ -249,12 +249,18 @@ static void test_link_bytes(void) {
     memcpy(p->topk_idx[0], r0, sizeof r0), memcpy(p->topk_idx[1], r1, sizeof r1);
     /* rank 0 token 0: one row to rank 1 (2H) and its partial back (4H); token 1
      * stays home; rank 1 token 0: two rows to rank 0 (4H), one partial (4H) */
-    CHECK(comet_problem_link_bytes(p) == 14 * 8, "EP=2 link bytes %lld, want %d", (long long)comet_problem_link_bytes(p), 14 * 8);
+    const int64_t cpu = comet_problem_link_bytes(p, COMET_BACKEND_CPU), cuda = comet_problem_link_bytes(p, COMET_BACKEND_CUDA);
+    CHECK(cpu == 14 * 8, "EP=2 link bytes %lld, want %d", (long long)cpu, 14 * 8);
+    /* CUDA: the three rows that went out come back as expert outputs (2H each) */
+    CHECK(cuda == 12 * 8, "EP=2 link bytes (CUDA) %lld, want %d", (long long)cuda, 12 * 8);
     comet_problem_destroy(p);
     cfg.tp = 2, cfg.ep = 1; /* TP: the other rank pulls every slot's row and returns every token's partial */
     if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) return;
-    CHECK(comet_problem_link_bytes(p) == (3 * 2 * 2 + 3 * 4) * 8, "TP=2 link bytes %lld",
-          (long long)comet_problem_link_bytes(p));
+    CHECK(comet_problem_link_bytes(p, COMET_BACKEND_CPU) == (3 * 2 * 2 + 3 * 4) * 8, "TP=2 link bytes %lld",
+          (long long)comet_problem_link_bytes(p, COMET_BACKEND_CPU));
+    /* CUDA: the other rank's output row of every slot comes back (2H each) */
+    CHECK(comet_problem_link_bytes(p, COMET_BACKEND_CUDA) == (3 * 2 * 2 * 2) * 8, "TP=2 link bytes (CUDA) %lld",
+          (long long)comet_problem_link_bytes(p, COMET_BACKEND_CUDA));
     comet_problem_destroy(p);
 }
 

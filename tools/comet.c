@@ -406,7 +406,8 @@ static int run(const char *cmd, int argc, char **argv) {
         flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden * (double)cfg.ffn *
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
-    const double link_gbps = (double)comet_problem_link_bytes(p) / world / (r.ms_median * 1e6);
+    const double link_gbps = (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU) /
+                             world / (r.ms_median * 1e6);
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[16];
@@ -419,7 +420,8 @@ static int run(const char *cmd, int argc, char **argv) {
     if (use_cuda && !launch.on) /* how far off: the tolerance is 4 bf16 ulps + 1% of the row's rms */
         printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
                chk.worst, (long long)chk.differ);
-    printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, fp32 partials stored -- per GPU per second)\n");
+    printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
+           use_cuda ? "expert output rows pulled back" : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);

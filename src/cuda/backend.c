@@ -30,7 +30,7 @@ typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[8];         /* state, plan, a, h, o, scratch, block_ready, overlap state */
+    void *priv[6];         /* state, a, h, scratch, block_ready, overlap state */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     uint64_t epoch;        /* forwards launched: the device epoch, mirrored */
@@ -205,7 +205,7 @@ static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
-    for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
+    for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
     if (L->stream2) cudaStreamDestroy(L->stream2);
@@ -220,11 +220,29 @@ static void free_all(cuda_layer_t *L) {
  * zeroed before any rank's first forward reads them. */
 static comet_status_t barrier(cuda_layer_t *L, int rank) {
     if (!L->comm) return COMET_SUCCESS;
-    float *one = L->priv[5];
+    float *one = L->priv[3];
     ncclResult_t r = ncclAllReduce(one, one, 1, ncclFloat, ncclSum, comet_comm_nccl(L->comm), 0);
     if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: barrier: %s", rank, ncclGetErrorString(r));
     CUDA_TRY(rank, cudaStreamSynchronize(0));
     return COMET_SUCCESS;
+}
+
+/* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned. */
+static void sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
+    size_t off = 0;
+#define COMET_SYM_FIELD(field, bytes)                  \
+    do {                                               \
+        lay->field = off;                              \
+        off += ((size_t)(bytes) + 4095) / 4096 * 4096; \
+    } while (0)
+    COMET_SYM_FIELD(flags, sizeof(comet_sym_flags_t));
+    COMET_SYM_FIELD(x, (size_t)(d->max_tokens * d->hidden) * 2);
+    COMET_SYM_FIELD(topk_idx, (size_t)(d->max_tokens * d->topk) * 4);
+    COMET_SYM_FIELD(topk_w, (size_t)(d->max_tokens * d->topk) * 4);
+    COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
+    COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
+#undef COMET_SYM_FIELD
+    lay->total = off;
 }
 
 /* Buffers of one rank's layer and its device state; on failure everything
@@ -234,7 +252,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
-    comet_cuda_sym_layout(d, &c->lay);
+    sym_layout(d, &c->lay);
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
         c->sym = L->sym.local;
@@ -244,10 +262,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         c->sym = c->peers[0] = (char *)L->sym_single;
     }
     const size_t rows = (size_t)d->max_rows_padded;
-    const size_t bytes[8] = {sizeof(comet_cuda_state_t), comet_plan_workspace_bytes(d), rows * (size_t)d->hidden * 2,
-                             rows * (size_t)d->ffn_local * 2, rows * (size_t)d->hidden * 2, 256,
-                             (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t)};
-    for (int i = 0; i < 8; i++) {
+    const size_t bytes[6] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
+                             256, (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t)};
+    for (int i = 0; i < 6; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
@@ -255,10 +272,11 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         L->private_bytes += bytes[i];
     }
     c->state = L->priv[0];
-    c->plan_ws = L->priv[1];
-    c->a = L->priv[2], c->h = L->priv[3], c->o = L->priv[4];
-    c->block_ready = L->priv[6];
-    c->ov = L->priv[7];
+    c->a = L->priv[1], c->h = L->priv[2];
+    c->block_ready = L->priv[4];
+    c->ov = L->priv[5];
+    c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
+    c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
@@ -279,9 +297,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     }
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
-    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, 256));
-    CUDA_TRY(rank, cudaMemset(L->priv[6], 0, bytes[6]));
-    CUDA_TRY(rank, cudaMemset(L->priv[7], 0, bytes[7]));
+    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
+    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
+    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
     return barrier(L, rank);
 }

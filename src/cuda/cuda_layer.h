@@ -10,8 +10,9 @@
  *   x         (max_T, H) bf16           staged tokens, pulled by peers
  *   topk_idx  (max_T, topk) int32       staged routing, read by peers' planners
  *   topk_w    (max_T, topk) fp32
- *   partials  (W, max_T, H) fp32        [q][t]: rank q's top-k partial of my token t
- *                                       (q != me: my own is computed in the final sum)
+ *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
+ *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
+ *                                       the home ranks of their tokens
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
@@ -23,12 +24,12 @@
  *            build my plan from every rank's staged routing (peer pointers)
  *   dispatch pull my experts' token rows from the peers' stages
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
- *   combine  per other home rank: top-k reduce of its tokens' rows here,
- *            stored into the home's partials; then partial_flag[me] = e on
- *            every rank
- *   final    wait partial_flag[q] >= e for all q; y = sum over contributing
- *            ranks in ascending order (fp32; my own partial computed here
- *            with the same arithmetic), stored bf16
+ *   signal   o_ready[me] = e on every rank (my o is complete)
+ *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
+ *            contributing rank q (ascending): q's partial = top-k reduce
+ *            (ascending slot, fmaf) over the o rows of its slots on q, pulled
+ *            from q's o at the rows q's plan gives (row_of_slot); y = the
+ *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
  * index, then traps: never a silent hang.
@@ -58,21 +59,20 @@ typedef struct {
     uint64_t done;            /* last finished epoch */
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
-    uint64_t partial_flag[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q stored its partials here */
+    uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
-                                                  rank q stored column chunk c of its partials here */
+                                                  column chunk c of rank q's o is complete */
 } comet_sym_flags_t;
 
 /* Private device state of the overlapped mode: flags between the comm CTAs
  * and the GEMM CTAs of one rank (same GPU: release/acquire at gpu scope). */
 typedef struct {
     uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk (cumulative, GEMM hook) */
-    uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by the comm CTAs) */
-    uint32_t arrived[COMET_CUDA_MAX_CHUNKS];    /* comm CTAs done with chunk c this call (the last resets) */
+    uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by comm CTA 0) */
 } comet_cuda_overlap_t;
 
 typedef struct {
-    size_t flags, x, topk_idx, topk_w, partials, total; /* byte offsets, total size */
+    size_t flags, x, topk_idx, topk_w, plan, o, total; /* byte offsets, total size */
 } comet_sym_layout_t;
 
 /* Private device state of one rank's layer. */
@@ -94,10 +94,10 @@ typedef struct {
     char *sym;                     /* my symmetric buffer */
     char *peers[COMET_CUDA_MAX_RANKS]; /* every rank's symmetric buffer, as this GPU addresses it */
     comet_cuda_state_t *state;     /* device */
-    void *plan_ws;                 /* device, comet_plan_workspace_bytes(d) */
+    void *plan_ws;                 /* in sym (lay.plan), comet_plan_workspace_bytes(d) */
     comet_bf16_t *a;               /* (max_rows_padded, H) gathered token rows */
     comet_bf16_t *h;               /* (max_rows_padded, F_local) activations */
-    comet_bf16_t *o;               /* (max_rows_padded, H) expert outputs */
+    comet_bf16_t *o;               /* in sym (lay.o): (max_rows_padded, H) expert outputs */
     /* this call */
     const comet_bf16_t *x;         /* (T, H) */
     const int32_t *topk_idx;       /* (T, topk) */
@@ -113,9 +113,10 @@ typedef struct {
     /* overlapped mode (n_comm > 0, Hopper GEMM only): n_comm communication
      * CTAs on a second stream run beside GEMM CTAs on the others SMs:
      * layer 0 pulls rows block by block and releases block_ready[b], which
-     * GEMM0 waits for; layer 1 takes each GEMM1 column chunk as soon as its
-     * tiles are stored, reduces and sends it, and sums the chunks that peers
-     * sent here, one chunk behind (send(0), send(1), recv(0), ...). */
+     * GEMM0 waits for; in layer 1, comm CTA 0 flags each GEMM1 column chunk
+     * on every rank as soon as its tiles are stored, and all comm CTAs
+     * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
+     * rank has flagged it. */
     int n_comm;                    /* 0: the sequential chain */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     uint64_t host_epoch;           /* the device epoch of this call, mirrored (no graph replay in this mode) */
@@ -130,8 +131,6 @@ typedef struct {
     uint32_t tr_capacity;
 } comet_cuda_ctx_t;
 
-/* Lay out the symmetric buffer for dims d. */
-void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay);
 
 /* Enqueue one whole forward (every step above) on stream. Returns the CUDA
  * launch status as an int (cudaError_t). With host_status != 0 (this rank's

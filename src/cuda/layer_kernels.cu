@@ -71,20 +71,27 @@ __device__ static void trace_rec(const comet_cuda_ctx_t *c, int lane, int role, 
 #define COMM_WORKER ((int)(blockIdx.x % 8))
 #define TRACE_T0 (c.tr_events ? globaltimer() : 0)
 
-/* Spin until *flag >= target; on timeout name rank, role and index, then trap. */
-__device__ static void wait_geq(const uint64_t *flag, uint64_t target, const comet_cuda_ctx_t *c,
-                                const char *role, int index) {
+/* Spin until *flag >= target; on timeout name rank, role and index, then
+ * trap. Not inlined, and given scalars only, so that its printf takes no
+ * registers from the data movers that call it. */
+__device__ static __noinline__ void wait_flag(const uint64_t *flag, uint64_t target, uint64_t timeout_ns, int rank,
+                                              const char *role, int index) {
     uint64_t start = globaltimer();
     uint64_t v;
     while ((v = ld_acquire_sys(flag)) < target) {
-        if (globaltimer() - start > c->timeout_ns) {
-            printf("comet: rank %d %s %d: timed out after %llu ms waiting for a flag (%llu < %llu)\n", c->d.rank,
-                   role, index, (unsigned long long)(c->timeout_ns / 1000000), (unsigned long long)v,
+        if (globaltimer() - start > timeout_ns) {
+            printf("comet: rank %d %s %d: timed out after %llu ms waiting for a flag (%llu < %llu)\n", rank, role,
+                   index, (unsigned long long)(timeout_ns / 1000000), (unsigned long long)v,
                    (unsigned long long)target);
             __trap();
         }
         __nanosleep(64);
     }
+}
+
+__device__ static inline void wait_geq(const uint64_t *flag, uint64_t target, const comet_cuda_ctx_t *c,
+                                       const char *role, int index) {
+    wait_flag(flag, target, c->timeout_ns, c->d.rank, role, index);
 }
 
 __device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
@@ -169,7 +176,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
 }
 
 /* ---------------------------------------------------------------------------
- * Vector accesses: 8 bf16 or 8 fp32 columns at once. vec: the address is
+ * Vector accesses: 8 bf16 columns at once. vec: the address is
  * 16-byte aligned and all 8 columns exist; else n (<= 8) scalar accesses.
  * ------------------------------------------------------------------------- */
 
@@ -186,27 +193,6 @@ __device__ static inline uint4 ld8_bf16(const comet_bf16_t *p, int n, int vec) {
 __device__ static inline float bf16_at(uint4 r, int i) {
     const uint32_t w = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
     return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
-}
-
-__device__ static inline void st8_f32(float *p, const float v[8], int n, int vec) {
-    if (vec) {
-        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            if (i < n) p[i] = v[i];
-    }
-}
-
-__device__ static inline void ld8_f32(const float *p, float v[8], int n, int vec) {
-    if (vec) {
-        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = i < n ? p[i] : 0.0f;
-    }
 }
 
 __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n, int vec) {
@@ -382,197 +368,174 @@ __device__ static inline int cols_below(int64_t col, int64_t c1) {
     return col < c1 ? (int)(c1 - col < 8 ? c1 - col : 8) : 0;
 }
 
-/* The top-k reduce (ascending slot, fmaf, from 0) over token t's rows on
- * this rank, for the columns g0 + gi*256 + lane*8 + e (gi < groups, below
- * c1) into acc[gi * 8 + e]; groups (<= COL_GROUPS) a constant where it is
- * inlined, so the arrays of unused groups vanish. Slot j's row and weight come from lane j (row, w) for
- * j < 32 and from memory (ros_t = row_of_slot of t) beyond. Every lane of the
- * warp calls it (shuffles). The send and the home's own partial use it, so
- * both give the same bits. */
-__device__ static __forceinline__ void topk_reduce(const comet_cuda_ctx_t *c, const comet_plan_t *p,
-                                                   const int32_t *ros_t, int32_t row, float w, int64_t g0, int64_t c1,
-                                                   int groups, float *acc) {
+/* What a warp holds of one token for the combine: lane l < topk*tp stands
+ * for slot j = l / tp on the rank with tp index l % tp of the slot's EP group:
+ * the group (g), the slot's weight (w) and its row on that rank (row, -1 if
+ * none); lane i < topk holds the token's i-th contributing group, ascending
+ * (grp), and every lane the group count (ng). */
+typedef struct {
+    int64_t t;
+    int32_t g, row, grp, ng;
+    float w;
+} combine_lane_t;
+
+/* The combine's inputs, set up once per CTA: every rank's row_of_slot for my
+ * tokens (their plans lie in their symmetric buffers) and my staged routing. */
+typedef struct {
+    const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
+    const int32_t *idx;                       /* my staged topk_idx */
+    const float *wts;                         /* my staged topk_w */
+} combine_src_t;
+
+__device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t *src) {
+    for (int q = threadIdx.x; q < c->d.world_size; q += blockDim.x) {
+        comet_plan_t pq;
+        comet_plan_carve(&c->d, c->peers[q] + c->lay.plan, &pq);
+        src->ros[q] = pq.row_of_slot + (int64_t)c->d.rank * c->d.max_tokens * c->d.topk;
+    }
+    if (threadIdx.x == 0) {
+        src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
+        src->wts = (const float *)(c->sym + c->lay.topk_w);
+    }
+    __syncthreads();
+}
+
+/* Step 1 of a token's lane data (local loads): t, g, w, grp, ng. */
+__device__ static inline combine_lane_t combine_lane_local(const comet_cuda_ctx_t *c, const comet_plan_t *p,
+                                                           const combine_src_t *src, int64_t t, int live) {
+    const int64_t k = c->d.topk;
+    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    combine_lane_t x = {t, 0, -1, 0, 0, 0.0f};
+    if (!live) return x;
+    const int64_t j = lane / tp;
+    if (j < k && lane < k * tp) {
+        x.g = (int32_t)(src->idx[t * k + j] / c->d.experts_local);
+        x.w = src->wts[t * k + j];
+    }
+    if (lane < k) x.grp = p->home_groups[t * k + lane];
+    x.ng = p->home_group_count[t];
+    return x;
+}
+
+/* Step 2 (a load from the slot's rank, remote for other ranks): row. */
+__device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const combine_src_t *src, int live,
+                                               combine_lane_t *x) {
+    const int64_t k = c->d.topk;
+    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    if (live && lane < k * tp && lane / tp < k) x->row = src->ros[x->g * tp + lane % tp][x->t * k + lane / tp];
+}
+
+/* Rank q's partial of token x.t (q = group g, tp index tpi): the top-k reduce
+ * (ascending slot, fmaf, from 0) over the token's slots in group g, with the
+ * bf16 rows of q's o, for columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS,
+ * below c1) into part[gi * 8 + e]. Slots whose lane is beyond the warp are
+ * read directly. Every lane of the warp calls it (shuffles). */
+__device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src_t *src, const combine_lane_t *x,
+                                    int32_t g, int tpi, int64_t g0, int64_t c1, float *part) {
     const int64_t hd = c->d.hidden, k = c->d.topk;
-    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
+    const int lane = threadIdx.x % 32, tp = c->d.tp, vec = hd % 8 == 0;
+    const int q = g * tp + tpi;
+    const comet_bf16_t *oq = (const comet_bf16_t *)(c->peers[q] + c->lay.o);
 #pragma unroll
-    for (int gi = 0; gi < COL_GROUPS; gi++)
-        if (gi < groups)
-            for (int e = 0; e < 8; e++) acc[gi * 8 + e] = 0.0f;
+    for (int i = 0; i < COL_GROUPS * 8; i++) part[i] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
         int32_t r[SLOT_BATCH];
         float wj[SLOT_BATCH];
         uint4 v[SLOT_BATCH][COL_GROUPS];
 #pragma unroll
         for (int u = 0; u < SLOT_BATCH; u++) {
-            const int64_t j = j0 + u;
+            const int64_t j = j0 + u, l = j * tp + tpi;
+            int32_t gj = -1;
             r[u] = -1, wj[u] = 0.0f;
-            if (j < 32) {
-                r[u] = __shfl_sync(0xffffffffu, row, (int)j), wj[u] = __shfl_sync(0xffffffffu, w, (int)j);
+            if (l < 32) {
+                const int32_t rr = __shfl_sync(0xffffffffu, x->row, (int)l);
+                const float ww = __shfl_sync(0xffffffffu, x->w, (int)l);
+                gj = __shfl_sync(0xffffffffu, x->g, (int)l);
+                if (j < k) r[u] = rr, wj[u] = ww;
             } else if (j < k) {
-                r[u] = ros_t[j];
-                wj[u] = r[u] >= 0 ? p->rows[r[u]].weight : 0.0f;
+                gj = (int32_t)(src->idx[x->t * k + j] / c->d.experts_local);
+                wj[u] = src->wts[x->t * k + j];
+                if (gj == g) r[u] = src->ros[q][x->t * k + j];
             }
-            if (j >= k) r[u] = -1;
+            if (j >= k || gj != g) r[u] = -1;
 #pragma unroll
             for (int gi = 0; gi < COL_GROUPS; gi++) {
                 const int64_t col = g0 + gi * 256 + lane * 8;
-                const int cn = gi < groups ? cols_below(col, c1) : 0;
-                if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(c->o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+                const int cn = cols_below(col, c1);
+                if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(oq + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
             }
         }
 #pragma unroll
         for (int u = 0; u < SLOT_BATCH; u++)
 #pragma unroll
             for (int gi = 0; gi < COL_GROUPS; gi++) {
-                const int cn = gi < groups ? cols_below(g0 + gi * 256 + lane * 8, c1) : 0;
+                const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
                 if (r[u] >= 0 && cn)
-                    for (int e = 0; e < 8; e++) acc[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), acc[gi * 8 + e]);
+                    for (int e = 0; e < 8; e++) part[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), part[gi * 8 + e]);
             }
     }
 }
 
-/* Columns [c0, c1) of home rank h's tokens that have rows here (h != me):
- * the top-k reduce stored into h's partials[me][t]. One warp a token, 8
- * columns a lane, COL_GROUPS x 256 columns at once. The routing of a token is
- * fetched in three steps over the three tokens ahead (its index, the rows of
- * its slots, their weights), so no load is waited on where it was issued. */
-__device__ static void reduce_into_home(const comet_cuda_ctx_t *c, const comet_plan_t *p, int h, int64_t c0,
-                                        int64_t c1) {
-    const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
-    const int32_t *ros = p->row_of_slot + (int64_t)h * mt * k;
-    const int32_t *tokens = p->send_tokens + (int64_t)h * mt;
-    float *dst = (float *)(c->peers[h] + c->lay.partials) + (int64_t)c->d.rank * mt * hd;
-    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
-    const int64_t n = p->send_count[h], s = (int64_t)gridDim.x * (blockDim.x / 32);
-    int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    /* token i (t0, row0, w0), i + s (t1, row1), i + 2s (t2) */
-    int64_t t0 = i < n ? tokens[i] : 0, t1 = i + s < n ? tokens[i + s] : 0, t2 = i + 2 * s < n ? tokens[i + 2 * s] : 0;
-    int32_t row0 = i < n && lane < k ? ros[t0 * k + lane] : -1, row1 = i + s < n && lane < k ? ros[t1 * k + lane] : -1;
-    float w0 = row0 >= 0 ? p->rows[row0].weight : 0.0f;
-    for (; i < n; i += s) {
-        const int64_t t3 = i + 3 * s < n ? tokens[i + 3 * s] : 0;
-        const int32_t row2 = i + 2 * s < n && lane < k ? ros[t2 * k + lane] : -1;
-        const float w1 = row1 >= 0 ? p->rows[row1].weight : 0.0f;
+/* Columns [c0, c1) of y for every local token: each contributing rank's
+ * partial (rank_partial, from the o rows pulled from that rank) summed in
+ * ascending rank order (fp32, from 0), stored bf16. One warp a token, 8
+ * columns a lane; a token's routing is fetched over the two tokens before it
+ * (local loads two ahead, the rows on the slots' ranks one ahead), so no load
+ * is waited on where it was issued. */
+__device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
+                                    int64_t c0, int64_t c1) {
+    const int64_t hd = c->d.hidden, n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    const int vec_out = hd % 8 == 0 && ((uintptr_t)c->y % 16) == 0;
+    int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
+    combine_lane_row(c, src, t < n, &x0);
+    for (; t < n; t += s) {
+        combine_lane_t x2 = combine_lane_local(c, p, src, t + 2 * s, t + 2 * s < n);
+        combine_lane_row(c, src, t + s < n, &x1);
         for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
-            float acc[COL_GROUPS * 8];
-            topk_reduce(c, p, ros + t0 * k, row0, w0, g0, c1, COL_GROUPS, acc);
+            float acc[COL_GROUPS * 8], part[COL_GROUPS * 8];
+#pragma unroll
+            for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] = 0.0f;
+            for (int gi = 0; gi < x0.ng; gi++) {
+                const int32_t g = gi < 32 ? __shfl_sync(0xffffffffu, x0.grp, gi & 31)
+                                          : p->home_groups[t * c->d.topk + gi];
+                for (int tpi = 0; tpi < tp; tpi++) {
+                    rank_partial(c, src, &x0, g, tpi, g0, c1, part);
+#pragma unroll
+                    for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] += part[i];
+                }
+            }
 #pragma unroll
             for (int gi = 0; gi < COL_GROUPS; gi++) {
                 const int64_t col = g0 + gi * 256 + lane * 8;
                 const int cn = cols_below(col, c1);
-                if (cn) st8_f32(dst + t0 * hd + col, acc + gi * 8, cn, vec && cn == 8);
+                if (cn) st8_bf16(c->y + t * hd + col, acc + gi * 8, cn, vec_out && cn == 8);
             }
         }
-        t0 = t1, row0 = row1, w0 = w1;
-        t1 = t2, row1 = row2;
-        t2 = t3;
+        x0 = x1, x1 = x2;
     }
 }
 
-/* Column groups of the final sum a lane works on at once (fp32 partials are
- * twice as wide as the bf16 rows; 2 spills registers). */
-#define SUM_GROUPS 1
-
-/* Columns [c0, c1) of y for every local token: the partials of the
- * contributing ranks summed in ascending rank order (from 0), this rank's own
- * computed here by topk_reduce instead of read back. One warp a token;
- * routing fetched a token ahead, weights in the iteration before use. */
-__device__ static void sum_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1) {
-    const int64_t hd = c->d.hidden, mt = c->d.max_tokens, k = c->d.topk;
-    const float *partials = (const float *)(c->sym + c->lay.partials);
-    const int32_t *ros = p->row_of_slot + (int64_t)c->d.rank * mt * k;
-    const int lane = threadIdx.x % 32, tp = c->d.tp, me = c->d.rank;
-    const int vec_in = hd % 8 == 0, vec_out = vec_in && ((uintptr_t)c->y % 16) == 0;
-    const int64_t n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
-    int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    /* token t: groups (ng0, grp0 in lane g), rows of my slots (row0), weights (w0); token t + s: ng1, grp1, row1 */
-    int ng0 = t < n ? p->home_group_count[t] : 0, ng1 = t + s < n ? p->home_group_count[t + s] : 0;
-    int32_t grp0 = t < n && lane < k ? p->home_groups[t * k + lane] : 0;
-    int32_t grp1 = t + s < n && lane < k ? p->home_groups[(t + s) * k + lane] : 0;
-    int32_t row0 = t < n && lane < k ? ros[t * k + lane] : -1, row1 = t + s < n && lane < k ? ros[(t + s) * k + lane] : -1;
-    float w0 = row0 >= 0 ? p->rows[row0].weight : 0.0f;
-    for (; t < n; t += s) {
-        const int64_t t2 = t + 2 * s;
-        const int ng2 = t2 < n ? p->home_group_count[t2] : 0;
-        const int32_t grp2 = t2 < n && lane < k ? p->home_groups[t2 * k + lane] : 0;
-        const int32_t row2 = t2 < n && lane < k ? ros[t2 * k + lane] : -1;
-        const float w1 = row1 >= 0 ? p->rows[row1].weight : 0.0f;
-        const int nq = ng0 * tp; /* contributing ranks, ascending: group-major, then tp */
-        for (int64_t g0 = c0; g0 < c1; g0 += 256 * SUM_GROUPS) {
-            float acc[SUM_GROUPS][8], mine[SUM_GROUPS * 8];
-#pragma unroll
-            for (int gi = 0; gi < SUM_GROUPS; gi++)
-                for (int e = 0; e < 8; e++) acc[gi][e] = 0.0f;
-            for (int q0 = 0; q0 < nq; q0 += SLOT_BATCH) {
-                float v[SLOT_BATCH][SUM_GROUPS][8];
-                int64_t q[SLOT_BATCH];
-#pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++) { /* the peers' partials: loads in flight */
-                    const int qi = q0 + u, gi = qi / tp;
-                    const int32_t group = gi < 32 ? __shfl_sync(0xffffffffu, grp0, gi & 31)
-                                                  : (qi < nq ? p->home_groups[t * k + gi] : 0);
-                    q[u] = qi < nq ? (int64_t)group * tp + qi % tp : -1;
-#pragma unroll
-                    for (int g = 0; g < SUM_GROUPS; g++) {
-                        const int64_t col = g0 + g * 256 + lane * 8;
-                        const int cn = cols_below(col, c1);
-                        if (q[u] >= 0 && q[u] != me && cn)
-                            ld8_f32(partials + (q[u] * mt + t) * hd + col, v[u][g], cn, vec_in && cn == 8);
-                    }
-                }
-                int has_me = 0;
-#pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++) has_me |= q[u] == me;
-                if (has_me) /* mine, while those loads fly */
-                    topk_reduce(c, p, ros + t * k, row0, w0, g0, c1, SUM_GROUPS, mine);
-#pragma unroll
-                for (int u = 0; u < SLOT_BATCH; u++)
-#pragma unroll
-                    for (int g = 0; g < SUM_GROUPS; g++)
-                        if (q[u] >= 0 && cols_below(g0 + g * 256 + lane * 8, c1))
-                            for (int e = 0; e < 8; e++) acc[g][e] += q[u] == me ? mine[g * 8 + e] : v[u][g][e];
-            }
-#pragma unroll
-            for (int g = 0; g < SUM_GROUPS; g++) {
-                const int64_t col = g0 + g * 256 + lane * 8;
-                const int cn = cols_below(col, c1);
-                if (cn) st8_bf16(c->y + t * hd + col, acc[g], cn, vec_out && cn == 8);
-            }
-        }
-        ng0 = ng1, grp0 = grp1, row0 = row1, w0 = w1;
-        ng1 = ng2, grp1 = grp2, row1 = row2;
-    }
-}
-
-/* Top-k reduce of every home rank's tokens that have rows here, stored into
- * the home's partials[me][t]. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_combine(comet_cuda_ctx_t c) {
-    if (c.state->skip) return;
-    comet_plan_t p;
-    comet_plan_carve(&c.d, c.plan_ws, &p);
-    for (int hi = 0; hi < c.d.world_size - 1; hi++) { /* my own tokens: k_final */
-        const uint64_t t0 = TRACE_T0;
-        const int h = (c.d.rank + 1 + hi) % c.d.world_size;
-        reduce_into_home(&c, &p, h, 0, c.d.hidden);
-        if (c.tr_events && threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, h, t0);
-    }
-    __threadfence_system();
-}
-
+/* My o (and plan) are complete: tell every rank. */
 __global__ void k_signal(comet_cuda_ctx_t c) {
-    for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->partial_flag[c.d.rank], c.state->epoch);
+    __threadfence_system();
+    for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->o_ready[c.d.rank], c.state->epoch);
 }
 
+/* The combine of the sequential chain: once every rank's o is complete, y of
+ * every local token over all columns. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
     if (c.state->skip) return;
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
     if (threadIdx.x == 0)
-        for (int q = 0; q < c.d.world_size; q++) wait_geq(&mine->partial_flag[q], e, &c, "final: partials of rank", q);
-    __syncthreads();
+        for (int q = 0; q < c.d.world_size; q++) wait_geq(&mine->o_ready[q], e, &c, "combine: o of rank", q);
+    __shared__ combine_src_t src;
+    combine_src_init(&c, &src);
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    sum_partials(&c, &p, 0, c.d.hidden);
+    pull_combine(&c, &p, &src, 0, c.d.hidden);
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, -1, -1, t0);
@@ -630,11 +593,11 @@ __device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb,
     return (uint64_t)nb * (uint64_t)((width + 255) / 256);
 }
 
-/* Layer 1: send(0), send(1), recv(0), send(2), recv(1), ...: a send waits for
- * the chunk's GEMM1 tiles, top-k reduces every home rank's tokens over the
- * chunk's columns into the home's partials, and the last comm CTA to finish
- * flags the chunk on every home; a recv waits for every rank's flag of the
- * chunk and sums the partials in ascending rank order into y. */
+/* Layer 1, chunk by chunk: comm CTA 0 waits for GEMM1's tiles of the chunk
+ * and flags the chunk on every rank (my o's columns of it are complete);
+ * then every comm CTA waits for every rank's flag of the chunk and combines
+ * its columns (pull_combine). CTA 0 flags chunk c+1 only after its share of
+ * chunk c, which every rank can finish: no cycle. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t c) {
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -643,53 +606,38 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
     const int64_t hd = c.d.hidden;
     const int n_chunks = (int)((hd + c.chunk_cols - 1) / c.chunk_cols);
     comet_cuda_overlap_t *ov = c.ov;
-    __shared__ uint64_t base;
-    if (c.state->skip) { /* nothing is sent; keep the chunk flags in step */
+    if (c.state->skip) { /* nothing is combined; keep the chunk flags in step */
         if (blockIdx.x == 0 && threadIdx.x == 0)
             for (int q = 0; q < w; q++)
                 for (int ch = 0; ch < n_chunks; ch++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
         return;
     }
+    __shared__ combine_src_t src;
+    combine_src_init(&c, &src);
     const int nb = p.totals->num_blocks;
-    for (int step = 0; step <= n_chunks; step++) {
-        if (step < n_chunks) { /* send(step) */
-            const int ch = step;
-            const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
-            uint64_t t0 = TRACE_T0;
+    comet_sym_flags_t *mine = flags_of(&c, me);
+    for (int ch = 0; ch < n_chunks; ch++) {
+        const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
+        uint64_t t0 = TRACE_T0;
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
             const uint64_t tiles = c.disable & COMET_DISABLE_GEMM ? 0 : chunk_tiles(&c, nb, ch); /* no GEMM, no tiles */
-            if (threadIdx.x == 0) {
-                base = ov->chunk_base[ch];
-                wait_geq(&ov->chunk_done[ch], base + tiles, &c, "comm: GEMM1 tiles of chunk", ch);
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
-            }
-            __syncthreads();
-            t0 = TRACE_T0;
-            for (int hi = 0; !(c.disable & COMET_DISABLE_COMM) && hi < w - 1; hi++) reduce_into_home(&c, &p, (me + 1 + hi) % w, c0, c1);
+            const uint64_t base = ov->chunk_base[ch];
+            wait_geq(&ov->chunk_done[ch], base + tiles, &c, "comm: GEMM1 tiles of chunk", ch);
+            ov->chunk_base[ch] = base + tiles;
             __threadfence_system();
-            __syncthreads();
-            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
-            if (threadIdx.x == 0 && atomicAdd(&ov->arrived[ch], 1u) == gridDim.x - 1) { /* the last comm CTA */
-                ov->arrived[ch] = 0;
-                ov->chunk_base[ch] = base + tiles;
-                __threadfence_system();
-                for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
-            }
-        }
-        if (step >= 1) { /* recv(step - 1) */
-            const int ch = step - 1;
-            const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
-            comet_sym_flags_t *mine = flags_of(&c, me);
-            uint64_t t0 = TRACE_T0;
-            if (threadIdx.x == 0) {
-                for (int q = 0; q < w; q++) wait_geq(&mine->chunk_flag[q][ch], e, &c, "comm: partials of chunk from rank", q);
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_RECV, t0);
-            }
-            __syncthreads();
+            for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
+            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
             t0 = TRACE_T0;
-            if (!(c.disable & COMET_DISABLE_COMM)) sum_partials(&c, &p, c0, c1);
-            __syncthreads();
-            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
         }
+        if (threadIdx.x == 0) {
+            for (int q = 0; q < w; q++) wait_geq(&mine->chunk_flag[q][ch], e, &c, "comm: o chunk of rank", q);
+            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_RECV, t0);
+        }
+        __syncthreads();
+        t0 = TRACE_T0;
+        if (!(c.disable & COMET_DISABLE_COMM)) pull_combine(&c, &p, &src, c0, c1);
+        __syncthreads();
+        if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
     }
 }
 
@@ -702,7 +650,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
 extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_combine, (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
+                         (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -710,22 +658,6 @@ extern "C" int comet_cuda_layer_warm(void) {
         if (e != cudaSuccess) return (int)e;
     }
     return comet_gemm_warm();
-}
-
-extern "C" void comet_cuda_sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
-    size_t off = 0;
-#define COMET_SYM_FIELD(field, bytes)                       \
-    do {                                                    \
-        lay->field = off;                                   \
-        off += ((size_t)(bytes) + 4095) / 4096 * 4096;      \
-    } while (0)
-    COMET_SYM_FIELD(flags, sizeof(comet_sym_flags_t));
-    COMET_SYM_FIELD(x, (size_t)(d->max_tokens * d->hidden) * 2);
-    COMET_SYM_FIELD(topk_idx, (size_t)(d->max_tokens * d->topk) * 4);
-    COMET_SYM_FIELD(topk_w, (size_t)(d->max_tokens * d->topk) * 4);
-    COMET_SYM_FIELD(partials, (size_t)(d->world_size * d->max_tokens * d->hidden) * 4);
-#undef COMET_SYM_FIELD
-    lay->total = off;
 }
 
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
@@ -798,7 +730,6 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     }
-    k_combine<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_signal<<<1, 1, 0, stream>>>(c);
     k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_exit<<<1, 1, 0, stream>>>(c);

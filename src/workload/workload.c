@@ -361,7 +361,7 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
     return st;
 }
 
-int64_t comet_problem_link_bytes(const comet_problem_t *p) {
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend) {
     const int64_t hd = p->cfg.hidden, k = p->cfg.topk, el = p->cfg.num_experts / p->cfg.ep;
     const int tp = p->cfg.tp, ep = p->cfg.ep;
     int64_t bytes = 0;
@@ -373,10 +373,11 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p) {
             for (int64_t j = 0; j < k; j++) {
                 int g = (int)(p->topk_idx[s][t * k + j] / el);
                 used[g] = 1;
-                /* every TP rank of group g pulls this row; those that are not s cross a link */
-                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
+                /* every TP rank of group g pulls this row (and on CUDA, s pulls its output
+                 * row back from each of them); those that are not s cross a link */
+                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 * (backend == COMET_BACKEND_CUDA ? 2 : 1) : 0;
             }
-            for (int g = 0; g < ep; g++) /* partials back to s from every rank of a used group */
+            for (int g = 0; backend != COMET_BACKEND_CUDA && g < ep; g++) /* partials back to s from every rank of a used group */
                 for (int q = g * tp; used[g] && q < (g + 1) * tp; q++) bytes += q != s ? hd * 4 : 0;
         }
     free(used);

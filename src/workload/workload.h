@@ -89,9 +89,11 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
 
 /* Bytes that cross between ranks in one forward, summed over every ordered
  * pair of ranks (docs: benchmarks "comm GB/s"): each token row a rank pulls
- * for one of its expert slots from another rank (H bf16), and each fp32
- * partial (H) a rank stores into another token's home rank. */
-int64_t comet_problem_link_bytes(const comet_problem_t *p);
+ * for one of its expert slots from another rank (H bf16), and the combine's:
+ * on the CPU engine each fp32 partial (H) a rank stores into another token's
+ * home rank, on the CUDA backend each expert output row (H bf16) a home rank
+ * pulls from another rank. */
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend);
 
 /* ---- running every rank -------------------------------------------------- */
 typedef struct {
