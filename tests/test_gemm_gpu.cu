@@ -152,7 +152,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CUDA_OK(cudaMalloc(&d_w2, 2 * n_w2));
     CUDA_OK(cudaMalloc(&d_h, 2 * (size_t)(MR * F)));
     CUDA_OK(cudaMalloc(&d_o, 2 * (size_t)(MR * H)));
-    CUDA_OK(cudaMalloc(&d_flags, sizeof(uint64_t) * (size_t)(d.max_blocks + nchunk_max)));
+    CUDA_OK(cudaMalloc(&d_flags, sizeof(uint64_t) * (size_t)(d.max_blocks + nchunk_max + 1)));
     CUDA_OK(cudaMalloc(&d_skip, 4));
     CUDA_OK(cudaMemcpy(d_ws, ws, ws_bytes, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_a, a, 2 * (size_t)(MR * H), cudaMemcpyHostToDevice));
@@ -161,7 +161,9 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
     CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
     CUDA_OK(cudaMemset(d_flags, 0, sizeof(uint64_t) * (size_t)(d.max_blocks + nchunk_max)));
-    uint64_t *d_ready = d_flags, *d_chunk = d_flags + d.max_blocks;
+    uint64_t *d_ready = d_flags, *d_chunk = d_flags + d.max_blocks, *d_epoch = d_chunk + nchunk_max;
+    const uint64_t three = 3; /* the epoch the released blocks reach */
+    CUDA_OK(cudaMemcpy(d_epoch, &three, sizeof three, cudaMemcpyHostToDevice));
 
     comet_gemm_args_t ga;
     ga.d = d, ga.plan_ws = d_ws, ga.a = d_a, ga.w1 = d_w1, ga.h = d_h, ga.w2 = d_w2, ga.o = d_o;
@@ -196,7 +198,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     memset(&hk, 0, sizeof hk);
     if (!nohooks) {
         hk.block_ready = d_ready;
-        hk.epoch = 3;
+        hk.epoch = d_epoch;
         hk.num_ctas = sms - 8;
         hk.timeout_ns = 5000000000ull;
     }
@@ -342,8 +344,12 @@ static int timeout_child(void) {
     if (comet_gemm_prepare(&ga, &g, err, sizeof err)) return 5;
     comet_gemm_hooks_t hk;
     memset(&hk, 0, sizeof hk);
+    uint64_t *epoch = NULL, seven = 7;
+    if (cudaMalloc((void **)&epoch, sizeof seven) != cudaSuccess ||
+        cudaMemcpy(epoch, &seven, sizeof seven, cudaMemcpyHostToDevice) != cudaSuccess)
+        return 7;
     hk.block_ready = ready;
-    hk.epoch = 7;
+    hk.epoch = epoch;
     hk.timeout_ns = 50000000ull; /* 50 ms */
     hk.timeout_report = report_d;
     if (comet_gemm0_launch(g, 0, &hk)) return 6;

@@ -8,8 +8,9 @@
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
- * bitwise equal to the sequential chain; one layer run 100 times in each mode
- * gives the same bits every time. An invalid expert id on one rank must
+ * bitwise equal to the sequential chain; one layer run 100 times in each mode,
+ * launched directly and replayed from a captured CUDA graph, gives the same
+ * bits every time. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)".
  */
@@ -77,7 +78,8 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 }
 
 /* One layer, 100 forwards (output poisoned before each), sequential and
- * overlapped: every output bitwise equal to the first. */
+ * overlapped, launched directly and replayed from a captured CUDA graph:
+ * every output bitwise equal to the first direct one. */
 static void repeat_case(int w) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     const comet_model_t *mod = comet_model_find("mixtral-8x7b");
@@ -91,16 +93,28 @@ static void repeat_case(int w) {
         CHECK(0, "repeat setup: %s", comet_last_error());
         return;
     }
-    for (int mode = 0; mode < 2; mode++) {
+    uint16_t *ref[2] = {NULL, NULL};
+    for (int mode = 0; mode < 4; mode++) {
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = mode ? 8 : 0, run.repeats = 100, run.compare_repeats = 1;
+        run.n_comm = mode % 2 ? 8 : 0, run.graph = mode >= 2, run.repeats = 100, run.compare_repeats = 1;
+        comet_problem_poison(p);
         comet_status_t st = comet_problem_run(p, world, &run, 0);
         int differ = 0;
-        for (int s = 0; s < w; s++) differ += run.repeats_differ[s];
-        CHECK(st == COMET_SUCCESS && differ == 0, "W=%d %s, 100 forwards: %s, %d outputs differ from the first", w,
-              mode ? "overlapped" : "sequential", comet_status_string(st), differ);
+        for (int s = 0; s < w; s++) {
+            const size_t bytes = (size_t)(p->tokens[s] * cfg.hidden) * 2;
+            differ += run.repeats_differ[s];
+            if (!ref[s]) {
+                ref[s] = (uint16_t *)malloc(bytes);
+                memcpy(ref[s], p->y[s], bytes);
+            }
+            differ += memcmp(ref[s], p->y[s], bytes) != 0;
+        }
+        CHECK(st == COMET_SUCCESS && differ == 0, "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ", w,
+              mode % 2 ? "overlapped" : "sequential", mode >= 2 ? " from a CUDA graph" : "", comet_status_string(st),
+              run.message[0], differ);
     }
+    for (int s = 0; s < w; s++) free(ref[s]);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }

@@ -33,7 +33,6 @@ typedef struct {
     void *priv[6];         /* state, a, h, scratch, block_ready, overlap state */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
-    uint64_t epoch;        /* forwards launched: the device epoch, mirrored */
     size_t private_bytes;  /* what layer_init allocated */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
@@ -379,7 +378,6 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             c.disable = args->disable;
         }
     }
-    c.host_epoch = ++L->epoch; /* every launch below advances the device epoch by one */
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;
         CUDA_TRY(l->rank, cudaMemsetAsync(L->tr_counts, 0, COMET_CUDA_TRACE_LANES * sizeof(uint32_t),

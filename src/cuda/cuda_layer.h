@@ -119,7 +119,6 @@ typedef struct {
      * rank has flagged it. */
     int n_comm;                    /* 0: the sequential chain */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
-    uint64_t host_epoch;           /* the device epoch of this call, mirrored (no graph replay in this mode) */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */
     comet_cuda_overlap_t *ov;      /* device */

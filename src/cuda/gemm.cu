@@ -63,7 +63,7 @@ typedef struct {
     const int32_t *order; /* GEMM0: l0_order; GEMM1: NULL (blocks in expert order) */
     comet_bf16_t *c;      /* output, for the masked register stores */
     const uint64_t *block_ready;
-    uint64_t epoch;
+    const uint64_t *epoch; /* device: what block_ready[b] must reach, read at kernel start */
     uint64_t *chunk_done;
     const uint32_t *skip;
     uint64_t timeout_ns;
@@ -170,7 +170,7 @@ __device__ __forceinline__ void gm_wgmma_256(float *d, uint64_t desc_a, uint64_t
  * epoch in the report slot (if any; host-mapped memory stays readable after
  * the trap), then trap. No printf: a call anywhere in this kernel makes ptxas
  * serialise every wgmma (C7510), see dev/gemm/NOTES.md. */
-__device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, uint64_t v) {
+__device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, uint64_t v, uint64_t epoch) {
     if (p.timeout_report) {
         volatile uint64_t *r = p.timeout_report;
         r[1] = (uint64_t)p.rank;
@@ -178,7 +178,7 @@ __device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, u
         r[3] = (uint64_t)t;
         r[4] = (uint64_t)b;
         r[5] = v;
-        r[6] = p.epoch;
+        r[6] = epoch;
         r[7] = blockIdx.x;
         __threadfence_system();
         r[0] = 1;
@@ -317,6 +317,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 0) {
+            const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
             for (;;) {
                 /* dynamic claim: the tiles in flight stay a window of consecutive t, so the
@@ -329,8 +330,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 if (p.block_ready) {
                     const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
                     uint64_t v;
-                    while ((v = gm_ld_acquire_gpu(&p.block_ready[b])) < p.epoch) {
-                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, b, v);
+                    while ((v = gm_ld_acquire_gpu(&p.block_ready[b])) < epoch) {
+                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, b, v, epoch);
                         __nanosleep(128);
                     }
                     asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -54,12 +54,13 @@ typedef struct {
 typedef struct {
     /* block_ready != NULL: before the first load of a tile of row block b (the
      * block id, index into plan.blocks) the producer spins until
-     * ld.acquire.gpu(block_ready[b]) >= epoch, then fence.proxy.async.global,
+     * ld.acquire.gpu(block_ready[b]) >= *epoch (device memory, read once at
+     * kernel start, so a captured graph replays it), then fence.proxy.async.global,
      * then TMA. A wait longer than timeout_ns (0: 10 s) writes rank, role,
      * tile, block, value and epoch into timeout_report (when set) and traps.
      * (No printf in the kernel: any call makes ptxas serialise the wgmmas.) */
     const uint64_t *block_ready;
-    uint64_t epoch;
+    const uint64_t *epoch;
     /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
      * call chunk c gains num_blocks * ceil(width_c / 256). */

@@ -687,7 +687,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.num_ctas = c.num_sms - c.n_comm;
         hooks.timeout_ns = c.timeout_ns;
         hooks.block_ready = c.block_ready;
-        hooks.epoch = c.host_epoch;
+        hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);

@@ -438,11 +438,24 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         ts[i]->data = dev[i];
     }
     a->stream = stream;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    if (e == cudaSuccess && job->run->graph) { /* the forward enqueues only device work: capture it once */
+        e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
+        if (e == cudaSuccess) {
+            st = comet_layer_forward(layer, a);
+            e = cudaStreamEndCapture(stream, &graph);
+        }
+        if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaGraphInstantiate(&exec, graph, 0);
+    }
     uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(dev[5], 0xff, (size_t)(t * hd) * 2, stream);
         cudaEventRecord(e0, stream);
-        st = comet_layer_forward(layer, a);
+        if (exec)
+            e = cudaGraphLaunch(exec, stream);
+        else
+            st = comet_layer_forward(layer, a);
         cudaEventRecord(e1, stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
         float ms = 0;
@@ -455,6 +468,8 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     }
     free(first);
     if (e == cudaSuccess) e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
     for (int i = 0; i < 6; i++) cudaFree(dev[i]);
     if (e0) cudaEventDestroy(e0);
     if (e1) cudaEventDestroy(e1);
