@@ -30,7 +30,7 @@ typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[6];         /* state, a, h, scratch, block_ready, overlap state */
+    void *priv[7];         /* state, a, h, scratch, block_ready, overlap state, routing copies */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     size_t private_bytes;  /* what layer_init allocated */
@@ -204,7 +204,7 @@ static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
-    for (int i = 0; i < 6; i++) cudaFree(L->priv[i]);
+    for (int i = 0; i < 7; i++) cudaFree(L->priv[i]);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
     if (L->stream2) cudaStreamDestroy(L->stream2);
@@ -261,9 +261,11 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         c->sym = c->peers[0] = (char *)L->sym_single;
     }
     const size_t rows = (size_t)d->max_rows_padded;
-    const size_t bytes[6] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
-                             256, (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t)};
-    for (int i = 0; i < 6; i++) {
+    const size_t slots = (size_t)(d->max_tokens * d->topk);
+    const size_t bytes[7] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
+                             256, (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t),
+                             (size_t)w * slots * 8};
+    for (int i = 0; i < 7; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
@@ -293,6 +295,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     for (int q = 0; q < w; q++) {
         s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
         s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
+        s.route_idx[q] = (int32_t *)L->priv[6] + (size_t)q * slots;
+        s.route_w[q] = (float *)((int32_t *)L->priv[6] + (size_t)w * slots) + (size_t)q * slots;
     }
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));

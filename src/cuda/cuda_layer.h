@@ -21,7 +21,8 @@
  *   stage    copy x/idx/w into my stage; check my routing on the device
  *   publish  my status, my T, entry = e
  *   plan     wait entry[q] >= e; any bad status -> skip (nothing written);
- *            build my plan from every rank's staged routing (peer pointers)
+ *            copy every rank's staged routing here (all SMs: the builder, one
+ *            block, would wait on each remote load), build my plan from it
  *   dispatch pull my experts' token rows from the peers' stages
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
  *   signal   o_ready[me] = e on every rank (my o is complete)
@@ -82,10 +83,12 @@ typedef struct {
     uint32_t skip;            /* 1: some rank's input is invalid this epoch: write nothing */
     uint32_t last_status;     /* comet_status_t to report: own failure, or PEER_FAILED */
     uint32_t pad_;
-    uint64_t gemm_begin[2];   /* trace: %globaltimer when GEMM0 / GEMM1 were reached */
+    uint64_t mark_begin[3];   /* trace: %globaltimer when GEMM0 / GEMM1 / the plan were reached */
     int64_t token_count[COMET_CUDA_MAX_RANKS];   /* T of every rank, this epoch */
-    const int32_t *peer_idx[COMET_CUDA_MAX_RANKS]; /* every rank's staged topk_idx */
-    const float *peer_w[COMET_CUDA_MAX_RANKS];     /* every rank's staged topk_w */
+    const int32_t *peer_idx[COMET_CUDA_MAX_RANKS]; /* every rank's staged topk_idx (peer memory) */
+    const float *peer_w[COMET_CUDA_MAX_RANKS];     /* every rank's staged topk_w (peer memory) */
+    int32_t *route_idx[COMET_CUDA_MAX_RANKS];      /* local copies of those, which the plan reads */
+    float *route_w[COMET_CUDA_MAX_RANKS];
 } comet_cuda_state_t;
 
 typedef struct {

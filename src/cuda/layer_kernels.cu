@@ -215,6 +215,19 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
 /* Rows whose sources a CTA looks up at once. */
 #define PULL_ROWS 128
 
+/* Every rank's staged routing copied here by all CTAs, so that the one-block
+ * plan builder reads local memory instead of waiting on remote loads. */
+__global__ void k_gather_routing(comet_cuda_ctx_t c) {
+    comet_cuda_state_t *s = c.state;
+    if (s->skip) return;
+    const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
+    for (int q = 0; q < c.d.world_size; q++) {
+        const size_t n = (size_t)(s->token_count[q] * c.d.topk) * 4;
+        copy_bytes(s->route_idx[q], s->peer_idx[q], n, tid, nth);
+        copy_bytes(s->route_w[q], s->peer_w[q], n, tid, nth);
+    }
+}
+
 /* The token rows of one block, pulled from their home ranks' stages into a,
  * by the whole CTA (both dispatch kernels use it), PULL_ROWS rows at a time:
  * their sources go to shared memory, then every thread keeps PULL_UNROLL
@@ -542,15 +555,20 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
     }
 }
 
-/* Trace: mark where a GEMM starts (which 0/1, end 0) or record it (end 1) as
- * one interval of the GEMM lane (the GEMM kernels themselves record nothing). */
+/* Trace: mark where a step starts (end 0) or record it (end 1) as one
+ * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
+ * (routing copy and builder, the stream's lane). The kernels of those steps
+ * record nothing themselves. */
 __global__ void k_mark(comet_cuda_ctx_t c, int which, int end) {
     if (!end) {
-        c.state->gemm_begin[which] = globaltimer();
+        c.state->mark_begin[which] = globaltimer();
         return;
     }
-    trace_rec(&c, 9 + which, COMET_TRACE_GEMM, which, which ? COMET_TRACE_GEMM1 : COMET_TRACE_GEMM0, -1, -1,
-              c.state->gemm_begin[which]);
+    if (which == 2)
+        trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, -1, -1, c.state->mark_begin[2]);
+    else
+        trace_rec(&c, 9 + which, COMET_TRACE_GEMM, which, which ? COMET_TRACE_GEMM1 : COMET_TRACE_GEMM0, -1, -1,
+                  c.state->mark_begin[which]);
 }
 
 __global__ void k_exit(comet_cuda_ctx_t c) {
@@ -649,6 +667,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
  * loaded for the first time while another spins on a flag can deadlock. */
 extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
+                         (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
@@ -670,12 +689,15 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0);
+    k_gather_routing<<<grid, 256, 0, stream>>>(c);
     comet_plan_input_t in;
     in.token_count = c.state->token_count; /* device addresses inside the state */
-    in.topk_idx = c.state->peer_idx;
-    in.topk_w = c.state->peer_w;
+    in.topk_idx = (const int32_t *const *)c.state->route_idx;
+    in.topk_w = (const float *const *)c.state->route_w;
     cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, &c.state->skip, stream);
     if (pe != cudaSuccess) return (int)pe;
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1);
     if (c.gemm && c.n_comm > 0) { /* overlapped: comm CTAs on stream2 beside the GEMM CTAs */
         cudaStream_t s2 = (cudaStream_t)c.stream2;
         cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);

@@ -63,14 +63,22 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
     const int keys = (int)(el > w ? el : w);
     int32_t *aux = (int32_t *)(bits + keys * PLAN_WORDS); /* first block of each expert; next slot of each stage */
 
-    /* 1. rows per local expert */
-    for (int64_t e = tid; e < el; e += nt) p.expert_count[e] = 0;
+    /* 1. rows per local expert, counted in shared memory (aux), one atomic per
+     * warp and expert (a few hot experts would serialise per-slot atomics) */
+    for (int64_t e = tid; e < el; e += nt) aux[e] = 0;
     __syncthreads();
-    for (int s = 0; s < w; s++)
-        for (int64_t i = tid; i < in.token_count[s] * topk; i += nt) {
-            int64_t e = (int64_t)in.topk_idx[s][i] - e0;
-            if (e >= 0 && e < el) atomicAdd(&p.expert_count[e], 1);
+    for (int s = 0; s < w; s++) {
+        const int64_t n = in.token_count[s] * topk;
+        for (int64_t base = 0; base < n; base += nt) { /* every thread takes each step: full-warp match */
+            const int64_t i = base + tid;
+            const int64_t e = i < n ? (int64_t)in.topk_idx[s][i] - e0 : -1;
+            const int key = e >= 0 && e < el ? (int)e : -1;
+            const unsigned same = __match_any_sync(0xffffffffu, key);
+            if (key >= 0 && (int)(threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&aux[key], __popc(same));
         }
+    }
+    __syncthreads();
+    for (int64_t e = tid; e < el; e += nt) p.expert_count[e] = aux[e];
     __syncthreads();
 
     /* 2. padded prefix sums (el is small: one thread) */
