@@ -19,24 +19,16 @@ Run on one GPU (Hopper or newer; torch with torch._grouped_mm):
   python3 bench/torch_grouped_mm.py --models qwen2-moe,deepseek-v3 --tokens 4096,8192,16384 --json out.json
 Prints a markdown table; --json writes {"machine": ..., "baseline":
 "torch._grouped_mm", "records": [...]} (machine as torch_moe.py writes it;
-commit from $COMET_COMMIT, else git).
+commit from $COMET_COMMIT).
 """
 import argparse
-import datetime
 import json
-import os
 import statistics
-import subprocess
 
 import torch
 import torch.nn.functional as F
 
-MODELS = {  # name: (hidden, ffn per expert, experts, topk), as bench/torch_moe.py and bench/gemm_bench.cu
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "qwen2-moe": (2048, 1408, 64, 4),
-    "phi-3.5-moe": (4096, 6400, 16, 2),
-    "deepseek-v3": (7168, 2048, 256, 8),
-}
+from torch_moe import MODELS, describe  # the same presets and machine record as the layer baseline
 
 
 def parse():
@@ -115,34 +107,6 @@ def run_shape(name, hidden, ffn, e_num, topk, m, w1, w2, args, device):
             "gemm1_tflops": fl1 / (ms[2] * 1e9), "iters": args.iters, "check_rel_err": err}
 
 
-def commit():
-    c = os.environ.get("COMET_COMMIT")
-    if c:
-        return c
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def describe():
-    props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.split("\n")[0].strip()
-    except OSError:
-        driver = "unknown"
-    try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception:  # torch built without NCCL
-        nccl = "none"
-    return {"gpu": props.name, "gpus": 1, "sms": props.multi_processor_count, "driver": driver,
-            "cuda": torch.version.cuda, "torch": torch.__version__, "nccl": nccl,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}
-
-
 def is_oom(exc):
     oom = getattr(torch.cuda, "OutOfMemoryError", None)
     return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc)
@@ -197,7 +161,7 @@ def main():
             assert rec["check_rel_err"] < 2e-2, f"{name} M={m}: relative error {rec['check_rel_err']} against fp32"
         del w1, w2
         torch.cuda.empty_cache()
-    mach = describe()
+    mach = describe(1)
     print(f"\ntorch._grouped_mm, {mach['gpu']}, torch {mach['torch']}, CUDA {mach['cuda']}, EP=1 TP=1, "
           f"uniform routing, bf16, median of {args.iters}\n")
     print("| model | M | GEMM0 ms | GEMM0+act ms | GEMM0 TFLOP/s | GEMM1 ms | GEMM1 TFLOP/s |")
