@@ -223,7 +223,11 @@ typedef struct {
     comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16 */
     comet_tensor_t y;        /* [out] (T, H) bf16 */
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
-    int n_comm;              /* [in]  communication workers / blocks; 0 = tuner's choice */
+    int n_comm;              /* [in]  communication workers (CPU engine) or CTAs beside the GEMM
+                              *       (CUDA: > 0 runs the overlapped mode; the same on every rank);
+                              *       0 = tuner's choice (the `comet tune` table, else the rule:
+                              *       CUDA the sequential chain); COMET_SEQUENTIAL = the sequential
+                              *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */
     int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;
@@ -234,6 +238,9 @@ typedef struct {
  * them; every rank must pass the same bits. */
 #define COMET_DISABLE_COMM 1 /* no rows copied, no partials reduced, sent or summed */
 #define COMET_DISABLE_GEMM 2 /* no GEMM arithmetic (CUDA: the GEMM kernels are not launched) */
+
+/* args.n_comm: no communication CTAs, the sequential chain (CUDA backend). */
+#define COMET_SEQUENTIAL (-1)
 
 #define COMET_FORWARD_ARGS_INIT \
     {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0, 0}

@@ -26,14 +26,17 @@ int main(void) {
     /* rule */
     comet_dims_t d = dims(4096, 4096);
     comet_tuning_t t = {0, 0};
-    comet_tuner_rule(&d, 4096, &t);
+    comet_tuner_rule(&d, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.chunk_cols == 512 && t.n_comm == 2, "rule at hidden 4096: %d %d", t.chunk_cols, t.n_comm);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_rule(&d, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.chunk_cols == 512 && t.n_comm == 0, "CUDA rule: the sequential chain: %d %d", t.chunk_cols, t.n_comm);
     comet_dims_t small = dims(20, 8);
     t = (comet_tuning_t){0, 0};
-    comet_tuner_rule(&small, 3, &t);
+    comet_tuner_rule(&small, COMET_BACKEND_CPU, 3, &t);
     CHECK(t.chunk_cols == 8 && t.n_comm == 1, "rule at hidden 20, 3 tokens: %d %d", t.chunk_cols, t.n_comm);
     t = (comet_tuning_t){5, 24};
-    comet_tuner_rule(&d, 4096, &t);
+    comet_tuner_rule(&d, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 5 && t.chunk_cols == 24, "set fields are kept");
 
     /* table */
@@ -45,10 +48,12 @@ int main(void) {
                "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n"
                "cpu\t4096\t1024\t8\t2\t1\t2\t4000\t7\t1024\t1.0\n"
                "cuda\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n"
+               "cuda\t2048\t1024\t8\t2\t1\t2\t4096\t0\t256\t1.0\n"
+               "cpu\t2048\t1024\t8\t2\t1\t2\t4096\t0\t256\t1.0\n"
                "cpu\t4096\tnot-a-number\n"
                "gpu\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n");
     fclose(f);
-    CHECK(comet_tuner_load(path) == 3, "three good lines");
+    CHECK(comet_tuner_load(path) == 4, "four good lines (n_comm 0: CUDA only)");
     t = (comet_tuning_t){0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CPU, 900, &t);
     CHECK(t.n_comm == 3, "n_comm from the entry nearest 900 tokens: %d", t.n_comm);
@@ -60,6 +65,14 @@ int main(void) {
     t = (comet_tuning_t){0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CUDA, 4096, &t);
     CHECK(t.n_comm == 20 && t.chunk_cols == 768, "the CUDA entry for the CUDA backend: %d %d", t.n_comm, t.chunk_cols);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&d, COMET_BACKEND_CUDA, 10, &t);
+    CHECK(t.n_comm == 20, "CUDA: n_comm from the entry nearest max_tokens, not this rank's 10 tokens: %d", t.n_comm);
+    comet_dims_t seq = dims(2048, 4096);
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&seq, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 0 && t.chunk_cols == 256, "a CUDA entry recording the sequential chain: %d %d", t.n_comm,
+          t.chunk_cols);
     comet_dims_t other = dims(2048, 4096);
     t = (comet_tuning_t){0, 0};
     comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);

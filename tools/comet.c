@@ -54,7 +54,8 @@ static const char *const flag_help =
     "  --activation A     silu (gated, default) or gelu\n"
     "  --skew S           relative std of expert popularity (0 = uniform, default)\n"
     "  --zero-experts N   N experts receive no tokens (default 0)\n"
-    "  --n-comm N         communication workers per rank (0 = tuner, default)\n"
+    "  --n-comm N         communication workers per rank (0 = tuner, default; -1 = the\n"
+    "                     sequential chain on GPUs, which the tuner picks unless measured otherwise)\n"
     "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
     "  --seed S           random seed for inputs and routing (default 1)\n"
     "  --backend B        auto (default), cpu, cuda\n"
@@ -142,7 +143,7 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
         INT_FLAG("--ffn", 1, 1 << 20, o->ffn)
         INT_FLAG("--scale", 1, 1024, o->scale)
         INT_FLAG("--zero-experts", 0, 1 << 16, o->zero_experts)
-        INT_FLAG("--n-comm", 0, 1024, o->n_comm)
+        INT_FLAG("--n-comm", COMET_SEQUENTIAL, 1024, o->n_comm)
         INT_FLAG("--chunk", 0, 1 << 20, o->chunk_cols)
         INT_FLAG("--seed", 0, INT64_MAX, o->seed)
         INT_FLAG("--iters", 1, 100000, o->iters)
@@ -324,7 +325,7 @@ static int run(const char *cmd, int argc, char **argv) {
     r.n_comm = o.n_comm, r.chunk_cols = o.chunk_cols;
     r.repeats = is_bench ? o.warmup + o.iters : 1;
     /* Lanes: the rank's thread, its comm workers, its compute workers. */
-    if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
+    if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm > 0 ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);
         comet_bootstrap_close(bs);
@@ -411,7 +412,7 @@ static int run(const char *cmd, int argc, char **argv) {
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[16];
-    snprintf(ncomm, sizeof ncomm, o.n_comm ? "%d" : "auto", o.n_comm);
+    snprintf(ncomm, sizeof ncomm, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -492,17 +493,23 @@ static int tune(int argc, char **argv) {
         if (n_chunks == 0 || chunks[n_chunks - 1] != c) chunks[n_chunks++] = c;
     }
     const int iters = o.iters > 0 && o.iters != 5 ? o.iters : 3;
+    /* on a GPU the sequential chain first: the table records it as n_comm 0 when it wins */
+    const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
     printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns)\n%8s", iters, "n_comm");
     for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
     printf("\n");
     comet_tuning_t best = {0, 0};
-    double best_ms = 0;
-    for (int i = 0; i < (int)(sizeof cpu_comms / sizeof cpu_comms[0]); i++) {
-        printf("%8d", n_comms[i]);
-        for (int c = 0; c < n_chunks; c++) {
+    double best_ms = -1;
+    for (int i = 0; i < rows; i++) {
+        const int seq = use_cuda && i == 0, n_comm = seq ? COMET_SEQUENTIAL : n_comms[i - (use_cuda ? 1 : 0)];
+        if (seq)
+            printf("%8s", "seq");
+        else
+            printf("%8d", n_comm);
+        for (int c = 0; c < (seq ? 1 : n_chunks); c++) {
             comet_run_t r;
             memset(&r, 0, sizeof r);
-            r.n_comm = n_comms[i], r.chunk_cols = chunks[c], r.repeats = 1 + iters;
+            r.n_comm = n_comm, r.chunk_cols = chunks[c], r.repeats = 1 + iters;
             comet_status_t st = comet_problem_run(p, w, &r, 1);
             if (st != COMET_SUCCESS) {
                 fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());
@@ -511,16 +518,18 @@ static int tune(int argc, char **argv) {
                 return 1;
             }
             printf(" %9.3f", r.ms_median);
-            if (best.n_comm == 0 || r.ms_median < best_ms) best.n_comm = n_comms[i], best.chunk_cols = chunks[c], best_ms = r.ms_median;
+            if (best_ms < 0 || r.ms_median < best_ms)
+                best.n_comm = seq ? 0 : n_comm, best.chunk_cols = chunks[c], best_ms = r.ms_median;
         }
-        printf("\n");
+        printf(seq ? "  (the sequential chain: no chunks)\n" : "\n");
         fflush(stdout);
     }
     const char *out = o.out ? o.out : getenv("COMET_TUNE_FILE");
     if (!out || !*out) out = "comet-tune.tsv";
     comet_world_destroy(w);
     int rc = comet_tuner_append(out, &d, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
-    printf("best: n_comm %d, chunk %d: %.3f ms; %s %s\n", best.n_comm, best.chunk_cols, best_ms,
+    printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best.n_comm, use_cuda && best.n_comm == 0 ? " (sequential)" : "",
+           best.chunk_cols, best_ms,
            rc == 0 ? "appended to" : "could not append to", out);
     comet_problem_destroy(p);
     return rc == 0 ? 0 : 1;

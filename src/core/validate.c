@@ -127,7 +127,9 @@ comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forwa
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "args.struct_size is %u, expected %zu: initialize it with COMET_FORWARD_ARGS_INIT",
                           a->struct_size, sizeof(comet_forward_args_t));
-    if (a->n_comm < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < 0", a->n_comm);
+    if (a->n_comm < COMET_SEQUENTIAL)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < %d (COMET_SEQUENTIAL)", a->n_comm,
+                          COMET_SEQUENTIAL);
     if (a->disable & ~(COMET_DISABLE_COMM | COMET_DISABLE_GEMM))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.disable %#x has unknown bits", (unsigned)a->disable);
     if (a->chunk_cols < 0 || a->chunk_cols > d->hidden)

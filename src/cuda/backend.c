@@ -369,12 +369,13 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
-        /* overlapped when asked for (n_comm > 0, the same on every rank) and
-         * the Hopper GEMM with its hooks runs */
-        if (c.gemm && args->n_comm > 0) {
-            c.n_comm = args->n_comm < c.num_sms - 1 ? args->n_comm : c.num_sms - 1;
-            comet_tuning_t tune = {c.n_comm, args->chunk_cols};
-            comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);
+        /* overlapped when asked for (n_comm > 0) or when the tuner's table says
+         * so for this configuration (n_comm 0; chosen for max_tokens, so the
+         * same on every rank), and the Hopper GEMM with its hooks runs */
+        comet_tuning_t tune = {args->n_comm > 0 ? args->n_comm : 0, args->chunk_cols};
+        if (c.gemm && args->n_comm != COMET_SEQUENTIAL) comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);
+        if (c.gemm && tune.n_comm > 0) {
+            c.n_comm = tune.n_comm < c.num_sms - 1 ? tune.n_comm : c.num_sms - 1;
             int64_t cc = (tune.chunk_cols + 255) / 256 * 256, min_cc = (l->dims.hidden + COMET_CUDA_MAX_CHUNKS - 1) /
                                                                      COMET_CUDA_MAX_CHUNKS;
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;

@@ -4,7 +4,8 @@
  *
  * Rule: chunk_cols about hidden/8, a multiple of 8 columns, so the
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
- * stays wide enough to amortise its flag; n_comm 2 unless the call is tiny.
+ * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
+ * the call is tiny, on the CUDA backend 0 (the sequential chain).
  */
 #include "tuner.h"
 
@@ -39,7 +40,8 @@ int comet_tuner_load(const char *path) {
                        &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &ms) != 11)
                 continue; /* the header, or a malformed line */
             if (strcmp(backend, "cpu") != 0 && strcmp(backend, "cuda") != 0) continue;
-            if (v[7] < 1 || v[8] < 1 || v[6] < 0) continue;
+            const int cuda = strcmp(backend, "cuda") == 0; /* n_comm 0 there: the sequential chain */
+            if (v[7] < (cuda ? 0 : 1) || v[8] < 1 || v[6] < 0) continue;
             e.backend = strcmp(backend, "cuda") == 0 ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
             e.hidden = v[0], e.ffn = v[1], e.experts = v[2], e.topk = v[3], e.tp = v[4], e.ep = v[5], e.tokens = v[6];
             e.t.n_comm = (int)v[7], e.t.chunk_cols = (int)v[8];
@@ -85,14 +87,14 @@ static int lookup(const comet_dims_t *d, comet_backend_t backend, int64_t tokens
     return found;
 }
 
-void comet_tuner_rule(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t) {
+void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t) {
     if (t->chunk_cols == 0) {
         int64_t c = (d->hidden + 7) / 8;
         c = (c + 7) / 8 * 8;
         if (c > d->hidden) c = d->hidden;
         t->chunk_cols = (int)c;
     }
-    if (t->n_comm == 0) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
+    if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
 }
 
 void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t) {
@@ -100,8 +102,9 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
     comet_tuning_t m;
     if (t->chunk_cols == 0 && lookup(d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
         t->chunk_cols = m.chunk_cols;
-    if (t->n_comm == 0 && lookup(d, backend, num_tokens, &m)) t->n_comm = m.n_comm;
-    comet_tuner_rule(d, num_tokens, t);
+    const int64_t for_n = backend == COMET_BACKEND_CUDA ? d->max_tokens : num_tokens; /* CUDA: one protocol */
+    if (t->n_comm == 0 && lookup(d, backend, for_n, &m)) t->n_comm = m.n_comm;
+    comet_tuner_rule(d, backend, num_tokens, t);
 }
 
 int comet_tuner_append(const char *path, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,

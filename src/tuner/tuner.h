@@ -9,7 +9,8 @@
  * does not hold get the analytical rule. The file is tab-separated text, one
  * header line, then one line per measured configuration:
  *   backend hidden ffn experts topk tp ep tokens n_comm chunk_cols ms
- * (backend "cpu" or "cuda"; tokens per rank). Malformed lines are skipped.
+ * (backend "cpu" or "cuda"; tokens per rank; a CUDA n_comm of 0 records that
+ * the sequential chain was fastest). Malformed lines are skipped.
  */
 #ifndef COMET_TUNER_H
 #define COMET_TUNER_H
@@ -27,11 +28,16 @@ typedef struct {
 /* Fill the fields of *t that are 0, from the table when it holds this
  * configuration (the entry whose token count is nearest), else by rule.
  * chunk_cols never depends on this rank's token count (the nearest entry is
- * taken for max_tokens), so every rank of a world picks the same value. */
+ * taken for max_tokens), so every rank of a world picks the same value; on
+ * the CUDA backend n_comm chooses the protocol (0: the sequential chain) and
+ * is taken for max_tokens too. */
 void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
-/* The analytical rule alone (what the table falls back to). */
-void comet_tuner_rule(const comet_dims_t *d, int64_t num_tokens, comet_tuning_t *t);
+/* The analytical rule alone (what the table falls back to): chunk_cols about
+ * hidden/8; n_comm on the CPU engine 1 or 2 workers, on the CUDA backend 0,
+ * the sequential chain (on 2x H200 it beat every overlapped point measured,
+ * bench/results/2026-11-22-comet-h200x2.md). */
+void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* Read a table file, replacing the process's table (NULL or "" clears it).
  * Returns the number of entries read, or -1 if the file cannot be opened.
