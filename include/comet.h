@@ -202,9 +202,12 @@ comet_status_t comet_layer_create(comet_layer_t **layer, comet_world_t *world, i
 comet_status_t comet_layer_destroy(comet_layer_t *layer);
 
 /* Memory this rank's layer holds, sized for the worst case at create time:
- * symmetric (reachable by every rank: staged tokens, routing, partials,
- * flags) and private (plan, gathered rows, activations, expert outputs).
- * Device memory on the CUDA backend, host memory on the CPU backend. */
+ * symmetric (reachable by every rank) and private. CPU backend: staged
+ * tokens, routing, fp32 partials and flags symmetric; plan, gathered rows,
+ * activations and expert outputs private (host memory). CUDA backend: staged
+ * tokens, routing, flags, the plan and the expert outputs symmetric (home
+ * ranks pull the outputs of their tokens); gathered rows, activations and a
+ * local copy of every rank's routing private (device memory). */
 typedef struct {
     size_t symmetric_bytes;
     size_t private_bytes;
@@ -250,14 +253,18 @@ typedef struct {
  * status; the others return COMET_ERR_PEER_FAILED.
  * CPU backend: synchronous; every status is final when the call returns.
  * CUDA backend: asynchronous on args->stream, with no host synchronisation
- * (capturable in a CUDA graph). Shapes are checked at once; the routing
+ * (capturable in a CUDA graph; a captured forward names this call's tensors
+ * and the layer's buffers, so replay it only while those stay as they were:
+ * same weights, no change of trace). Shapes are checked at once; the routing
  * content (device memory) is checked on the device: comet_layer_sync reports
  * it, and an invalid routing on any rank leaves every y untouched. */
 comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
 
 /* Wait for this rank's last forward and return what the device found:
- * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx) or
- * COMET_ERR_PEER_FAILED (another rank's). CPU backend: COMET_SUCCESS at once. */
+ * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx),
+ * COMET_ERR_PEER_FAILED (another rank's) or COMET_ERR_INVALID_ARGUMENT (this
+ * rank's arguments, or the ranks ran different protocols: n_comm, chunk_cols
+ * and the tuner's table must agree). CPU backend: COMET_SUCCESS at once. */
 comet_status_t comet_layer_sync(comet_layer_t *layer);
 
 /* ---------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 /*
  * engine.c - the multi-rank CPU engine: W ranks as threads of one process,
  * each with n_comm communication workers and n_compute compute workers that
- * follow the protocol the fused GPU kernels follow. Its output is bitwise
- * identical to the reference (reference.c), so plan and protocol bugs show up
- * on machines without GPUs.
+ * overlap communication with the GEMMs as the GPU's overlapped mode does
+ * (layer 0 the same; in layer 1 the experts' ranks push fp32 partials here,
+ * where the GPU's home ranks pull expert outputs: the same arithmetic). Its
+ * output is bitwise identical to the reference (reference.c), so plan and
+ * protocol bugs show up on machines without GPUs.
  *
  * Shared ("symmetric") memory, one cpu_sym_t per rank, carved in make_shared:
  *   x           (max_T, H) bf16    this rank's tokens, staged for peers to pull

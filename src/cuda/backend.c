@@ -30,7 +30,8 @@ typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[7];         /* state, a, h, scratch, block_ready, overlap state, routing copies */
+    void *priv[7];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
+                            * tile counters at word 16), block_ready, overlap state, routing copies */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     size_t private_bytes;  /* what layer_init allocated */
@@ -360,7 +361,9 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     if (own == COMET_SUCCESS && L->use_hopper_gemm) {
         /* tensor maps name the weights: made again (host only, no sync) when they move */
         if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o};
+            /* the tile counters live in the layer's scratch, so preparing makes no
+             * CUDA call on a stream (a forward may be captured in a graph) */
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, (uint32_t *)L->priv[3] + 16};
             char err[256];
             comet_gemm_destroy(L->gemm);
             L->gemm = NULL;
@@ -448,6 +451,12 @@ comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
                           (long long)l->dims.num_experts);
     if (st == COMET_ERR_PEER_FAILED)
         return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank's input was invalid; nothing was written",
+                          l->rank);
+    if (st == COMET_ERR_INVALID_ARGUMENT) /* this rank's arguments (forward said so), or: */
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "rank %d: invalid arguments, or the ranks ran different protocols (sequential or "
+                          "overlapped, chunk width): n_comm, chunk_cols and COMET_TUNE_FILE must agree on every "
+                          "rank, and every rank must run the Hopper GEMM; nothing was written",
                           l->rank);
     if (st != COMET_SUCCESS)
         return comet_fail((comet_status_t)st, "rank %d: the last forward failed (%s)", l->rank,

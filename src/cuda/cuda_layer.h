@@ -19,8 +19,9 @@
  * device memory, so a captured graph replays correctly):
  *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
- *   publish  my status, my T, entry = e
- *   plan     wait entry[q] >= e; any bad status -> skip (nothing written);
+ *   publish  my status, my T, my protocol (mode), entry = e
+ *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
+ *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs: the builder, one
  *            block, would wait on each remote load), build my plan from it
  *   dispatch pull my experts' token rows from the peers' stages
@@ -60,6 +61,8 @@ typedef struct {
     uint64_t done;            /* last finished epoch */
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
+    uint64_t mode;            /* this epoch's protocol: 0 the sequential chain, else the overlapped
+                               * mode's chunk width (every rank must run the same) */
     uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
                                                   column chunk c of rank q's o is complete */

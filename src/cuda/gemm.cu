@@ -77,6 +77,7 @@ struct comet_gemm {
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     int num_sms;
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
+    int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
 
 /* ---------------------------------------------------------------------------
@@ -538,10 +539,13 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
         return -1;
     }
-    e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
-    if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
+    g->sched = args->sched, g->own_sched = args->sched == NULL;
+    if (g->own_sched) {
+        e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
+        if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
+    }
     if (e != cudaSuccess) {
-        if (g->sched) cudaFree(g->sched);
+        if (g->own_sched && g->sched) cudaFree(g->sched);
         free(g);
         snprintf(err, err_len, "tile counters: %s", cudaGetErrorString(e));
         return -1;
@@ -552,7 +556,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
 
 extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
     if (!g) return;
-    cudaFree(g->sched);
+    if (g->own_sched) cudaFree(g->sched);
     free(g);
 }
 

@@ -48,6 +48,9 @@ typedef struct {
     comet_bf16_t *h;           /* (max_rows_padded, F_local) */
     const comet_bf16_t *w2;    /* (E_local, H, F_local) */
     comet_bf16_t *o;           /* (max_rows_padded, H) */
+    uint32_t *sched;           /* device, 4 words zeroed once, kept as long as the GEMM (the tile
+                                * counters; every launch leaves them 0), or NULL: prepare allocates
+                                * and zeroes its own (synchronous calls: not inside a stream capture) */
 } comet_gemm_args_t;
 
 /* Optional hooks of one launch; a zeroed struct (or NULL) means none. */

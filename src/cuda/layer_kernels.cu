@@ -153,6 +153,7 @@ __global__ void k_publish(comet_cuda_ctx_t c) {
     comet_sym_flags_t *f = flags_of(&c, c.d.rank);
     f->status = c.state->own_status;
     f->token_count = (uint64_t)c.num_tokens;
+    f->mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : 0;
     __threadfence_system();
     st_release_sys(&f->entry, c.state->epoch);
 }
@@ -162,15 +163,20 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
     const uint64_t e = s->epoch, t0 = TRACE_T0;
-    uint32_t bad = 0;
+    const uint64_t mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : 0;
+    uint32_t bad = 0, other_mode = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         comet_sym_flags_t *f = flags_of(&c, q);
         wait_geq(&f->entry, e, &c, "plan: entry of rank", q);
         bad |= f->status != 0;
+        other_mode |= f->mode != mode;
         s->token_count[q] = (int64_t)f->token_count;
     }
-    s->skip = bad;
-    s->last_status = s->own_status ? s->own_status : (bad ? 4u /* COMET_ERR_PEER_FAILED */ : 0u);
+    s->skip = bad | other_mode;
+    s->last_status = s->own_status ? s->own_status
+                     : bad         ? 4u  /* COMET_ERR_PEER_FAILED */
+                     : other_mode  ? 1u  /* COMET_ERR_INVALID_ARGUMENT: the ranks' protocols differ */
+                                   : 0u;
     trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, t0);
     /* the plan itself: comet_cuda_plan_build, launched next */
 }

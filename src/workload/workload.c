@@ -386,12 +386,33 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backe
 
 /* ---- running every rank ------------------------------------------------------ */
 
+/* One agreement among the rank threads of a run (the graph capture): each
+ * arrives with ok or not; all learn whether every one was ok. The runner
+ * lowers `expected` for threads that never started. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int expected, arrived, failed;
+} agree_t;
+
+static int agree(agree_t *a, int ok) {
+    pthread_mutex_lock(&a->mu);
+    a->failed |= !ok;
+    a->arrived++;
+    pthread_cond_broadcast(&a->cv);
+    while (a->arrived < a->expected) pthread_cond_wait(&a->cv, &a->mu);
+    const int all = !a->failed;
+    pthread_mutex_unlock(&a->mu);
+    return all;
+}
+
 typedef struct {
     comet_problem_t *p;
     comet_world_t *world;
     comet_run_t *run;
     int rank;
-    double *ms; /* [repeats] this rank's time per call */
+    double *ms;     /* [repeats] this rank's time per call */
+    agree_t *agree; /* shared by the run's rank threads */
 } rank_job_t;
 
 static double wall_ms(void) {
@@ -447,6 +468,10 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
             e = cudaStreamEndCapture(stream, &graph);
         }
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaGraphInstantiate(&exec, graph, 0);
+        /* a rank that could not capture never launches: the others must not replay either */
+        const int ok = e == cudaSuccess && st == COMET_SUCCESS;
+        if (!agree(job->agree, ok) && ok)
+            st = comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not capture its forward in a graph", r);
     }
     uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
@@ -541,10 +566,21 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     }
     /* a world spread over processes runs only the rank it holds here */
     const int local = comet_world_local_rank(world), first = local >= 0 ? local : 0, last = local >= 0 ? local : w - 1;
+    if (run->graph && local >= 0 && w > 1) {
+        free(ms), free(slowest);
+        return comet_fail(COMET_ERR_UNSUPPORTED, "runner: graph replay needs every rank in this process");
+    }
+    agree_t ag = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, last - first + 1, 0, 0};
     int started = first;
     for (; started <= last; started++) {
-        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats};
+        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
+    }
+    if (started <= last) { /* the threads that did not start will never arrive */
+        pthread_mutex_lock(&ag.mu);
+        ag.expected -= last - started + 1, ag.failed = 1;
+        pthread_cond_broadcast(&ag.cv);
+        pthread_mutex_unlock(&ag.mu);
     }
     for (int s = first; s < started; s++) pthread_join(th[s], NULL);
     if (started <= last) {

@@ -104,7 +104,8 @@ typedef struct {
     int compare_repeats;    /* when not 0: y poisoned before every call and compared bitwise with
                              * the first call's output after it (not for timing) */
     int repeats_differ[64]; /* out, per rank: calls whose y differed from the first call's */
-    int graph;              /* CUDA: capture one forward in a CUDA graph and replay it for every call */
+    int graph;              /* CUDA: capture one forward in a CUDA graph and replay it for every call
+                             * (every rank in this process; the ranks agree the capture worked) */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     double ms_median;       /* median over timed repeats of the slowest rank's call */
