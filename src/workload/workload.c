@@ -395,6 +395,7 @@ typedef struct {
     int expected, arrived, failed;
 } agree_t;
 
+#ifdef COMET_WITH_CUDA /* only the GPU runner captures graphs */
 static int agree(agree_t *a, int ok) {
     pthread_mutex_lock(&a->mu);
     a->failed |= !ok;
@@ -405,6 +406,7 @@ static int agree(agree_t *a, int ok) {
     pthread_mutex_unlock(&a->mu);
     return all;
 }
+#endif
 
 typedef struct {
     comet_problem_t *p;
