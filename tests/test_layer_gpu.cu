@@ -10,7 +10,8 @@
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
  * bitwise equal to the sequential chain; one layer run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
- * bits every time. An invalid expert id on one rank must
+ * bits every time. Ranks asking for different protocols get an error and
+ * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)".
  */
@@ -119,6 +120,36 @@ static void repeat_case(int w) {
     comet_problem_destroy(p);
 }
 
+/* Ranks that ask for different protocols (one overlapped, one sequential):
+ * every rank reports it, nothing is written, nothing hangs. */
+static void mismatch_case(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 256, cfg.ffn = 256, cfg.num_experts = 4, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 64;
+    int64_t tokens[2] = {64, 50};
+    comet_routing_opts_t ro = {0, 0, 12};
+    comet_problem_t *p;
+    comet_world_t *world;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) || comet_world_create_local(&world, 2, COMET_BACKEND_CUDA)) {
+        CHECK(0, "mismatch setup: %s", comet_last_error());
+        return;
+    }
+    comet_problem_poison(p);
+    comet_run_t run;
+    memset(&run, 0, sizeof run);
+    run.n_comm_of_rank[0] = 8, run.n_comm_of_rank[1] = COMET_SEQUENTIAL;
+    comet_problem_run(p, world, &run, 0);
+    for (int s = 0; s < 2; s++)
+        CHECK(run.status[s] == COMET_ERR_INVALID_ARGUMENT && strstr(run.message[s], "different protocols"),
+              "rank %d of ranks with different protocols got %s (%s)", s, comet_status_string(run.status[s]),
+              run.message[s]);
+    CHECK(comet_problem_count_poison(p) == (64 + 50) * 256, "outputs written despite the protocol mismatch");
+    /* and the world runs again once they agree */
+    run.n_comm_of_rank[0] = run.n_comm_of_rank[1] = 8;
+    CHECK(comet_problem_run(p, world, &run, 0) == COMET_SUCCESS, "after a mismatch: %s", comet_last_error());
+    comet_world_destroy(world);
+    comet_problem_destroy(p);
+}
+
 static void bad_routing(int w) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 64, cfg.ffn = 64, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = w;
@@ -212,6 +243,7 @@ int main(void) {
             }
         }
     if (!small) repeat_case(gpus >= 2 ? 2 : 1);
+    if (gpus >= 2) mismatch_case();
     bad_routing(1);
     if (gpus >= 2) bad_routing(2);
     return check_summary("test_layer_gpu");

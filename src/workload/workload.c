@@ -515,6 +515,7 @@ static void *rank_main(void *arg) {
     if (st == COMET_SUCCESS && job->rank == 0) comet_layer_memory(layer, &run->memory);
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
+    if (job->rank < 64 && run->n_comm_of_rank[job->rank]) a.n_comm = run->n_comm_of_rank[job->rank];
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
     if (run->disable) a.disable = run->disable;
 #ifdef COMET_WITH_CUDA

@@ -98,6 +98,7 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backe
 /* ---- running every rank -------------------------------------------------- */
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
+    int n_comm_of_rank[64]; /* when not 0, override that rank's n_comm (tests of disagreeing ranks) */
     int repeats;            /* forward calls per rank (>= 1) */
     int disable;            /* when not 0, COMET_DISABLE_* bits for every rank's args */
     comet_trace_t *trace;   /* when not NULL, attached to every rank's layer for the last call */
