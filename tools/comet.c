@@ -296,6 +296,17 @@ static int run(const char *cmd, int argc, char **argv) {
 
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;
+    { /* large models take a while to draw: say what is coming */
+        const double rows = cfg.activation == COMET_ACT_SILU_GATED ? 3.0 : 2.0;
+        const double weights = (double)cfg.num_experts * rows * (double)cfg.hidden * (double)cfg.ffn * 2.0;
+        int64_t total = 0;
+        for (int s = 0; s < world; s++) total += tokens[s];
+        const double gib = (2.0 * weights + 3.0 * (double)total * (double)cfg.hidden * 2.0) / (1024.0 * 1024 * 1024);
+        if (gib >= 1.0 && speaks()) {
+            printf("inputs: drawing %.1f GiB on the host (every expert's weights, then each rank's slice; tokens)\n", gib);
+            fflush(stdout);
+        }
+    }
     if (comet_problem_create(&p, &cfg, world, tokens, &ro) != COMET_SUCCESS) {
         fprintf(stderr, "comet: %s\n", comet_last_error());
         return 2;
@@ -375,6 +386,10 @@ static int run(const char *cmd, int argc, char **argv) {
     /* The CPU engine must equal the reference bitwise; a GPU within the
      * tolerance of a different GEMM accumulation order, on sampled tokens. */
     comet_check_t chk;
+    if (use_cuda && speaks()) {
+        printf("checking 16 sampled tokens of every rank against the CPU reference\n");
+        fflush(stdout);
+    }
     if (comet_problem_check(p, use_cuda ? 16 : 0, launch.on ? launch.rank : -1, &chk) != COMET_SUCCESS) {
         fprintf(stderr, "comet: check failed to run: %s\n", comet_last_error());
         comet_bootstrap_close(bs);
