@@ -29,6 +29,7 @@ expect bad-model 2 "unknown model 'gpt'" -- "$comet" check --model gpt
 expect bad-layout 2 "not divisible by config.ep" -- "$comet" check --backend cpu --experts 5 --ep 2
 expect topk-too-big 2 "topk" -- "$comet" check --backend cpu --topk 9
 expect n-comm-range 2 "n-comm needs a whole number in \[-1, 1024\]" -- "$comet" check --n-comm -2
+expect graph-cpu 0 'the CPU engine runs without it' -- "$comet" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --graph
 expect n-comm-seq-cpu 0 'auto .* ok \(0 of' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # CI: no GPU here
     expect cuda-absent 2 "no CUDA device found" -- "$comet" check --backend cuda

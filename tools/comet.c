@@ -41,6 +41,7 @@ typedef struct {
     const char *trace;
     const char *out;
     int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
+    int graph;         /* --graph: replay one captured forward (GPUs, one process) */
 } options_t;
 
 static const char *const flag_help =
@@ -85,7 +86,9 @@ static void command_usage(const char *cmd, FILE *f) {
                    "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n"
                    "  --comm-hidden      also time the same protocol with the GEMMs left out and with the\n"
                    "                     communication left out, and report the communication hidden:\n"
-                   "                     (t_gemm_only + t_comm_only - t) / t_comm_only (GPUs: with --n-comm)\n",
+                   "                     (t_gemm_only + t_comm_only - t) / t_comm_only (GPUs: with --n-comm)\n"
+                   "  --graph            GPUs: capture one forward in a CUDA graph and time its replays (no\n"
+                   "                     launch overhead, as a graph-captured training step sees it)\n",
                 flag_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
@@ -169,6 +172,8 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
             i++;
         } else if (strcmp(f, "--comm-hidden") == 0 && strcmp(cmd, "bench") == 0) {
             o->hidden_metric = 1;
+        } else if (strcmp(f, "--graph") == 0 && strcmp(cmd, "bench") == 0) {
+            o->graph = 1;
         } else if (strcmp(f, "--json") == 0 && v) {
             o->json = v, i++;
         } else if (strcmp(f, "--out") == 0 && v && strcmp(cmd, "tune") == 0) {
@@ -335,6 +340,8 @@ static int run(const char *cmd, int argc, char **argv) {
     memset(&r, 0, sizeof r);
     r.n_comm = o.n_comm, r.chunk_cols = o.chunk_cols;
     r.repeats = is_bench ? o.warmup + o.iters : 1;
+    r.graph = o.graph && use_cuda;
+    if (o.graph && !use_cuda && speaks()) fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
     /* Lanes: the rank's thread, its comm workers, its compute workers. */
     if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm > 0 ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
@@ -460,11 +467,11 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"comm_hidden\": %.4f}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                hidden);
+                hidden, r.graph);
         fclose(f);
     }
     comet_problem_destroy(p);
