@@ -88,6 +88,12 @@ int main(void) {
     t = (comet_tuning_t){0, 0};
     comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 4 && t.chunk_cols == 64, "round trip: %d %d", t.n_comm, t.chunk_cols);
+    comet_tuning_t again = {6, 128}; /* a re-tune of the same configuration: the later line wins */
+    CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &again, 2.0) == 0, "append a re-tune");
+    CHECK(comet_tuner_load(path) == 3, "three entries");
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    CHECK(t.n_comm == 6 && t.chunk_cols == 128, "the re-tune wins: %d %d", t.n_comm, t.chunk_cols);
     unlink(path);
     CHECK(comet_tuner_load("/nonexistent/dir/table.tsv") == -1, "missing file");
     CHECK(comet_tuner_load(NULL) == 0, "clear");

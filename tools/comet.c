@@ -298,6 +298,10 @@ static int run(const char *cmd, int argc, char **argv) {
     int64_t tokens[64];
     int world, use_cuda;
     if (configure(&o, &cfg, tokens, &world, &use_cuda)) return 2;
+    if (o.graph && launch.on && launch.size > 1) {
+        fprintf(stderr, "comet: --graph needs every rank in this process (not a launch of one process per rank)\n");
+        return 2;
+    }
 
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;

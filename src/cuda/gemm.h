@@ -88,8 +88,10 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
  * E_local * rows of the stacked weights below 2^31. Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
-/* Build the tensor maps once per layer (host; allocates and zeroes 16 bytes
- * of device memory for the tile counters, no kernel launch).
+/* Build the tensor maps once per layer (host, no kernel launch; the tile
+ * counters are args->sched, or, when that is NULL, 16 bytes of device memory
+ * allocated and zeroed here). Two GEMMs that may run at the same time must not
+ * share counters.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);

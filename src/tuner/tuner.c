@@ -81,7 +81,7 @@ static int lookup(const comet_dims_t *d, comet_backend_t backend, int64_t tokens
             e->experts != d->num_experts || e->topk != d->topk || e->tp != d->tp || e->ep != d->ep)
             continue;
         int64_t dist = e->tokens > tokens ? e->tokens - tokens : tokens - e->tokens;
-        if (!found || dist < best) found = 1, best = dist, *out = e->t;
+        if (!found || dist <= best) found = 1, best = dist, *out = e->t; /* ties: the later line (a re-tune) */
     }
     pthread_mutex_unlock(&table_mu);
     return found;

@@ -415,6 +415,7 @@ typedef struct {
     int rank;
     double *ms;     /* [repeats] this rank's time per call */
     agree_t *agree; /* shared by the run's rank threads */
+    int agreed;     /* this rank has arrived at agree (graph runs: exactly once, on every path) */
 } rank_job_t;
 
 static double wall_ms(void) {
@@ -463,8 +464,8 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     a->stream = stream;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
-    if (e == cudaSuccess && job->run->graph) { /* the forward enqueues only device work: capture it once */
-        e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
+    if (job->run->graph) { /* the forward enqueues only device work: capture it once */
+        if (e == cudaSuccess) e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
         if (e == cudaSuccess) {
             st = comet_layer_forward(layer, a);
             e = cudaStreamEndCapture(stream, &graph);
@@ -472,12 +473,14 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaGraphInstantiate(&exec, graph, 0);
         /* a rank that could not capture never launches: the others must not replay either */
         const int ok = e == cudaSuccess && st == COMET_SUCCESS;
+        job->agreed = 1;
         if (!agree(job->agree, ok) && ok)
             st = comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not capture its forward in a graph", r);
     }
     uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(dev[5], 0xff, (size_t)(t * hd) * 2, stream);
+        if (e != cudaSuccess) break;
         cudaEventRecord(e0, stream);
         if (exec)
             e = cudaGraphLaunch(exec, stream);
@@ -542,6 +545,9 @@ static void *rank_main(void *arg) {
         run->status[job->rank] = st;
         snprintf(run->message[job->rank], sizeof run->message[0], "%s", st ? comet_last_error() : "");
     }
+#ifdef COMET_WITH_CUDA /* a rank that failed before its capture still arrives, or its peers wait forever */
+    if (run->graph && !job->agreed && comet_world_backend(job->world) == COMET_BACKEND_CUDA) agree(job->agree, 0);
+#endif
     if (layer && run->trace) comet_layer_set_trace(layer, NULL);
     comet_layer_destroy(layer);
     return NULL;
@@ -576,7 +582,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     agree_t ag = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, last - first + 1, 0, 0};
     int started = first;
     for (; started <= last; started++) {
-        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag};
+        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
     }
     if (started <= last) { /* the threads that did not start will never arrive */
@@ -597,7 +603,10 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
     run->ms_median = slowest[timed / 2];
     free(ms), free(slowest);
-    for (int s = first; s <= last; s++)
-        if (run->status[s] != COMET_SUCCESS) return comet_fail_copy(run->status[s], run->message[s]);
+    /* a rank's own failure before the PEER_FAILED of the others, which only echo it */
+    for (int pass = 0; pass < 2; pass++)
+        for (int s = first; s <= last; s++)
+            if (run->status[s] != COMET_SUCCESS && (pass || run->status[s] != COMET_ERR_PEER_FAILED))
+                return comet_fail_copy(run->status[s], run->message[s]);
     return COMET_SUCCESS;
 }
