@@ -200,7 +200,7 @@ static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, int sms,
     CK(cudaDeviceSynchronize());
 
     comet_gemm_args_t ga;
-    ga.sched = NULL; /* prepare allocates the tile counters */
+    memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
     ga.d = d, ga.plan_ws = d_ws, ga.a = a, ga.w1 = w1, ga.h = h, ga.w2 = w2, ga.o = o;
     comet_gemm_t *g;
     char err[256];

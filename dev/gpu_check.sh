@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests sanitize gemm bench trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests sanitize gemm bench push trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -45,6 +45,13 @@ for step in $STEPS; do
         timeout 200 python3 bench/torch_grouped_mm.py --tokens "$(tr ' ' , <<<"$TOKENS")" --json "$OUT/grouped_mm.json" \
             >> "$OUT/gemm.log" 2>&1
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
+        ;;
+    push) # the sequential chain with GEMM1 pushing rows home (COMET_PUSH=1) beside the pull combine
+        for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2" "--tp 2"; do
+            line=$(COMET_PUSH=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+            summary+=("push $layout: ${line:-FAILED (see bench.log)}")
+        done; done; done
         ;;
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"

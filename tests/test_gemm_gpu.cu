@@ -166,7 +166,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CUDA_OK(cudaMemcpy(d_epoch, &three, sizeof three, cudaMemcpyHostToDevice));
 
     comet_gemm_args_t ga;
-    ga.sched = NULL; /* prepare allocates the tile counters */
+    memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
     ga.d = d, ga.plan_ws = d_ws, ga.a = d_a, ga.w1 = d_w1, ga.h = d_h, ga.w2 = d_w2, ga.o = d_o;
     comet_gemm_t *g = NULL;
     char err[256];
@@ -336,7 +336,7 @@ static int timeout_child(void) {
     if (cudaHostAlloc(&report_h, 64, cudaHostAllocMapped) || cudaHostGetDevicePointer(&report_d, report_h, 0)) return 4;
     memset(report_h, 0, 64);
     comet_gemm_args_t ga;
-    ga.sched = NULL; /* prepare allocates the tile counters */
+    memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
     uint16_t *p = (uint16_t *)buf;
     const size_t part = (size_t)1 << 18; /* elements; every operand of this shape fits */
     ga.d = d, ga.plan_ws = d_ws, ga.a = p, ga.w1 = p + part, ga.h = p + 2 * part, ga.w2 = p + 3 * part,

@@ -8,7 +8,8 @@
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
- * bitwise equal to the sequential chain; one layer run 100 times in each mode,
+ * bitwise equal to the sequential chain, and so the sequential chain with
+ * GEMM1 pushing its rows home (COMET_PUSH=1); one layer run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
@@ -67,12 +68,24 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     run.n_comm = 8;
     st = comet_problem_run(p, world, &run, 0);
     same = st == COMET_SUCCESS;
-    for (int s = 0; s < w; s++) {
-        same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
-        free(first[s]);
-    }
+    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
     CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
           same ? "equal" : "differs from the sequential one");
+
+    /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into
+     * their home ranks and the combine reads them there: the same bits */
+    if (w > 1) {
+        setenv("COMET_PUSH", "1", 1);
+        comet_problem_poison(p);
+        run.n_comm = COMET_SEQUENTIAL;
+        st = comet_problem_run(p, world, &run, 0);
+        unsetenv("COMET_PUSH");
+        same = st == COMET_SUCCESS;
+        for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+        CHECK(same, "%s: push: %s, output %s", tag, comet_status_string(st),
+              same ? "equal" : "differs from the pull combine's");
+    }
+    for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }

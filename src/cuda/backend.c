@@ -42,6 +42,7 @@ typedef struct {
     cudaStream_t last_stream;
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
+    int push;              /* COMET_PUSH=1 at create: the sequential chain's GEMM1 pushes o rows home */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -227,8 +228,9 @@ static comet_status_t barrier(cuda_layer_t *L, int rank) {
     return COMET_SUCCESS;
 }
 
-/* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned. */
-static void sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
+/* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned;
+ * the receive buffers of pushed o rows only with push. */
+static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay) {
     size_t off = 0;
 #define COMET_SYM_FIELD(field, bytes)                  \
     do {                                               \
@@ -241,6 +243,8 @@ static void sym_layout(const comet_dims_t *d, comet_sym_layout_t *lay) {
     COMET_SYM_FIELD(topk_w, (size_t)(d->max_tokens * d->topk) * 4);
     COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
     COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
+    lay->recv_slot = push ? (size_t)(d->max_rows_padded * d->hidden) * 2 : 0;
+    COMET_SYM_FIELD(recv, (size_t)d->world_size * lay->recv_slot);
 #undef COMET_SYM_FIELD
     lay->total = off;
 }
@@ -252,7 +256,11 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
-    sym_layout(d, &c->lay);
+    /* push (measurement for now): GEMM1 stores each o row into its home rank
+     * too, so the combine reads local memory; W ranks of one receive buffer each */
+    const char *push_env = getenv("COMET_PUSH");
+    L->push = push_env && strcmp(push_env, "1") == 0 && w > 1 && w <= COMET_GEMM_MAX_PUSH;
+    sym_layout(d, L->push, &c->lay);
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
         c->sym = L->sym.local;
@@ -363,7 +371,9 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, (uint32_t *)L->priv[3] + 16};
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16};
+            for (int q = 0; L->push && q < l->dims.world_size; q++) /* my slot of rank q's receive buffer */
+                if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv + (size_t)l->rank * c.lay.recv_slot);
             char err[256];
             comet_gemm_destroy(L->gemm);
             L->gemm = NULL;
@@ -385,6 +395,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             c.chunk_cols = (int)cc;
             c.disable = args->disable;
         }
+        c.push = L->push && c.gemm && c.n_comm == 0; /* the sequential chain with the Hopper GEMM */
     }
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;

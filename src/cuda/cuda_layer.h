@@ -13,13 +13,17 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
+ *   recv      (W, max_rows_padded, H)   with push (COMET_PUSH=1): [q][row] rank q's
+ *             bf16                      o row `row` when its token lives here,
+ *                                       stored by q's GEMM1 epilogue
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
  * device memory, so a captured graph replays correctly):
  *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
- *   publish  my status, my T, my protocol (mode), entry = e
+ *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
+ *            with push, else the overlapped mode's chunk width), entry = e
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs: the builder, one
@@ -76,7 +80,8 @@ typedef struct {
 } comet_cuda_overlap_t;
 
 typedef struct {
-    size_t flags, x, topk_idx, topk_w, plan, o, total; /* byte offsets, total size */
+    size_t flags, x, topk_idx, topk_w, plan, o, recv, total; /* byte offsets, total size */
+    size_t recv_slot; /* bytes of one source rank's receive buffer (0: no push) */
 } comet_sym_layout_t;
 
 /* Private device state of one rank's layer. */
@@ -124,6 +129,7 @@ typedef struct {
      * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
      * rank has flagged it. */
     int n_comm;                    /* 0: the sequential chain */
+    int push;                      /* sequential chain: GEMM1 pushed o rows into their home ranks' recv */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */

@@ -66,6 +66,9 @@ typedef struct {
     const uint64_t *epoch; /* device: what block_ready[b] must reach, read at kernel start */
     uint64_t *chunk_done;
     const uint32_t *skip;
+    comet_bf16_t *push[COMET_GEMM_MAX_PUSH]; /* GEMM1 with push: destination of rows homed on rank q, or NULL */
+    const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push */
+    int push_on;
     uint64_t timeout_ns;
     uint64_t *timeout_report;
     uint32_t *sched; /* [0] next tile to claim, [1] CTAs past the end; both back to 0 at kernel end */
@@ -240,11 +243,29 @@ __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     return x;
 }
 
+/* GEMM1 push: thread tid copies its row's 64 columns of one 64-column box
+ * (row tid / 2, box tid % 2) from the staged, swizzled half tile into the
+ * row's home rank (p.push[src_rank]; not this rank, not padding), 8 x 16 B. */
+__device__ __forceinline__ void gm_push_half(const gm_params_t &p, const unsigned char *cbuf, int row0, int col,
+                                             int col_lim_half, int tid) {
+    const int r = tid >> 1, box = tid & 1;
+    if (box * 64 >= col_lim_half) return;
+    const int home = p.rows[row0 + r].src_rank;
+    comet_bf16_t *dst = home >= 0 && home < COMET_GEMM_MAX_PUSH ? p.push[home] : NULL;
+    if (!dst) return;
+    uint4 *out = (uint4 *)(dst + (size_t)(row0 + r) * p.n + col + box * 64);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        out[j] = *(const uint4 *)(cbuf + box * 8192 + r * 128 + ((j ^ (r & 7)) << 4));
+}
+
 /* Consumer warpgroup's 64 x (64*nbox) bf16 result (already activated) ->
- * global through the swizzled buffer + TMA store. Boxes starting at or past
+ * global through the swizzled buffer + TMA store (and, GEMM1 with push, each
+ * row to its home rank from the same buffer). Boxes starting at or past
  * col_lim (relative to col0) are skipped; the tensor map clips the rest. */
 __device__ __forceinline__ void gm_store_tma(const uint32_t *pk, unsigned char *cbuf, const CUtensorMap *map, int row0,
-                                             int col0, int nhalves, int col_lim, int tid, int c) {
+                                             int col0, int nhalves, int col_lim, int tid, int c, const gm_params_t &p,
+                                             const int mode) {
     const int lane = tid & 31, wi = tid >> 5, mi = lane >> 3;
     const int row = wi * 16 + (mi & 1) * 8 + (lane & 7); /* row (0..63) whose 16-byte chunk this lane addresses */
     const uint32_t cb = gm_smem(cbuf);
@@ -268,14 +289,30 @@ __device__ __forceinline__ void gm_store_tma(const uint32_t *pk, unsigned char *
             if (h * 128 + 64 < col_lim) gm_tma_store(map, cbuf + 8192, col0 + h * 128 + 64, row0);
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
+        /* the buffer is read here before the next half's barrier lets anyone overwrite it */
+        if (mode == GM_MODE_GEMM1 && p.push_on) gm_push_half(p, cbuf, row0, col0 + h * 128, col_lim - h * 128, tid);
     }
 }
 
-/* The same from registers, masked to rows < rows and columns < col_lim. */
+/* The same from registers, masked to rows < rows and columns < col_lim
+ * (and, GEMM1 with push, each valid row to its home rank: 4-byte stores, for
+ * the few half tiles with fewer than 64 rows). */
 __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *out, int ld, int row0, int col0, int ncols,
-                                              int rows, int col_lim, int tid) {
+                                              int rows, int col_lim, int tid, const gm_params_t &p, const int mode) {
     const int lane = tid & 31, wi = tid >> 5;
     const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
+    if (mode == GM_MODE_GEMM1 && p.push_on) {
+        const int h0 = r < rows ? p.rows[row0 + r].src_rank : -1, h1 = r + 8 < rows ? p.rows[row0 + r + 8].src_rank : -1;
+        comet_bf16_t *d0 = h0 >= 0 && h0 < COMET_GEMM_MAX_PUSH ? p.push[h0] : NULL;
+        comet_bf16_t *d1 = h1 >= 0 && h1 < COMET_GEMM_MAX_PUSH ? p.push[h1] : NULL;
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+            const int col = cb + j * 8;
+            if (j * 8 >= ncols || col >= col_lim) continue;
+            if (d0) *(uint32_t *)&d0[(size_t)(row0 + r) * ld + col0 + col] = pk[2 * j + 0];
+            if (d1) *(uint32_t *)&d1[(size_t)(row0 + r + 8) * ld + col0 + col] = pk[2 * j + 1];
+        }
+    }
 #pragma unroll
     for (int j = 0; j < 32; j++) {
         const int col = cb + j * 8;
@@ -409,9 +446,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
             const int rows = blk.num_rows - c * 64, col_lim = col_end - col0, row0 = blk.row_start + c * 64;
             if (rows >= 64)
-                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, col0, ncols / 128, col_lim, tid, c);
+                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, col0, ncols / 128, col_lim, tid, c, p, mode);
             else if (rows > 0)
-                gm_store_regs(pk, p.c, p.n, row0, col0, ncols, rows, col_lim, tid);
+                gm_store_regs(pk, p.c, p.n, row0, col0, ncols, rows, col_lim, tid, p, mode);
             if (p.chunk_done) {
                 /* both consumers' stores of this tile are complete and visible, then one release add */
                 if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -588,6 +625,11 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     p.epoch = hk.epoch;
     p.chunk_done = gemm1 ? hk.chunk_done : NULL;
     p.skip = hk.skip;
+    if (gemm1 && hk.push) { /* rows to their home ranks too (args.push) */
+        p.push_on = 1;
+        p.rows = plan.rows;
+        for (int q = 0; q < COMET_GEMM_MAX_PUSH; q++) p.push[q] = a->push[q];
+    }
     p.timeout_ns = hk.timeout_ns;
     p.timeout_report = hk.timeout_report;
     p.sched = g->sched + (gemm1 ? 2 : 0);

@@ -38,6 +38,8 @@ extern "C" {
 #define COMET_GEMM_TILE_M 128
 /* Column tile of GEMM1 (and of GELU GEMM0); GEMM1 chunk widths are multiples of it. */
 #define COMET_GEMM_TILE_N 256
+/* Ranks GEMM1 can push its output rows to (comet_gemm_args_t.push). */
+#define COMET_GEMM_MAX_PUSH 8
 
 /* What one layer's grouped GEMMs work on; all pointers are device pointers. */
 typedef struct {
@@ -48,6 +50,11 @@ typedef struct {
     comet_bf16_t *h;           /* (max_rows_padded, F_local) */
     const comet_bf16_t *w2;    /* (E_local, H, F_local) */
     comet_bf16_t *o;           /* (max_rows_padded, H) */
+    /* push[q] != NULL (q < COMET_GEMM_MAX_PUSH): where GEMM1 may also store the
+     * rows of o whose token lives on rank q (plan rows' src_rank), at the same
+     * row index: rank q's receive buffer for this rank, a peer pointer. Used
+     * by launches whose hooks say push; NULL for this rank itself. */
+    comet_bf16_t *push[COMET_GEMM_MAX_PUSH];
     uint32_t *sched;           /* device, 4 words zeroed once, kept as long as the GEMM (the tile
                                 * counters; every launch leaves them 0), or NULL: prepare allocates
                                 * and zeroes its own (synchronous calls: not inside a stream capture) */
@@ -72,6 +79,8 @@ typedef struct {
      * "some rank's input is invalid" flag). */
     const uint32_t *skip;
     int num_ctas;              /* persistent CTAs (one per SM); 0 = every SM */
+    int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
+                                * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
     int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
     uint64_t timeout_ns;
     /* 8 words of host-mapped memory (cudaHostAlloc(..., cudaHostAllocMapped),

@@ -153,7 +153,7 @@ __global__ void k_publish(comet_cuda_ctx_t c) {
     comet_sym_flags_t *f = flags_of(&c, c.d.rank);
     f->status = c.state->own_status;
     f->token_count = (uint64_t)c.num_tokens;
-    f->mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : 0;
+    f->mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : (uint64_t)c.push;
     __threadfence_system();
     st_release_sys(&f->entry, c.state->epoch);
 }
@@ -163,7 +163,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
     const uint64_t e = s->epoch, t0 = TRACE_T0;
-    const uint64_t mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : 0;
+    const uint64_t mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : (uint64_t)c.push;
     uint32_t bad = 0, other_mode = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         comet_sym_flags_t *f = flags_of(&c, q);
@@ -402,6 +402,7 @@ typedef struct {
  * tokens (their plans lie in their symmetric buffers) and my staged routing. */
 typedef struct {
     const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
+    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv[q] */
     const int32_t *idx;                       /* my staged topk_idx */
     const float *wts;                         /* my staged topk_w */
 } combine_src_t;
@@ -411,6 +412,8 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
         comet_plan_t pq;
         comet_plan_carve(&c->d, c->peers[q] + c->lay.plan, &pq);
         src->ros[q] = pq.row_of_slot + (int64_t)c->d.rank * c->d.max_tokens * c->d.topk;
+        src->o_of[q] = (const comet_bf16_t *)(c->push && q != c->d.rank ? c->sym + c->lay.recv + (size_t)q * c->lay.recv_slot
+                                                                          : c->peers[q] + c->lay.o);
     }
     if (threadIdx.x == 0) {
         src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
@@ -454,7 +457,7 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
     const int64_t hd = c->d.hidden, k = c->d.topk;
     const int lane = threadIdx.x % 32, tp = c->d.tp, vec = hd % 8 == 0;
     const int q = g * tp + tpi;
-    const comet_bf16_t *oq = (const comet_bf16_t *)(c->peers[q] + c->lay.o);
+    const comet_bf16_t *oq = src->o_of[q];
 #pragma unroll
     for (int i = 0; i < COL_GROUPS * 8; i++) part[i] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
@@ -747,6 +750,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         if (ge != cudaSuccess) return ge;
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
+        hooks.push = c.push; /* o rows to their home ranks too: the combine then reads local memory */
         ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
         if (ge != cudaSuccess) return ge;
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
