@@ -34,7 +34,8 @@
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce
  *            (ascending slot, fmaf) over the o rows of its slots on q, pulled
- *            from q's o at the rows q's plan gives (row_of_slot); y = the
+ *            from q's o at the rows q's plan gives (row_of_slot), or with
+ *            push read from my recv[q], where q's GEMM1 stored them; y = the
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
