@@ -22,6 +22,21 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
+/* comet_problem_run with COMET_PUSH=1 while its layers are created (the
+ * caller's value put back after). */
+static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
+    const char *old = getenv("COMET_PUSH");
+    char *keep = old ? strdup(old) : NULL;
+    setenv("COMET_PUSH", "1", 1);
+    comet_status_t st = comet_problem_run(p, world, run, 0);
+    if (keep)
+        setenv("COMET_PUSH", keep, 1);
+    else
+        unsetenv("COMET_PUSH");
+    free(keep);
+    return st;
+}
+
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro,
                      const char *tag) {
     const int w = cfg->tp * cfg->ep;
@@ -75,25 +90,25 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into
      * their home ranks and the combine reads them there: the same bits */
     if (w > 1) {
-        setenv("COMET_PUSH", "1", 1);
+        const size_t pull_bytes = run.memory.symmetric_bytes;
         comet_problem_poison(p);
         run.n_comm = COMET_SEQUENTIAL;
-        st = comet_problem_run(p, world, &run, 0);
-        unsetenv("COMET_PUSH");
+        st = run_with_push(p, world, &run);
         same = st == COMET_SUCCESS;
         for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
-        CHECK(same, "%s: push: %s, output %s", tag, comet_status_string(st),
-              same ? "equal" : "differs from the pull combine's");
+        CHECK(same && run.memory.symmetric_bytes > pull_bytes, "%s: push: %s, output %s, receive buffers %s", tag,
+              comet_status_string(st), same ? "equal" : "differs from the pull combine's",
+              run.memory.symmetric_bytes > pull_bytes ? "allocated" : "missing");
     }
     for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }
 
-/* For each of sequential and overlapped, launched directly and replayed from
- * a CUDA graph (captured on a fresh layer's first forward): a layer created
- * for the run, 100 forwards (output poisoned before each), every output
- * bitwise equal to the first direct one. */
+/* For each of sequential, overlapped and (W > 1) sequential with push,
+ * launched directly and replayed from a CUDA graph (captured on a fresh
+ * layer's first forward): a layer created for the run, 100 forwards (output
+ * poisoned before each), every output bitwise equal to the first direct one. */
 static void repeat_case(int w) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     const comet_model_t *mod = comet_model_find("mixtral-8x7b");
@@ -108,12 +123,14 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    for (int mode = 0; mode < 4; mode++) {
+    static const char *const names[3] = {"sequential", "overlapped", "sequential with push"};
+    for (int mode = 0; mode < (w > 1 ? 6 : 4); mode++) {
+        const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = mode % 2 ? 8 : COMET_SEQUENTIAL, run.graph = mode >= 2, run.repeats = 100, run.compare_repeats = 1;
+        run.n_comm = kind == 1 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100, run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = comet_problem_run(p, world, &run, 0);
+        comet_status_t st = kind == 2 ? run_with_push(p, world, &run) : comet_problem_run(p, world, &run, 0);
         int differ = 0;
         if (mode == 0) { /* the reference output of the others: written, and right */
             comet_check_t chk;
@@ -130,9 +147,8 @@ static void repeat_case(int w) {
             }
             differ += memcmp(ref[s], p->y[s], bytes) != 0;
         }
-        CHECK(st == COMET_SUCCESS && differ == 0, "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ", w,
-              mode % 2 ? "overlapped" : "sequential", mode >= 2 ? " from a CUDA graph" : "", comet_status_string(st),
-              run.message[0], differ);
+        CHECK(st == COMET_SUCCESS && differ == 0, "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ", w, names[kind],
+              graph ? " from a CUDA graph" : "", comet_status_string(st), run.message[0], differ);
     }
     for (int s = 0; s < w; s++) free(ref[s]);
     comet_world_destroy(world);

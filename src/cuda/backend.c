@@ -151,13 +151,19 @@ static void release_shared_id(cuda_shared_t *s) {
 }
 
 /* The rank's communicator, created on first use (local worlds), and checks
- * that every rank brought the same config. */
-static comet_status_t join_ranks(comet_layer_t *l, comet_comm_t **comm) {
+ * that every rank brought the same config and push choice (both size the
+ * symmetric buffer, which every rank must allocate alike). */
+static comet_status_t join_ranks(comet_layer_t *l, int push, comet_comm_t **comm) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
     cuda_world_t *cw = l->world->backend_world;
-    comet_dims_t key = *d;
-    key.rank = key.tp_rank = key.ep_rank = 0;
+    struct {
+        comet_dims_t d;
+        int push;
+    } key;
+    memset(&key, 0, sizeof key); /* padding hashed too */
+    key.d = *d, key.push = push;
+    key.d.rank = key.d.tp_rank = key.d.ep_rank = 0;
     if (l->world->local_rank < 0) {
         cuda_shared_t *sh = NULL;
         shared_id_arg_t arg = {w, cw->comm[rank] == NULL};
@@ -184,7 +190,8 @@ static comet_status_t join_ranks(comet_layer_t *l, comet_comm_t **comm) {
         if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: config check: %s", rank, ncclGetErrorString(r));
         if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
         if (host[0] != ~host[1])
-            return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: ranks passed different configs to comet_layer_create",
+            return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                              "rank %d: ranks passed different configs to comet_layer_create (or COMET_PUSH differs)",
                               rank);
     }
     *comm = cw->comm[rank];
@@ -256,10 +263,6 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
-    /* push (measurement for now): GEMM1 stores each o row into its home rank
-     * too, so the combine reads local memory; W ranks of one receive buffer each */
-    const char *push_env = getenv("COMET_PUSH");
-    L->push = push_env && strcmp(push_env, "1") == 0 && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     sym_layout(d, L->push, &c->lay);
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
@@ -323,7 +326,12 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->device = device_of(l->world, rank);
     cudaError_t e = cudaSetDevice(L->device);
     comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
-    const int joined = st == COMET_SUCCESS && l->dims.world_size > 1 && (st = join_ranks(l, &L->comm)) == COMET_SUCCESS;
+    /* push (a measurement for now): GEMM1 stores each o row into its home
+     * rank too, so the combine reads local memory; one receive buffer a rank */
+    const char *push_env = getenv("COMET_PUSH");
+    const int w = l->dims.world_size;
+    L->push = push_env && strcmp(push_env, "1") == 0 && w > 1 && w <= COMET_GEMM_MAX_PUSH;
+    const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
         free_all(L);

@@ -243,20 +243,29 @@ __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     return x;
 }
 
-/* GEMM1 push: thread tid copies its row's 64 columns of one 64-column box
- * (row tid / 2, box tid % 2) from the staged, swizzled half tile into the
- * row's home rank (p.push[src_rank]; not this rank, not padding), 8 x 16 B. */
+/* GEMM1 push: the staged, swizzled half tile (64 rows x 128 columns, two
+ * 64-column boxes) copied row by row into each row's home rank (p.push of its
+ * src_rank; not this rank, not padding). Eight consecutive lanes take one
+ * row's 128 bytes of a box, so a warp's store writes four whole lines. */
 __device__ __forceinline__ void gm_push_half(const gm_params_t &p, const unsigned char *cbuf, int row0, int col,
                                              int col_lim_half, int tid) {
-    const int r = tid >> 1, box = tid & 1;
-    if (box * 64 >= col_lim_half) return;
-    const int home = p.rows[row0 + r].src_rank;
-    comet_bf16_t *dst = home >= 0 && home < COMET_GEMM_MAX_PUSH ? p.push[home] : NULL;
-    if (!dst) return;
-    uint4 *out = (uint4 *)(dst + (size_t)(row0 + r) * p.n + col + box * 64);
+    const uint32_t cb = gm_smem(cbuf);
+    comet_bf16_t *dst[8];
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-        out[j] = *(const uint4 *)(cbuf + box * 8192 + r * 128 + ((j ^ (r & 7)) << 4));
+    for (int i = 0; i < 8; i++) { /* the homes first: their loads overlap */
+        const int r = i * 8 + (tid >> 4), home = p.rows[row0 + r].src_rank;
+        dst[i] = home >= 0 && home < COMET_GEMM_MAX_PUSH ? p.push[home] : NULL;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int r = i * 8 + (tid >> 4), box = (tid >> 3) & 1, chunk = tid & 7;
+        if (!dst[i] || box * 64 >= col_lim_half) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(cb + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4)));
+        *(uint4 *)(dst[i] + (size_t)(row0 + r) * p.n + col + box * 64 + chunk * 8) = v;
+    }
 }
 
 /* Consumer warpgroup's 64 x (64*nbox) bf16 result (already activated) ->
@@ -461,6 +470,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             }
         }
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* stores done before smem goes */
+        if (mode == GM_MODE_GEMM1 && p.push_on) __threadfence_system(); /* pushed rows, before the home is told */
     }
 }
 
