@@ -236,7 +236,7 @@ static comet_status_t barrier(cuda_layer_t *L, int rank) {
 }
 
 /* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned;
- * the receive buffers of pushed o rows only with push. */
+ * the receive buffer of pushed o rows only with push. */
 static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay) {
     size_t off = 0;
 #define COMET_SYM_FIELD(field, bytes)                  \
@@ -250,8 +250,7 @@ static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay)
     COMET_SYM_FIELD(topk_w, (size_t)(d->max_tokens * d->topk) * 4);
     COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
     COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
-    lay->recv_slot = push ? (size_t)(d->max_rows_padded * d->hidden) * 2 : 0;
-    COMET_SYM_FIELD(recv, (size_t)d->world_size * lay->recv_slot);
+    COMET_SYM_FIELD(recv, push ? (size_t)(d->tp * d->max_tokens * d->topk * d->hidden) * 2 : 0);
 #undef COMET_SYM_FIELD
     lay->total = off;
 }
@@ -380,8 +379,8 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
             comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16};
-            for (int q = 0; L->push && q < l->dims.world_size; q++) /* my slot of rank q's receive buffer */
-                if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv + (size_t)l->rank * c.lay.recv_slot);
+            for (int q = 0; L->push && q < l->dims.world_size; q++) /* rank q's receive buffer */
+                if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
             char err[256];
             comet_gemm_destroy(L->gemm);
             L->gemm = NULL;

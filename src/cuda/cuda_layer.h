@@ -13,9 +13,10 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
- *   recv      (W, max_rows_padded, H)   with push (COMET_PUSH=1): [q][row] rank q's
- *             bf16                      o row `row` when its token lives here,
- *                                       stored by q's GEMM1 epilogue
+ *   recv      (TP, max_T, topk, H) bf16 with push (COMET_PUSH=1): [tp][t][j] the o row
+ *                                       of my token t's slot j computed by the rank
+ *                                       with tp index tp of the slot's EP group,
+ *                                       stored by that rank's GEMM1 epilogue
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
@@ -35,7 +36,7 @@
  *            contributing rank q (ascending): q's partial = top-k reduce
  *            (ascending slot, fmaf) over the o rows of its slots on q, pulled
  *            from q's o at the rows q's plan gives (row_of_slot), or with
- *            push read from my recv[q], where q's GEMM1 stored them; y = the
+ *            push read from my recv[tp of q][t][j] (my own rows: my o); y = the
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
@@ -82,7 +83,6 @@ typedef struct {
 
 typedef struct {
     size_t flags, x, topk_idx, topk_w, plan, o, recv, total; /* byte offsets, total size */
-    size_t recv_slot; /* bytes of one source rank's receive buffer (0: no push) */
 } comet_sym_layout_t;
 
 /* Private device state of one rank's layer. */

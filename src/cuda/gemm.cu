@@ -69,6 +69,8 @@ typedef struct {
     comet_bf16_t *push[COMET_GEMM_MAX_PUSH]; /* GEMM1 with push: destination of rows homed on rank q, or NULL */
     const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push */
     int push_on;
+    int64_t push_tp_rows;                    /* d.tp_rank * d.max_tokens: this rank's rows of a receive buffer */
+    int push_topk;
     uint64_t timeout_ns;
     uint64_t *timeout_report;
     uint32_t *sched; /* [0] next tile to claim, [1] CTAs past the end; both back to 0 at kernel end */
@@ -243,28 +245,32 @@ __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     return x;
 }
 
+/* GEMM1 push: where plan row `row` goes in its home rank's receive buffer
+ * (gemm.h), or NULL (this rank's own tokens, padding rows). */
+__device__ __forceinline__ comet_bf16_t *gm_push_row(const gm_params_t &p, int row) {
+    const comet_plan_row_t pr = p.rows[row];
+    comet_bf16_t *base = pr.src_rank >= 0 && pr.src_rank < COMET_GEMM_MAX_PUSH ? p.push[pr.src_rank] : NULL;
+    return base ? base + ((p.push_tp_rows + pr.src_token) * p.push_topk + pr.slot) * (int64_t)p.n : NULL;
+}
+
 /* GEMM1 push: the staged, swizzled half tile (64 rows x 128 columns, two
- * 64-column boxes) copied row by row into each row's home rank (p.push of its
- * src_rank; not this rank, not padding). Eight consecutive lanes take one
- * row's 128 bytes of a box, so a warp's store writes four whole lines. */
+ * 64-column boxes) copied row by row into the rows' home ranks. Eight
+ * consecutive lanes take one row's 128 bytes of a box, so a warp's store
+ * writes four whole lines. */
 __device__ __forceinline__ void gm_push_half(const gm_params_t &p, const unsigned char *cbuf, int row0, int col,
                                              int col_lim_half, int tid) {
     const uint32_t cb = gm_smem(cbuf);
-    comet_bf16_t *dst[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) { /* the homes first: their loads overlap */
-        const int r = i * 8 + (tid >> 4), home = p.rows[row0 + r].src_rank;
-        dst[i] = home >= 0 && home < COMET_GEMM_MAX_PUSH ? p.push[home] : NULL;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int r = i * 8 + (tid >> 4), box = (tid >> 3) & 1, chunk = tid & 7;
-        if (!dst[i] || box * 64 >= col_lim_half) continue;
+    const int box = (tid >> 3) & 1, chunk = tid & 7;
+    if (box * 64 >= col_lim_half) return;
+    for (int i = 0; i < 8; i++) { /* not unrolled: the epilogue has no registers to spare */
+        const int r = i * 8 + (tid >> 4);
+        comet_bf16_t *dst = gm_push_row(p, row0 + r);
+        if (!dst) continue;
         uint4 v;
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "r"(cb + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4)));
-        *(uint4 *)(dst[i] + (size_t)(row0 + r) * p.n + col + box * 64 + chunk * 8) = v;
+        *(uint4 *)(dst + col + box * 64 + chunk * 8) = v;
     }
 }
 
@@ -311,15 +317,13 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
     const int lane = tid & 31, wi = tid >> 5;
     const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
     if (mode == GM_MODE_GEMM1 && p.push_on) {
-        const int h0 = r < rows ? p.rows[row0 + r].src_rank : -1, h1 = r + 8 < rows ? p.rows[row0 + r + 8].src_rank : -1;
-        comet_bf16_t *d0 = h0 >= 0 && h0 < COMET_GEMM_MAX_PUSH ? p.push[h0] : NULL;
-        comet_bf16_t *d1 = h1 >= 0 && h1 < COMET_GEMM_MAX_PUSH ? p.push[h1] : NULL;
+        comet_bf16_t *d0 = r < rows ? gm_push_row(p, row0 + r) : NULL, *d1 = r + 8 < rows ? gm_push_row(p, row0 + r + 8) : NULL;
 #pragma unroll
         for (int j = 0; j < 32; j++) {
             const int col = cb + j * 8;
             if (j * 8 >= ncols || col >= col_lim) continue;
-            if (d0) *(uint32_t *)&d0[(size_t)(row0 + r) * ld + col0 + col] = pk[2 * j + 0];
-            if (d1) *(uint32_t *)&d1[(size_t)(row0 + r + 8) * ld + col0 + col] = pk[2 * j + 1];
+            if (d0) *(uint32_t *)&d0[col0 + col] = pk[2 * j + 0];
+            if (d1) *(uint32_t *)&d1[col0 + col] = pk[2 * j + 1];
         }
     }
 #pragma unroll
@@ -638,6 +642,8 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     if (gemm1 && hk.push) { /* rows to their home ranks too (args.push) */
         p.push_on = 1;
         p.rows = plan.rows;
+        p.push_tp_rows = (int64_t)d->tp_rank * d->max_tokens;
+        p.push_topk = (int)d->topk;
         for (int q = 0; q < COMET_GEMM_MAX_PUSH; q++) p.push[q] = a->push[q];
     }
     p.timeout_ns = hk.timeout_ns;

@@ -50,10 +50,11 @@ typedef struct {
     comet_bf16_t *h;           /* (max_rows_padded, F_local) */
     const comet_bf16_t *w2;    /* (E_local, H, F_local) */
     comet_bf16_t *o;           /* (max_rows_padded, H) */
-    /* push[q] != NULL (q < COMET_GEMM_MAX_PUSH): where GEMM1 may also store the
-     * rows of o whose token lives on rank q (plan rows' src_rank), at the same
-     * row index: rank q's receive buffer for this rank, a peer pointer. Used
-     * by launches whose hooks say push; NULL for this rank itself. */
+    /* push[q] != NULL (q < COMET_GEMM_MAX_PUSH): rank q's receive buffer (a
+     * peer pointer), where GEMM1 may also store each row of o whose token
+     * lives on rank q (plan row: src_rank q, src_token t, slot j), as row
+     * (d.tp_rank * d.max_tokens + t) * d.topk + j. Used by launches whose
+     * hooks say push; NULL for this rank itself. */
     comet_bf16_t *push[COMET_GEMM_MAX_PUSH];
     uint32_t *sched;           /* device, 4 words zeroed once, kept as long as the GEMM (the tile
                                 * counters; every launch leaves them 0), or NULL: prepare allocates

@@ -402,7 +402,8 @@ typedef struct {
  * tokens (their plans lie in their symmetric buffers) and my staged routing. */
 typedef struct {
     const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
-    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv[q] */
+    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv */
+    int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j] */
     const int32_t *idx;                       /* my staged topk_idx */
     const float *wts;                         /* my staged topk_w */
 } combine_src_t;
@@ -412,8 +413,8 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
         comet_plan_t pq;
         comet_plan_carve(&c->d, c->peers[q] + c->lay.plan, &pq);
         src->ros[q] = pq.row_of_slot + (int64_t)c->d.rank * c->d.max_tokens * c->d.topk;
-        src->o_of[q] = (const comet_bf16_t *)(c->push && q != c->d.rank ? c->sym + c->lay.recv + (size_t)q * c->lay.recv_slot
-                                                                          : c->peers[q] + c->lay.o);
+        src->pushed[q] = c->push && q != c->d.rank;
+        src->o_of[q] = (const comet_bf16_t *)(src->pushed[q] ? c->sym + c->lay.recv : c->peers[q] + c->lay.o);
     }
     if (threadIdx.x == 0) {
         src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
@@ -444,7 +445,10 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
                                                combine_lane_t *x) {
     const int64_t k = c->d.topk;
     const int lane = threadIdx.x % 32, tp = c->d.tp;
-    if (live && lane < k * tp && lane / tp < k) x->row = src->ros[x->g * tp + lane % tp][x->t * k + lane / tp];
+    if (!live || lane >= k * tp || lane / tp >= k) return;
+    const int q = x->g * tp + lane % tp;
+    x->row = src->pushed[q] ? (int32_t)(((int64_t)(lane % tp) * c->d.max_tokens + x->t) * k + lane / tp) /* no load */
+                            : src->ros[q][x->t * k + lane / tp];
 }
 
 /* Rank q's partial of token x.t (q = group g, tp index tpi): the top-k reduce
@@ -477,7 +481,9 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
             } else if (j < k) {
                 gj = (int32_t)(src->idx[x->t * k + j] / c->d.experts_local);
                 wj[u] = src->wts[x->t * k + j];
-                if (gj == g) r[u] = src->ros[q][x->t * k + j];
+                if (gj == g)
+                    r[u] = src->pushed[q] ? (int32_t)(((int64_t)tpi * c->d.max_tokens + x->t) * k + j)
+                                          : src->ros[q][x->t * k + j];
             }
             if (j >= k || gj != g) r[u] = -1;
 #pragma unroll
