@@ -46,9 +46,9 @@ for step in $STEPS; do
             >> "$OUT/gemm.log" 2>&1
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
-    push) # the sequential chain with GEMM1 pushing rows home (COMET_PUSH=1) beside the pull combine
-        for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2" "--tp 2"; do
-            line=$(COMET_PUSH=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --n-comm -1 --iters ${ITERS:-10} --warmup 2 \
+    push) # GEMM1 pushing rows home (COMET_PUSH=1): sequential, and overlapped (comm CTAs beside GEMM0 only)
+        for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2 --n-comm -1" "--tp 2 --n-comm -1" "--ep 2 --n-comm 8 --comm-hidden"; do
+            line=$(COMET_PUSH=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
                 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("push $layout: ${line:-FAILED (see bench.log)}")
         done; done; done

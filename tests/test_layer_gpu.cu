@@ -99,13 +99,20 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         CHECK(same && run.memory.symmetric_bytes > pull_bytes, "%s: push: %s, output %s, receive buffers %s", tag,
               comet_status_string(st), same ? "equal" : "differs from the pull combine's",
               run.memory.symmetric_bytes > pull_bytes ? "allocated" : "missing");
+        comet_problem_poison(p); /* and overlapped: comm CTAs beside GEMM0 only */
+        run.n_comm = 8;
+        st = run_with_push(p, world, &run);
+        same = st == COMET_SUCCESS;
+        for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+        CHECK(same, "%s: overlapped with push: %s, output %s", tag, comet_status_string(st),
+              same ? "equal" : "differs from the sequential one");
     }
     for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }
 
-/* For each of sequential, overlapped and (W > 1) sequential with push,
+/* For each of sequential, overlapped and (W > 1) both with push,
  * launched directly and replayed from a CUDA graph (captured on a fresh
  * layer's first forward): a layer created for the run, 100 forwards (output
  * poisoned before each), every output bitwise equal to the first direct one. */
@@ -123,14 +130,14 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[3] = {"sequential", "overlapped", "sequential with push"};
-    for (int mode = 0; mode < (w > 1 ? 6 : 4); mode++) {
+    static const char *const names[4] = {"sequential", "overlapped", "sequential with push", "overlapped with push"};
+    for (int mode = 0; mode < (w > 1 ? 8 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = kind == 1 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100, run.compare_repeats = 1;
+        run.n_comm = kind % 2 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100, run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind == 2 ? run_with_push(p, world, &run) : comet_problem_run(p, world, &run, 0);
+        comet_status_t st = kind >= 2 ? run_with_push(p, world, &run) : comet_problem_run(p, world, &run, 0);
         int differ = 0;
         if (mode == 0) { /* the reference output of the others: written, and right */
             comet_check_t chk;

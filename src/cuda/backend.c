@@ -402,7 +402,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             c.chunk_cols = (int)cc;
             c.disable = args->disable;
         }
-        c.push = L->push && c.gemm && c.n_comm == 0; /* the sequential chain with the Hopper GEMM */
+        c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
     }
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;

@@ -24,7 +24,8 @@
  *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
  *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
- *            with push, else the overlapped mode's chunk width), entry = e
+ *            with push, 3 overlapped with push, else the overlapped mode's
+ *            chunk width), entry = e
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs: the builder, one
@@ -130,7 +131,8 @@ typedef struct {
      * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
      * rank has flagged it. */
     int n_comm;                    /* 0: the sequential chain */
-    int push;                      /* sequential chain: GEMM1 pushed o rows into their home ranks' recv */
+    int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
+                                    * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */

@@ -94,6 +94,12 @@ __device__ static inline void wait_geq(const uint64_t *flag, uint64_t target, co
     wait_flag(flag, target, c->timeout_ns, c->d.rank, role, index);
 }
 
+/* This call's protocol, as every rank must run it (cuda_layer.h: mode). */
+__device__ static inline uint64_t comet_cuda_mode(const comet_cuda_ctx_t *c) {
+    const int overlapped = c->gemm && c->n_comm > 0;
+    return c->push ? (overlapped ? 3u : 1u) : overlapped ? (uint64_t)c->chunk_cols : 0u;
+}
+
 __device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
     return (comet_sym_flags_t *)(c->peers[q] + c->lay.flags);
 }
@@ -153,7 +159,7 @@ __global__ void k_publish(comet_cuda_ctx_t c) {
     comet_sym_flags_t *f = flags_of(&c, c.d.rank);
     f->status = c.state->own_status;
     f->token_count = (uint64_t)c.num_tokens;
-    f->mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : (uint64_t)c.push;
+    f->mode = comet_cuda_mode(&c);
     __threadfence_system();
     st_release_sys(&f->entry, c.state->epoch);
 }
@@ -163,7 +169,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
     const uint64_t e = s->epoch, t0 = TRACE_T0;
-    const uint64_t mode = c.gemm && c.n_comm > 0 ? (uint64_t)c.chunk_cols : (uint64_t)c.push;
+    const uint64_t mode = comet_cuda_mode(&c);
     uint32_t bad = 0, other_mode = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         comet_sym_flags_t *f = flags_of(&c, q);
@@ -554,7 +560,7 @@ __global__ void k_signal(comet_cuda_ctx_t c) {
 /* The combine of the sequential chain: once every rank's o is complete, y of
  * every local token over all columns. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
-    if (c.state->skip) return;
+    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return; /* the measurement without communication */
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
     if (threadIdx.x == 0)
@@ -731,6 +737,22 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         int ge = gemm_on ? comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
         if (ge != cudaSuccess) return ge;
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
+        if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
+            hooks.block_ready = NULL;
+            hooks.num_ctas = c.num_sms; /* the pulls are long done: GEMM0 waited for every block */
+            hooks.push = 1;
+            if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
+            ge = gemm_on ? comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
+            if (ge != cudaSuccess) return ge;
+            if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
+            e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
+            if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
+            if (e != cudaSuccess) return (int)e;
+            k_signal<<<1, 1, 0, stream>>>(c);
+            k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+            k_exit<<<1, 1, 0, stream>>>(c);
+            return (int)cudaGetLastError();
+        }
         k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
         hooks.block_ready = NULL;
         hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
