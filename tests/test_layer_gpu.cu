@@ -8,8 +8,9 @@
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
- * bitwise equal to the sequential chain, and so the sequential chain with
- * GEMM1 pushing its rows home (COMET_PUSH=1); one layer run 100 times in each mode,
+ * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
+ * rows home (COMET_PUSH=1; receive buffers poisoned at create); one layer
+ * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must

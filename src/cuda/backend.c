@@ -42,7 +42,7 @@ typedef struct {
     cudaStream_t last_stream;
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
-    int push;              /* COMET_PUSH=1 at create: the sequential chain's GEMM1 pushes o rows home */
+    int push;              /* COMET_PUSH=1 at create: GEMM1 pushes o rows home (both modes) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -311,6 +311,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     }
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
+    /* pushed rows arrive in recv: poisoned (bf16 NaN) until they do, so a row never pushed shows */
+    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
     CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
     CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
     CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
@@ -325,8 +327,8 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->device = device_of(l->world, rank);
     cudaError_t e = cudaSetDevice(L->device);
     comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
-    /* push (a measurement for now): GEMM1 stores each o row into its home
-     * rank too, so the combine reads local memory; one receive buffer a rank */
+    /* push (a measurement for now; both modes): GEMM1 stores each o row into
+     * its home rank too, so the combine reads local memory */
     const char *push_env = getenv("COMET_PUSH");
     const int w = l->dims.world_size;
     L->push = push_env && strcmp(push_env, "1") == 0 && w > 1 && w <= COMET_GEMM_MAX_PUSH;

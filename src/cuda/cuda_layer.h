@@ -68,8 +68,9 @@ typedef struct {
     uint64_t done;            /* last finished epoch */
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
-    uint64_t mode;            /* this epoch's protocol: 0 the sequential chain, else the overlapped
-                               * mode's chunk width (every rank must run the same) */
+    uint64_t mode;            /* this epoch's protocol (every rank must run the same): 0 sequential,
+                               * 1 sequential with push, 3 overlapped with push, else the
+                               * overlapped mode's chunk width */
     uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
                                                   column chunk c of rank q's o is complete */
@@ -129,7 +130,8 @@ typedef struct {
      * GEMM0 waits for; in layer 1, comm CTA 0 flags each GEMM1 column chunk
      * on every rank as soon as its tiles are stored, and all comm CTAs
      * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
-     * rank has flagged it. */
+     * rank has flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on
+     * every SM, pushes, and the sequential chain's signal and combine follow. */
     int n_comm;                    /* 0: the sequential chain */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
                                     * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */

@@ -245,12 +245,16 @@ __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     return x;
 }
 
+static_assert(sizeof(comet_plan_row_t) == 16, "gm_push_row reads a plan row as one int4");
+
 /* GEMM1 push: where plan row `row` goes in its home rank's receive buffer
  * (gemm.h), or NULL (this rank's own tokens, padding rows). */
 __device__ __forceinline__ comet_bf16_t *gm_push_row(const gm_params_t &p, int row) {
-    const comet_plan_row_t pr = p.rows[row];
-    comet_bf16_t *base = pr.src_rank >= 0 && pr.src_rank < COMET_GEMM_MAX_PUSH ? p.push[pr.src_rank] : NULL;
-    return base ? base + ((p.push_tp_rows + pr.src_token) * p.push_topk + pr.slot) * (int64_t)p.n : NULL;
+    /* one read-only 16-byte load (the plan does not change during the GEMM), which the
+     * compiler may hoist above the pushes' stores */
+    const int4 pr = __ldg((const int4 *)(p.rows + row)); /* src_rank, src_token, slot, weight bits */
+    comet_bf16_t *base = pr.x >= 0 && pr.x < COMET_GEMM_MAX_PUSH ? p.push[pr.x] : NULL;
+    return base ? base + ((p.push_tp_rows + pr.y) * p.push_topk + pr.z) * (int64_t)p.n : NULL;
 }
 
 /* GEMM1 push: the staged, swizzled half tile (64 rows x 128 columns, two
@@ -262,7 +266,8 @@ __device__ __forceinline__ void gm_push_half(const gm_params_t &p, const unsigne
     const uint32_t cb = gm_smem(cbuf);
     const int box = (tid >> 3) & 1, chunk = tid & 7;
     if (box * 64 >= col_lim_half) return;
-    for (int i = 0; i < 8; i++) { /* not unrolled: the epilogue has no registers to spare */
+    for (int i = 0; i < 8; i++) { /* each row's destination just before its store: the epilogue has no
+                                    * registers to hold all eight (that spilled) */
         const int r = i * 8 + (tid >> 4);
         comet_bf16_t *dst = gm_push_row(p, row0 + r);
         if (!dst) continue;

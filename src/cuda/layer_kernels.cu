@@ -740,7 +740,9 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
             hooks.block_ready = NULL;
             hooks.num_ctas = c.num_sms; /* the pulls are long done: GEMM0 waited for every block */
-            hooks.push = 1;
+            /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
+             * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
+            hooks.push = !(c.disable & COMET_DISABLE_COMM);
             if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
             ge = gemm_on ? comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
             if (ge != cudaSuccess) return ge;
