@@ -429,6 +429,15 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
     __syncthreads();
 }
 
+/* Where rank q (tp index tpi) has slot j of my token t: with push my recv
+ * row [tpi][t][j] (computed), else the row q's plan gives (a load, remote for
+ * other ranks). */
+__device__ static inline int32_t slot_row(const comet_cuda_ctx_t *c, const combine_src_t *src, int q, int tpi,
+                                          int64_t t, int64_t j) {
+    const int64_t k = c->d.topk;
+    return src->pushed[q] ? (int32_t)(((int64_t)tpi * c->d.max_tokens + t) * k + j) : src->ros[q][t * k + j];
+}
+
 /* Step 1 of a token's lane data (local loads): t, g, w, grp, ng. */
 __device__ static inline combine_lane_t combine_lane_local(const comet_cuda_ctx_t *c, const comet_plan_t *p,
                                                            const combine_src_t *src, int64_t t, int live) {
@@ -452,9 +461,7 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
     const int64_t k = c->d.topk;
     const int lane = threadIdx.x % 32, tp = c->d.tp;
     if (!live || lane >= k * tp || lane / tp >= k) return;
-    const int q = x->g * tp + lane % tp;
-    x->row = src->pushed[q] ? (int32_t)(((int64_t)(lane % tp) * c->d.max_tokens + x->t) * k + lane / tp) /* no load */
-                            : src->ros[q][x->t * k + lane / tp];
+    x->row = slot_row(c, src, x->g * tp + lane % tp, lane % tp, x->t, lane / tp);
 }
 
 /* Rank q's partial of token x.t (q = group g, tp index tpi): the top-k reduce
@@ -487,9 +494,7 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
             } else if (j < k) {
                 gj = (int32_t)(src->idx[x->t * k + j] / c->d.experts_local);
                 wj[u] = src->wts[x->t * k + j];
-                if (gj == g)
-                    r[u] = src->pushed[q] ? (int32_t)(((int64_t)tpi * c->d.max_tokens + x->t) * k + j)
-                                          : src->ros[q][x->t * k + j];
+                if (gj == g) r[u] = slot_row(c, src, q, tpi, x->t, j);
             }
             if (j >= k || gj != g) r[u] = -1;
 #pragma unroll
@@ -700,6 +705,16 @@ extern "C" int comet_cuda_layer_warm(void) {
     return comet_gemm_warm();
 }
 
+/* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace. */
+static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
+    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 0);
+    const int ge = which ? comet_gemm1_launch((const comet_gemm_t *)c->gemm, stream, hooks)
+                         : comet_gemm0_launch((const comet_gemm_t *)c->gemm, stream, hooks);
+    if (ge != cudaSuccess) return ge;
+    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1);
+    return cudaSuccess;
+}
+
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
     const comet_cuda_ctx_t c = *ctx;
@@ -719,6 +734,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, &c.state->skip, stream);
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1);
+    int combine = 1; /* the signal and combine kernels after GEMM1 (all but the chunked overlapped combine) */
     if (c.gemm && c.n_comm > 0) { /* overlapped: comm CTAs on stream2 beside the GEMM CTAs */
         cudaStream_t s2 = (cudaStream_t)c.stream2;
         cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);
@@ -733,58 +749,38 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
-        int ge = gemm_on ? comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
+        int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
+        hooks.block_ready = NULL;
         if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
-            hooks.block_ready = NULL;
             hooks.num_ctas = c.num_sms; /* the pulls are long done: GEMM0 waited for every block */
             /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
              * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
             hooks.push = !(c.disable & COMET_DISABLE_COMM);
-            if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
-            ge = gemm_on ? comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
-            if (ge != cudaSuccess) return ge;
-            if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
-            e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
-            if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
-            if (e != cudaSuccess) return (int)e;
-            k_signal<<<1, 1, 0, stream>>>(c);
-            k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
-            k_exit<<<1, 1, 0, stream>>>(c);
-            return (int)cudaGetLastError();
+        } else { /* comm CTAs combine GEMM1's column chunks as they come */
+            k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
+            hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
+            hooks.chunk_cols = c.chunk_cols;
+            combine = 0;
         }
-        k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
-        hooks.block_ready = NULL;
-        hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
-        hooks.chunk_cols = c.chunk_cols;
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
-        ge = gemm_on ? comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks) : 0;
+        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
         e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
         if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
         if (e != cudaSuccess) return (int)e;
-        k_exit<<<1, 1, 0, stream>>>(c);
-        return (int)cudaGetLastError();
-    }
-    k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
-    if (c.gemm) { /* Hopper grouped GEMM */
+    } else if (c.gemm) { /* sequential, Hopper grouped GEMM */
+        k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
         hooks.skip = &c.state->skip;
         hooks.num_ctas = c.num_sms;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
-        int ge = comet_gemm0_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        int ge = launch_gemm(&c, 0, &hooks, stream);
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
         hooks.push = c.push; /* o rows to their home ranks too: the combine then reads local memory */
-        ge = comet_gemm1_launch((const comet_gemm_t *)c.gemm, stream, &hooks);
+        ge = launch_gemm(&c, 1, &hooks, stream);
         if (ge != cudaSuccess) return ge;
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
-    } else {
+    } else { /* sequential, SIMT tiles */
+        k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
@@ -792,8 +788,10 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     }
-    k_signal<<<1, 1, 0, stream>>>(c);
-    k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    if (combine) {
+        k_signal<<<1, 1, 0, stream>>>(c);
+        k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    }
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
 }
