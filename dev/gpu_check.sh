@@ -34,7 +34,7 @@ for step in $STEPS; do
     sanitize) # compute-sanitizer on the small configurations (works on Firecracker
               # machines only: on gVisor it refuses the device, which the log shows)
         for tool in memcheck racecheck; do
-            COMET_TIMEOUT_MS=120000 COMET_LAYER_TEST_SMALL=1 COMET_GEMM_TEST_SMALL=1 timeout 400 compute-sanitizer --tool $tool \
+            COMET_TIMEOUT_MS=120000 COMET_LAYER_TEST_SMALL=1 COMET_GEMM_TEST_SMALL=1 timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool \
                 --error-exitcode 99 build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
             summary+=("compute-sanitizer $tool test_layer_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_layer_gpu: [0-9]' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')")
         done
@@ -46,11 +46,13 @@ for step in $STEPS; do
             >> "$OUT/gemm.log" 2>&1
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
-    push) # GEMM1 pushing rows home (COMET_PUSH=1): sequential, and overlapped (comm CTAs beside GEMM0 only)
-        for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2 --n-comm -1" "--tp 2 --n-comm -1" "--ep 2 --n-comm 8 --comm-hidden"; do
-            line=$(COMET_PUSH=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
-                2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
-            summary+=("push $layout: ${line:-FAILED (see bench.log)}")
+    push) # push (the default) beside the pull combine (COMET_PUSH=0), sequential and overlapped
+        for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2 --n-comm -1" "--ep 2 --n-comm 8 --comm-hidden"; do
+            for push in 1 0; do
+                line=$(COMET_PUSH=$push timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                    2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+                summary+=("COMET_PUSH=$push $layout: ${line:-FAILED (see bench.log)}")
+            done
         done; done; done
         ;;
     bench)

@@ -9,7 +9,8 @@
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
  * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
- * rows home (COMET_PUSH=1; receive buffers poisoned at create); one layer
+ * rows home (the default, COMET_PUSH=1 here; the other cases set
+ * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create); one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
@@ -228,6 +229,7 @@ int main(void) {
     /* COMET_LAYER_TEST_SMALL=1 (e.g. under compute-sanitizer): the small
      * random and narrow configurations only */
     const int small = getenv("COMET_LAYER_TEST_SMALL") != NULL;
+    setenv("COMET_PUSH", "0", 1); /* the pull combine, except where run_with_push asks for push */
     comet_rng_t rng = {31};
     for (int w = 1; w <= (gpus >= 2 ? 2 : 1); w++)
         for (int tp = 1; tp <= w; tp++) {

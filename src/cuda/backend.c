@@ -42,7 +42,7 @@ typedef struct {
     cudaStream_t last_stream;
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
-    int push;              /* COMET_PUSH=1 at create: GEMM1 pushes o rows home (both modes) */
+    int push;              /* at create, unless COMET_PUSH=0: GEMM1 pushes o rows home (both modes) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -327,11 +327,12 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->device = device_of(l->world, rank);
     cudaError_t e = cudaSetDevice(L->device);
     comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
-    /* push (a measurement for now; both modes): GEMM1 stores each o row into
-     * its home rank too, so the combine reads local memory */
+    /* push (the default since it measured as fast or faster everywhere,
+     * dev/NOTES.md; COMET_PUSH=0 keeps the pull combine): GEMM1 stores each
+     * o row into its home rank too, so the combine reads local memory */
     const char *push_env = getenv("COMET_PUSH");
     const int w = l->dims.world_size;
-    L->push = push_env && strcmp(push_env, "1") == 0 && w > 1 && w <= COMET_GEMM_MAX_PUSH;
+    L->push = !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {

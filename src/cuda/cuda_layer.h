@@ -13,7 +13,7 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
- *   recv      (TP, max_T, topk, H) bf16 with push (COMET_PUSH=1): [tp][t][j] the o row
+ *   recv      (TP, max_T, topk, H) bf16 with push (default; not with COMET_PUSH=0): [tp][t][j] the o row
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue

@@ -235,10 +235,24 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
     *col_end = end < p.n ? end : p.n;
 }
 
+/* SiLU on the special-function unit: g * rcp(1 + 2^(-g log2 e)), ex2 and
+ * rcp approximate (relative error ~2^-22 against comet_silu's expf and IEEE
+ * divide, so h, stored bf16, differs from the reference's by at most one
+ * rounding flip, rarely). Five instructions instead of ~30: the gated
+ * epilogue runs while no consumer issues wgmma, so its length is lost
+ * tensor-core time (dev/NOTES.md). Same limits as comet_silu: -0 for very
+ * negative g, g for large g, NaN for NaN and -inf. */
+__device__ __forceinline__ float gm_silu(float g) {
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504088896341f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+    return g * r;
+}
+
 /* Output value of accumulator element i (fp32): gated pairs gate column
  * (element i < 64) with up (i + 64, 128 columns further); GELU; or plain. */
 __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
-    if (mode == GM_MODE_GATED) return comet_silu(d[i]) * d[i + 64];
+    if (mode == GM_MODE_GATED) return gm_silu(d[i]) * d[i + 64];
     if (mode == GM_MODE_GELU) return comet_gelu(d[i]);
     float x; /* an opaque copy: without it ptxas serialises GEMM1's wgmmas (C7520) */
     asm volatile("mov.b32 %0, %1;" : "=f"(x) : "f"(d[i]));

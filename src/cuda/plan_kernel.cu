@@ -12,8 +12,9 @@
  *     tokens are taken 1024 at a time (one per thread), each thread sets its
  *     bit in a per-expert bitmask of the chunk, and its rank among the chunk's
  *     rows of that expert is the popcount of the bits below it;
- *   - the local-first block order and the send lists use the same stable
- *     ranking with the stage, or a single key, as the key.
+ *   - the send lists ride along as one more key ("token has a row here"),
+ *     and the local-first block order uses the same stable ranking with the
+ *     stage as the key.
  * Experts per rank are limited by shared memory (COMET_PLAN_MAX_KEYS); above
  * it, and for the reference, the sequential builder of plan_impl.h runs in
  * one thread.
@@ -53,14 +54,14 @@ __device__ static inline void set_bit(uint32_t *bits, int key) {
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_dims_t d, comet_plan_input_t in,
                                                                           void *workspace, const uint32_t *skip) {
     extern __shared__ uint32_t bits[]; /* [keys][PLAN_WORDS], then aux[keys] */
-    __shared__ int32_t chunk_base;
+    __shared__ int32_t send_base;
     if (skip && *skip) return;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
     const int64_t el = d.experts_local, topk = d.topk, tm = d.tile_m, e0 = (int64_t)d.ep_rank * el;
     const int64_t slots = d.max_tokens * topk;
-    const int keys = (int)(el > w ? el : w);
+    const int keys = (int)(el + 1 > w ? el + 1 : w); /* key el: "token has a row here" (send lists) */
     int32_t *aux = (int32_t *)(bits + keys * PLAN_WORDS); /* first block of each expert; next slot of each stage */
 
     /* 1. rows per local expert, counted in shared memory (aux), one atomic per
@@ -95,22 +96,30 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
     }
     __syncthreads();
 
-    /* 3. fill rows in (stage, token, slot) order, 1024 tokens at a time */
+    /* 3. fill rows in (stage, token, slot) order, 1024 tokens at a time; and
+     * the send lists: the tokens of each home rank with a row here, ascending
+     * (key el of the bitmasks) */
+    const int send_key = (int)el;
     for (int q = 0; q < w; q++) {
         const int s = comet_rank_of_stage(r, q, w);
         const int32_t *idx = in.topk_idx[s];
         const float *wt = in.topk_w[s];
         int32_t *ros = p.row_of_slot + (int64_t)s * slots;
+        int32_t *list = p.send_tokens + (int64_t)s * d.max_tokens;
+        if (tid == 0) send_base = 0;
         for (int64_t base = 0; base < in.token_count[s]; base += nt) {
             const int64_t t = base + tid;
             const int live = t < in.token_count[s];
-            clear_bits(bits, (int)el);
+            clear_bits(bits, send_key + 1);
             __syncthreads();
+            int any = 0;
             for (int64_t j = 0; live && j < topk; j++) {
                 int64_t e = (int64_t)idx[t * topk + j] - e0;
-                if (e >= 0 && e < el) set_bit(bits, (int)e);
+                if (e >= 0 && e < el) set_bit(bits, (int)e), any = 1;
             }
+            if (any) set_bit(bits, send_key);
             __syncthreads();
+            if (any) list[send_base + rank_below(bits, send_key)] = (int32_t)t;
             for (int64_t j = 0; live && j < topk; j++) {
                 int64_t e = (int64_t)idx[t * topk + j] - e0;
                 if (e < 0 || e >= el) {
@@ -128,8 +137,10 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
             }
             __syncthreads();
             for (int64_t e = tid; e < el; e += nt) p.cursor[e] += key_total(bits, (int)e);
+            if (tid == 0) send_base += key_total(bits, send_key);
             __syncthreads();
         }
+        if (tid == 0) p.send_count[s] = send_base;
     }
     for (int64_t e = 0; e < el; e++) /* padding rows */
         for (int32_t i = p.expert_start[e] + p.expert_count[e] + tid; i < p.expert_start[e + 1]; i += nt) {
@@ -163,7 +174,6 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
 
     /* 5. local-first order: stable ranking of blocks by stage */
     const int32_t nb = p.totals->num_blocks;
-    if (tid == 0) chunk_base = 0;
     for (int q = tid; q < w; q += nt) p.stage_end[q] = 0;
     __syncthreads();
     for (int32_t bb = 0; bb < nb; bb += nt) { /* stage counts */
@@ -187,30 +197,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
         __syncthreads();
     }
 
-    /* 6a. send lists: the tokens of each home rank with a row here, ascending */
-    for (int s = 0; s < w; s++) {
-        const int32_t *ros = p.row_of_slot + (int64_t)s * slots;
-        int32_t *list = p.send_tokens + (int64_t)s * d.max_tokens;
-        if (tid == 0) chunk_base = 0;
-        __syncthreads();
-        for (int64_t base = 0; base < in.token_count[s]; base += nt) {
-            const int64_t t = base + tid;
-            int any = 0;
-            for (int64_t j = 0; t < in.token_count[s] && j < topk; j++) any |= ros[t * topk + j] >= 0;
-            clear_bits(bits, 1);
-            __syncthreads();
-            if (any) set_bit(bits, 0);
-            __syncthreads();
-            if (any) list[chunk_base + rank_below(bits, 0)] = (int32_t)t;
-            __syncthreads();
-            if (tid == 0) chunk_base += key_total(bits, 0);
-            __syncthreads();
-        }
-        if (tid == 0) p.send_count[s] = chunk_base;
-        __syncthreads();
-    }
-
-    /* 6b. EP groups of each local token, ascending (as plan_impl.h) */
+    /* 6. EP groups of each local token, ascending (as plan_impl.h) */
     const int32_t *own = in.topk_idx[r];
     for (int64_t t = tid; t < in.token_count[r]; t += nt) {
         int32_t *g = p.home_groups + t * topk;
@@ -243,7 +230,7 @@ __global__ void comet_plan_build_serial(comet_dims_t d, comet_plan_input_t in, v
 
 extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
                                              const uint32_t *skip, cudaStream_t stream) {
-    const int64_t keys = d->experts_local > d->world_size ? d->experts_local : d->world_size;
+    const int64_t keys = d->experts_local + 1 > d->world_size ? d->experts_local + 1 : d->world_size;
     if (keys > COMET_PLAN_MAX_KEYS) {
         comet_plan_build_serial<<<1, 32, 0, stream>>>(*d, *in, workspace, skip);
         return cudaGetLastError();
