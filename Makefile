@@ -44,8 +44,9 @@ LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_OBJ)
 WL_OBJ  := $(BUILD)/src/workload/workload.o
 TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wildcard tests/test_*.c)))
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
+GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench)
 
-all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(GPU_TESTS)
+all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -69,6 +70,12 @@ $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/l
 $(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
+
+# The grouped-GEMM benchmark (against cuBLAS): built here so that its link is
+# checked everywhere; bench/run_gemm_bench.sh runs it on the GPU machine.
+$(BUILD)/bench/gemm_bench: bench/gemm_bench.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) -lcublas $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 
 test: all
 	@tests/run.sh $(BUILD)
