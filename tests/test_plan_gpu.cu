@@ -1,8 +1,9 @@
 /*
  * test_plan_gpu.cu - the plan built on the GPU (src/cuda/plan_kernel.cu, the
- * parallel builder) is byte for byte the plan built on the host, over random
- * routings and every (TP, EP) layout of W in {1, 2, 4, 8}, with more than 1024
- * tokens per rank (several chunks) in some cases. Both workspaces are poisoned alike
+ * parallel builder, and the serial one past COMET_PLAN_MAX_KEYS) is byte for
+ * byte the plan built on the host, over random routings and every (TP, EP)
+ * layout of W in {1, 2, 4, 8}, with more than 1024 tokens per rank (several
+ * chunks) in some cases, on scratch poisoned before. Both workspaces are poisoned alike
  * first, so an element one side writes and the other does not shows up.
  * Without a GPU it prints "skipped (no GPU)".
  */
@@ -45,14 +46,17 @@ static void check_case(const comet_layer_config_t *cfg, int w, const comet_probl
         comet_plan_carve(&d, host, &plan);
         comet_plan_input_t hin = {p->tokens, (const int32_t *const *)p->topk_idx, (const float *const *)p->topk_w};
         comet_plan_build(&d, &hin, &plan);
+        void *scratch;
         CUDA_OK(cudaMalloc(&dev, bytes));
         CUDA_OK(cudaMemset(dev, 0xab, bytes));
+        CUDA_OK(cudaMalloc(&scratch, comet_cuda_plan_scratch_bytes(&d)));
+        CUDA_OK(cudaMemset(scratch, 0x5a, comet_cuda_plan_scratch_bytes(&d))); /* the builder must not rely on it */
         comet_plan_input_t din = {d_counts, (const int32_t *const *)d_idx_arr, (const float *const *)d_wt_arr};
-        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, NULL, 0));
+        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, scratch, NULL, 0));
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(back, dev, bytes, cudaMemcpyDeviceToHost));
         CHECK(memcmp(host, back, bytes) == 0, "%s rank %d: device plan differs from the host plan", tag, r);
-        cudaFree(dev);
+        cudaFree(dev), cudaFree(scratch);
         free(host), free(back);
     }
     for (int s = 0; s < w; s++) cudaFree(d_idx[s]), cudaFree(d_wt[s]);
@@ -67,16 +71,17 @@ int main(void) {
     }
     comet_rng_t rng = {99};
     const int worlds[] = {1, 2, 4, 8};
-    const int64_t experts[] = {1, 8, 64, 512};
+    /* 1024 experts on one rank: past COMET_PLAN_MAX_KEYS, the serial builder */
+    const int64_t experts[] = {1, 8, 64, 512, 1024};
     for (int wi = 0; wi < 4; wi++)
         for (int tp = 1; tp <= worlds[wi]; tp *= 2)
-            for (int rep = 0; rep < 4; rep++) {
+            for (int rep = 0; rep < 5; rep++) {
                 int w = worlds[wi], ep = w / tp;
                 comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
                 cfg.hidden = 8, cfg.ffn = 4 * tp, cfg.tp = tp, cfg.ep = ep;
                 cfg.num_experts = ep * ((experts[rep] + ep - 1) / ep);
                 cfg.topk = 1 + (int64_t)(comet_rng_next(&rng) % (uint64_t)(cfg.num_experts < 8 ? cfg.num_experts : 8));
-                cfg.max_tokens_per_rank = 1 + (int64_t)(comet_rng_next(&rng) % (rep == 2 ? 3000 : 200));
+                cfg.max_tokens_per_rank = 1 + (int64_t)(comet_rng_next(&rng) % (rep >= 2 ? 3000 : 200)); /* several 1024-token chunks */
                 cfg.tile_m = rep == 3 ? 128 : 1 + (int)(comet_rng_next(&rng) % 16);
                 int64_t tokens[8];
                 for (int s = 0; s < w; s++) tokens[s] = (int64_t)(comet_rng_next(&rng) % (uint64_t)(cfg.max_tokens_per_rank + 1));

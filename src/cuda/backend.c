@@ -21,6 +21,7 @@
 #include "../core/runtime.h"
 #include "../core/status.h"
 #include "../core/validate.h"
+#include "plan_kernel.h"
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "../trace/trace.h"
@@ -30,8 +31,9 @@ typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[7];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
-                            * tile counters at word 16), block_ready, overlap state, routing copies */
+    void *priv[8];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
+                            * tile counters at word 16), block_ready, overlap state, routing copies,
+                            * the plan builder's count table */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
     size_t private_bytes;  /* what layer_init allocated */
@@ -213,7 +215,7 @@ static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
-    for (int i = 0; i < 7; i++) cudaFree(L->priv[i]);
+    for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
     if (L->stream2) cudaStreamDestroy(L->stream2);
@@ -273,10 +275,10 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     }
     const size_t rows = (size_t)d->max_rows_padded;
     const size_t slots = (size_t)(d->max_tokens * d->topk);
-    const size_t bytes[7] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
+    const size_t bytes[8] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
                              256, (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t),
-                             (size_t)w * slots * 8};
-    for (int i = 0; i < 7; i++) {
+                             (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
+    for (int i = 0; i < 8; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
@@ -288,6 +290,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     c->block_ready = L->priv[4];
     c->ov = L->priv[5];
     c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
+    c->plan_scratch = L->priv[7];
     c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));

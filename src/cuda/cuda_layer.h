@@ -109,6 +109,7 @@ typedef struct {
     char *peers[COMET_CUDA_MAX_RANKS]; /* every rank's symmetric buffer, as this GPU addresses it */
     comet_cuda_state_t *state;     /* device */
     void *plan_ws;                 /* in sym (lay.plan), comet_plan_workspace_bytes(d) */
+    void *plan_scratch;            /* private, comet_cuda_plan_scratch_bytes(d) */
     comet_bf16_t *a;               /* (max_rows_padded, H) gathered token rows */
     comet_bf16_t *h;               /* (max_rows_padded, F_local) activations */
     comet_bf16_t *o;               /* in sym (lay.o): (max_rows_padded, H) expert outputs */

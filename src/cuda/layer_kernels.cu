@@ -731,7 +731,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     in.token_count = c.state->token_count; /* device addresses inside the state */
     in.topk_idx = (const int32_t *const *)c.state->route_idx;
     in.topk_w = (const float *const *)c.state->route_w;
-    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, &c.state->skip, stream);
+    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream);
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1);
     int combine = 1; /* the signal and combine kernels after GEMM1 (all but the chunked overlapped combine) */

@@ -1,20 +1,26 @@
 /*
- * plan_kernel.cu - the plan of src/plan/plan.h built on the device by one
- * block of 1024 threads, byte for byte the plan that plan_impl.h builds on the
- * host (tests/test_plan_gpu.cu checks it), so that a rank builds its plan from
- * every rank's routing (read through peer pointers) with no host
- * synchronisation.
+ * plan_kernel.cu - the plan of src/plan/plan.h built on the device, byte for
+ * byte the plan that plan_impl.h builds on the host (tests/test_plan_gpu.cu
+ * checks it), so that a rank builds its plan from every rank's routing with
+ * no host synchronisation.
  *
- * The host builder is sequential; here every phase is parallel and the
- * sequential orders are recovered exactly:
- *   - rows of an expert are ordered by (stage, token, slot). A token names an
- *     expert at most once, so inside one source rank the order is by token:
- *     tokens are taken 1024 at a time (one per thread), each thread sets its
- *     bit in a per-expert bitmask of the chunk, and its rank among the chunk's
- *     rows of that expert is the popcount of the bits below it;
- *   - the send lists ride along as one more key ("token has a row here"),
- *     and the local-first block order uses the same stable ranking with the
- *     stage as the key.
+ * Three launches over chunks of 1024 tokens of every source rank (grid
+ * chunks x W, one token per thread):
+ *   count:  rows per local expert and chunk, and tokens with a row here per
+ *           chunk, into a small table in the caller's scratch (and the home
+ *           groups of this rank's own tokens);
+ *   fill:   each chunk finds where its rows start from the table (expert
+ *           starts: a scan over experts of the padded totals; before them the
+ *           rows of earlier stages and of earlier chunks of its stage) and
+ *           writes them. Inside a chunk the host's order (by token, then slot)
+ *           is recovered exactly: a token names an expert at most once, so
+ *           each thread sets its bit in a per-expert bitmask of the chunk and
+ *           its rank among the chunk's rows of that expert is the popcount of
+ *           the bits below it; the send lists are one more key ("token has a
+ *           row here");
+ *   finish: one block: counts, starts, totals, padding rows, row blocks and
+ *           the local-first block order (the same stable ranking with the
+ *           stage as the key).
  * Experts per rank are limited by shared memory (COMET_PLAN_MAX_KEYS); above
  * it, and for the reference, the sequential builder of plan_impl.h runs in
  * one thread.
@@ -51,129 +57,229 @@ __device__ static inline void set_bit(uint32_t *bits, int key) {
     atomicOr(&bits[key * PLAN_WORDS + threadIdx.x / 32], 1u << (threadIdx.x % 32));
 }
 
-__global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_dims_t d, comet_plan_input_t in,
-                                                                          void *workspace, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [keys][PLAN_WORDS], then aux[keys] */
-    __shared__ int32_t send_base;
+/* Chunks of PLAN_THREADS tokens per source rank (at least one). */
+static int64_t plan_chunks(const comet_dims_t *d) {
+    const int64_t c = (d->max_tokens + PLAN_THREADS - 1) / PLAN_THREADS;
+    return c > 0 ? c : 1;
+}
+
+/* Exclusive prefix sum over the block (PLAN_THREADS threads, one value
+ * each); *total gets the sum. Uses wsum[PLAN_WORDS + 1] of shared memory. */
+__device__ static int block_scan(int v, int *wsum, int *total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = wsum[lane];
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        wsum[lane] = w; /* inclusive over warps */
+        if (lane == 31) wsum[PLAN_WORDS] = w;
+    }
+    __syncthreads();
+    const int r = x - v + (warp ? wsum[warp - 1] : 0);
+    *total = wsum[PLAN_WORDS];
+    __syncthreads(); /* wsum reusable */
+    return r;
+}
+
+/* Count: cnt[(s * chunks + c) * keys + e] = rows of local expert e among
+ * chunk c of rank s's tokens, key el = tokens of the chunk with a row here. */
+__global__ void __launch_bounds__(PLAN_THREADS) comet_plan_count(comet_dims_t d, comet_plan_input_t in, void *workspace,
+                                                                 int32_t *cnt, const uint32_t *skip) {
+    extern __shared__ int32_t scount[]; /* [el + 1] */
+    if (skip && *skip) return;
+    const int s = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const int64_t el = d.experts_local, topk = d.topk, e0 = (int64_t)d.ep_rank * el;
+    const int64_t t = (int64_t)c * PLAN_THREADS + tid, n = in.token_count[s];
+    const int32_t *idx = in.topk_idx[s];
+    for (int64_t e = tid; e <= el; e += PLAN_THREADS) scount[e] = 0;
+    __syncthreads();
+    int any = 0;
+    for (int64_t j = 0; j < topk; j++) { /* every thread takes each step: full-warp match */
+        const int64_t e = t < n ? (int64_t)idx[t * topk + j] - e0 : -1;
+        const int key = e >= 0 && e < el ? (int)e : -1;
+        any |= key >= 0;
+        const unsigned same = __match_any_sync(0xffffffffu, key);
+        if (key >= 0 && tid % 32 == __ffs(same) - 1) atomicAdd(&scount[key], __popc(same));
+    }
+    const unsigned senders = __ballot_sync(0xffffffffu, any);
+    if (tid % 32 == 0 && senders) atomicAdd(&scount[el], __popc(senders));
+    __syncthreads();
+    int32_t *out = cnt + ((int64_t)s * gridDim.x + c) * (el + 1);
+    for (int64_t e = tid; e <= el; e += PLAN_THREADS) out[e] = scount[e];
+
+    /* EP groups of each of this rank's tokens, ascending (as plan_impl.h) */
+    if (s != d.rank || t >= n) return;
+    comet_plan_t p;
+    comet_plan_carve(&d, workspace, &p);
+    int32_t *g = p.home_groups + t * topk;
+    int32_t ng = 0;
+    for (int64_t j = 0; j < topk; j++) {
+        const int32_t grp = (int32_t)(idx[t * topk + j] / el);
+        int dup = 0;
+        for (int32_t m = 0; m < ng; m++) dup |= g[m] == grp;
+        if (dup) continue;
+        int32_t k = ng;
+        while (k > 0 && g[k - 1] > grp) {
+            g[k] = g[k - 1];
+            k--;
+        }
+        g[k] = grp;
+        ng++;
+    }
+    p.home_group_count[t] = ng;
+}
+
+/* Per local expert e (thread e): the expert's total rows, and, for the
+ * chunk (s, c), the rows before it in the expert's (stage, token, slot)
+ * order. */
+__device__ static void expert_sums(const comet_dims_t &d, const int32_t *cnt, int chunks, int s, int c, int64_t e,
+                                   int *total, int *before) {
+    const int w = d.world_size, r = d.rank, keys = (int)d.experts_local + 1;
+    const int q = comet_stage_of(r, s, w);
+    int tot = 0, bef = 0;
+    for (int s2 = 0; s2 < w; s2++) {
+        const int q2 = comet_stage_of(r, s2, w);
+        for (int c2 = 0; c2 < chunks; c2++) {
+            const int v = cnt[((int64_t)s2 * chunks + c2) * keys + e];
+            tot += v;
+            bef += q2 < q || (q2 == q && c2 < c) ? v : 0;
+        }
+    }
+    *total = tot, *before = bef;
+}
+
+__global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, comet_plan_input_t in, void *workspace,
+                                                                const int32_t *cnt, const uint32_t *skip) {
+    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_WORDS], then base[el + 1] */
+    __shared__ int wsum[PLAN_WORDS + 1];
+    if (skip && *skip) return;
+    const int s = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
+    const int64_t el = d.experts_local, topk = d.topk, tm = d.tile_m, e0 = (int64_t)d.ep_rank * el;
+    const int64_t n = in.token_count[s];
+    if ((int64_t)c * PLAN_THREADS >= n) return; /* the whole block: nothing to write */
+    const int send_key = (int)el;
+    int32_t *base = (int32_t *)(bits + (el + 1) * PLAN_WORDS);
+    comet_plan_t p;
+    comet_plan_carve(&d, workspace, &p);
+
+    /* where this chunk's rows of each expert start; where its send-list entries start */
+    int total = 0, before = 0, all;
+    if (tid < el) expert_sums(d, cnt, chunks, s, c, tid, &total, &before);
+    const int start = block_scan(tid < el ? (int)((total + tm - 1) / tm * tm) : 0, wsum, &all);
+    if (tid < el) base[tid] = start + before;
+    if (tid == 0) {
+        int sb = 0;
+        for (int c2 = 0; c2 < c; c2++) sb += cnt[((int64_t)s * chunks + c2) * (el + 1) + el];
+        base[el] = sb;
+    }
+    clear_bits(bits, (int)el + 1);
+    __syncthreads();
+
+    const int64_t t = (int64_t)c * PLAN_THREADS + tid;
+    const int live = t < n;
+    const int32_t *idx = in.topk_idx[s];
+    int any = 0;
+    for (int64_t j = 0; live && j < topk; j++) {
+        const int64_t e = (int64_t)idx[t * topk + j] - e0;
+        if (e >= 0 && e < el) set_bit(bits, (int)e), any = 1;
+    }
+    if (any) set_bit(bits, send_key);
+    __syncthreads();
+    if (!live) return;
+    if (any) p.send_tokens[(int64_t)s * d.max_tokens + base[el] + rank_below(bits, send_key)] = (int32_t)t;
+    const float *wt = in.topk_w[s];
+    int32_t *ros = p.row_of_slot + (int64_t)s * d.max_tokens * topk;
+    for (int64_t j = 0; j < topk; j++) {
+        const int64_t e = (int64_t)idx[t * topk + j] - e0;
+        if (e < 0 || e >= el) {
+            ros[t * topk + j] = -1;
+            continue;
+        }
+        const int32_t row = base[e] + rank_below(bits, (int)e);
+        comet_plan_row_t pr;
+        pr.src_rank = s;
+        pr.src_token = (int32_t)t;
+        pr.slot = (int32_t)j;
+        pr.weight = wt[t * topk + j];
+        p.rows[row] = pr;
+        ros[t * topk + j] = row;
+    }
+}
+
+__global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d, void *workspace, const int32_t *cnt,
+                                                                  int chunks, const uint32_t *skip) {
+    extern __shared__ uint32_t bits[]; /* [W][PLAN_WORDS], then aux[max(el + 1, W)] */
+    __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
-    const int64_t el = d.experts_local, topk = d.topk, tm = d.tile_m, e0 = (int64_t)d.ep_rank * el;
-    const int64_t slots = d.max_tokens * topk;
-    const int keys = (int)(el + 1 > w ? el + 1 : w); /* key el: "token has a row here" (send lists) */
-    int32_t *aux = (int32_t *)(bits + keys * PLAN_WORDS); /* first block of each expert; next slot of each stage */
+    const int64_t el = d.experts_local, tm = d.tile_m;
+    int32_t *aux = (int32_t *)(bits + w * PLAN_WORDS);
 
-    /* 1. rows per local expert, counted in shared memory (aux), one atomic per
-     * warp and expert (a few hot experts would serialise per-slot atomics) */
-    for (int64_t e = tid; e < el; e += nt) aux[e] = 0;
-    __syncthreads();
-    for (int s = 0; s < w; s++) {
-        const int64_t n = in.token_count[s] * topk;
-        for (int64_t base = 0; base < n; base += nt) { /* every thread takes each step: full-warp match */
-            const int64_t i = base + tid;
-            const int64_t e = i < n ? (int64_t)in.topk_idx[s][i] - e0 : -1;
-            const int key = e >= 0 && e < el ? (int)e : -1;
-            const unsigned same = __match_any_sync(0xffffffffu, key);
-            if (key >= 0 && (int)(threadIdx.x % 32) == __ffs(same) - 1) atomicAdd(&aux[key], __popc(same));
-        }
-    }
-    __syncthreads();
-    for (int64_t e = tid; e < el; e += nt) p.expert_count[e] = aux[e];
-    __syncthreads();
-
-    /* 2. padded prefix sums (el is small: one thread) */
-    if (tid == 0) {
-        int32_t rows = 0;
-        p.expert_start[0] = 0;
-        for (int64_t e = 0; e < el; e++) {
-            p.expert_start[e + 1] = p.expert_start[e] + (int32_t)((p.expert_count[e] + tm - 1) / tm * tm);
-            p.cursor[e] = p.expert_start[e];
-            rows += p.expert_count[e];
-        }
-        p.totals->num_rows = rows;
-        p.totals->num_rows_padded = p.expert_start[el];
-    }
-    __syncthreads();
-
-    /* 3. fill rows in (stage, token, slot) order, 1024 tokens at a time; and
-     * the send lists: the tokens of each home rank with a row here, ascending
-     * (key el of the bitmasks) */
-    const int send_key = (int)el;
-    for (int q = 0; q < w; q++) {
-        const int s = comet_rank_of_stage(r, q, w);
-        const int32_t *idx = in.topk_idx[s];
-        const float *wt = in.topk_w[s];
-        int32_t *ros = p.row_of_slot + (int64_t)s * slots;
-        int32_t *list = p.send_tokens + (int64_t)s * d.max_tokens;
-        if (tid == 0) send_base = 0;
-        for (int64_t base = 0; base < in.token_count[s]; base += nt) {
-            const int64_t t = base + tid;
-            const int live = t < in.token_count[s];
-            clear_bits(bits, send_key + 1);
-            __syncthreads();
-            int any = 0;
-            for (int64_t j = 0; live && j < topk; j++) {
-                int64_t e = (int64_t)idx[t * topk + j] - e0;
-                if (e >= 0 && e < el) set_bit(bits, (int)e), any = 1;
-            }
-            if (any) set_bit(bits, send_key);
-            __syncthreads();
-            if (any) list[send_base + rank_below(bits, send_key)] = (int32_t)t;
-            for (int64_t j = 0; live && j < topk; j++) {
-                int64_t e = (int64_t)idx[t * topk + j] - e0;
-                if (e < 0 || e >= el) {
-                    ros[t * topk + j] = -1;
-                    continue;
-                }
-                int32_t row = p.cursor[e] + rank_below(bits, (int)e);
-                comet_plan_row_t pr;
-                pr.src_rank = s;
-                pr.src_token = (int32_t)t;
-                pr.slot = (int32_t)j;
-                pr.weight = wt[t * topk + j];
-                p.rows[row] = pr;
-                ros[t * topk + j] = row;
-            }
-            __syncthreads();
-            for (int64_t e = tid; e < el; e += nt) p.cursor[e] += key_total(bits, (int)e);
-            if (tid == 0) send_base += key_total(bits, send_key);
-            __syncthreads();
-        }
-        if (tid == 0) p.send_count[s] = send_base;
-    }
-    for (int64_t e = 0; e < el; e++) /* padding rows */
-        for (int32_t i = p.expert_start[e] + p.expert_count[e] + tid; i < p.expert_start[e + 1]; i += nt) {
+    /* counts, padded starts, totals; the fill's end of each expert (cursor) */
+    int total = 0, before = 0, padded_all, rows_all, blocks_all;
+    if (tid < el) expert_sums(d, cnt, chunks, 0, 0, tid, &total, &before);
+    const int padded = tid < el ? (int)((total + tm - 1) / tm * tm) : 0;
+    const int start = block_scan(padded, wsum, &padded_all);
+    block_scan(total, wsum, &rows_all);
+    const int nblk = tid < el ? (int)((total + tm - 1) / tm) : 0;
+    const int first_block = block_scan(nblk, wsum, &blocks_all);
+    if (tid < el) {
+        p.expert_count[tid] = total;
+        p.expert_start[tid] = start;
+        p.cursor[tid] = start + total;
+        aux[tid] = first_block;
+        for (int32_t i = start + total; i < start + padded; i++) { /* padding rows */
             comet_plan_row_t pad = {-1, -1, -1, 0.0f};
             p.rows[i] = pad;
         }
-
-    /* 4. row blocks in expert order: block ids by a prefix over experts */
+    }
     if (tid == 0) {
-        int32_t nb = 0;
-        for (int64_t e = 0; e < el; e++) {
-            aux[e] = nb;
-            nb += (int32_t)((p.expert_count[e] + tm - 1) / tm);
-        }
-        p.totals->num_blocks = nb;
+        aux[el] = blocks_all;
+        p.expert_start[el] = padded_all;
+        p.totals->num_rows = rows_all;
+        p.totals->num_rows_padded = padded_all;
+        p.totals->num_blocks = blocks_all;
     }
-    __syncthreads();
-    for (int64_t e = tid; e < el; e += nt) {
-        const int32_t end = p.expert_start[e] + p.expert_count[e];
-        int32_t b = aux[e];
-        for (int32_t start = p.expert_start[e]; start < end; start += (int32_t)tm, b++) {
-            comet_plan_block_t blk;
-            blk.expert = (int32_t)e;
-            blk.row_start = start;
-            blk.num_rows = (int32_t)(end - start < tm ? end - start : tm);
-            blk.stage = comet_stage_of(r, p.rows[start + blk.num_rows - 1].src_rank, w);
-            p.blocks[b] = blk;
-        }
+    for (int s = tid; s < w; s += nt) {
+        int sc = 0;
+        for (int c = 0; c < chunks; c++) sc += cnt[((int64_t)s * chunks + c) * (el + 1) + el];
+        p.send_count[s] = sc;
     }
     __syncthreads();
 
-    /* 5. local-first order: stable ranking of blocks by stage */
-    const int32_t nb = p.totals->num_blocks;
+    /* row blocks in expert order, one thread per block (its expert: the last
+     * with first block <= b, aux[e] being the first block of expert e); rows
+     * are in stage order, so a block's last row has its latest stage */
+    const int32_t nb = blocks_all;
+    for (int32_t b = tid; b < nb; b += nt) {
+        int lo = 0, hi = (int)el - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (aux[mid] <= b) lo = mid;
+            else hi = mid - 1;
+        }
+        const int32_t st = p.expert_start[lo] + (b - aux[lo]) * (int32_t)tm, end = p.expert_start[lo] + p.expert_count[lo];
+        comet_plan_block_t blk;
+        blk.expert = lo;
+        blk.row_start = st;
+        blk.num_rows = (int32_t)(end - st < tm ? end - st : tm);
+        blk.stage = comet_stage_of(r, p.rows[st + blk.num_rows - 1].src_rank, w);
+        p.blocks[b] = blk;
+    }
+    __syncthreads();
+
+    /* local-first order: stable ranking of blocks by stage */
     for (int q = tid; q < w; q += nt) p.stage_end[q] = 0;
     __syncthreads();
     for (int32_t bb = 0; bb < nb; bb += nt) { /* stage counts */
@@ -196,27 +302,6 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_build_parallel(comet_
         for (int q = tid; q < w; q += nt) aux[q] += key_total(bits, q);
         __syncthreads();
     }
-
-    /* 6. EP groups of each local token, ascending (as plan_impl.h) */
-    const int32_t *own = in.topk_idx[r];
-    for (int64_t t = tid; t < in.token_count[r]; t += nt) {
-        int32_t *g = p.home_groups + t * topk;
-        int32_t n = 0;
-        for (int64_t j = 0; j < topk; j++) {
-            int32_t grp = (int32_t)(own[t * topk + j] / el);
-            int dup = 0;
-            for (int32_t m = 0; m < n; m++) dup |= g[m] == grp;
-            if (dup) continue;
-            int32_t k = n;
-            while (k > 0 && g[k - 1] > grp) {
-                g[k] = g[k - 1];
-                k--;
-            }
-            g[k] = grp;
-            n++;
-        }
-        p.home_group_count[t] = n;
-    }
 }
 
 /* The sequential builder, one thread: for plans with more experts per rank
@@ -228,19 +313,32 @@ __global__ void comet_plan_build_serial(comet_dims_t d, comet_plan_input_t in, v
     comet_plan_build(&d, &in, &plan);
 }
 
+extern "C" size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d) {
+    return (size_t)(d->world_size * plan_chunks(d) * (d->experts_local + 1)) * sizeof(int32_t);
+}
+
 extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
-                                             const uint32_t *skip, cudaStream_t stream) {
-    const int64_t keys = d->experts_local + 1 > d->world_size ? d->experts_local + 1 : d->world_size;
+                                             void *scratch, const uint32_t *skip, cudaStream_t stream) {
+    const int64_t el = d->experts_local, w = d->world_size;
+    const int64_t keys = el + 1 > w ? el + 1 : w;
     if (keys > COMET_PLAN_MAX_KEYS) {
         comet_plan_build_serial<<<1, 32, 0, stream>>>(*d, *in, workspace, skip);
         return cudaGetLastError();
     }
-    const size_t smem = (size_t)keys * (PLAN_WORDS + 1) * sizeof(uint32_t);
-    if (smem > 48 * 1024) { /* the limit is per device: set it on the current one */
-        cudaError_t e = cudaFuncSetAttribute(comet_plan_build_parallel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             COMET_PLAN_MAX_KEYS * (PLAN_WORDS + 1) * (int)sizeof(uint32_t));
-        if (e != cudaSuccess) return e;
-    }
-    comet_plan_build_parallel<<<1, PLAN_THREADS, smem, stream>>>(*d, *in, workspace, skip);
+    /* the shared-memory limit is per device: raise it on the current one */
+    const int most = COMET_PLAN_MAX_KEYS * (PLAN_WORDS + 1) * (int)sizeof(uint32_t);
+    const size_t fill_smem = (size_t)(el + 1) * (PLAN_WORDS + 1) * sizeof(uint32_t);
+    const size_t finish_smem = (size_t)keys * (PLAN_WORDS + 1) * sizeof(uint32_t);
+    cudaError_t e = cudaSuccess;
+    if (fill_smem > 48 * 1024) e = cudaFuncSetAttribute(comet_plan_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if (e == cudaSuccess && finish_smem > 48 * 1024)
+        e = cudaFuncSetAttribute(comet_plan_finish, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if (e != cudaSuccess) return e;
+    const int64_t chunks = plan_chunks(d);
+    int32_t *cnt = (int32_t *)scratch;
+    const dim3 grid((unsigned)chunks, (unsigned)w);
+    comet_plan_count<<<grid, PLAN_THREADS, (size_t)(el + 1) * sizeof(int32_t), stream>>>(*d, *in, workspace, cnt, skip);
+    comet_plan_fill<<<grid, PLAN_THREADS, fill_smem, stream>>>(*d, *in, workspace, cnt, skip);
+    comet_plan_finish<<<1, PLAN_THREADS, finish_smem, stream>>>(*d, workspace, cnt, (int)chunks, skip);
     return cudaGetLastError();
 }

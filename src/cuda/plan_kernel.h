@@ -12,16 +12,22 @@
 extern "C" {
 #endif
 
-/* Largest max(E_local, W) the parallel builder handles (shared-memory
+/* Largest max(E_local + 1, W) the parallel builder handles (shared-memory
  * bitmasks); above it a single thread runs the sequential builder. */
 #define COMET_PLAN_MAX_KEYS 1024
 
+/* Device scratch the builder needs beside the workspace (a table of row
+ * counts per source rank, chunk of 1024 tokens and local expert). */
+size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d);
+
 /* Build rank d->rank's plan on the device into workspace (device memory of
- * comet_plan_workspace_bytes(d)). in's arrays (token_count, the pointer
- * arrays and what they point to) must be device-accessible. When skip is not
- * NULL and *skip != 0 at run time, nothing is built. Asynchronous on stream;
- * returns the launch status. */
-cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
+ * comet_plan_workspace_bytes(d)), using scratch (comet_cuda_plan_scratch_bytes
+ * of device memory, contents irrelevant; not shared with a concurrent build).
+ * in's arrays (token_count, the pointer arrays and what they point to) must
+ * be device-accessible. When skip is not NULL and *skip != 0 at run time,
+ * nothing is built. Asynchronous on stream (three kernels); returns the
+ * launch status. */
+cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace, void *scratch,
                                   const uint32_t *skip, cudaStream_t stream);
 
 #ifdef __cplusplus
