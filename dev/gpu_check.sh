@@ -62,10 +62,10 @@ for step in $STEPS; do
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
         ;;
-    trace) # the overlap as a picture: sequential and overlapped, 2 GPUs
+    trace) # the overlap as a picture: sequential and overlapped, 2 GPUs (Mixtral, TRACE_TOKENS)
         for mode in "" "--n-comm 8"; do
             name=trace-gpu${mode:+-overlap}
-            timeout 300 build/comet bench --model mixtral-8x7b --tokens 8192 --ep 2 --iters 3 --warmup 1 $mode \
+            timeout 300 build/comet bench --model mixtral-8x7b --tokens "${TRACE_TOKENS:-8192}" --ep 2 --iters 3 --warmup 1 $mode \
                 --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
             summary+=("trace $mode: exit $? ($OUT/$name.svg)")
         done
