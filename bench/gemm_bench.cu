@@ -18,7 +18,10 @@
  * table and written as the JSON key "curve" of each model (list of
  * {num_ctas, gemm0_ms, gemm0_tflops, gemm0_eff, gemm1_ms, gemm1_tflops,
  * gemm1_eff}; the top level gains "sms").
- * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets)
+ * Two dense shapes ride along: dense-4096 and dense-8192 (one expert, topk
+ * 1, H = F = N tokens): their gemm1 row is our kernel on the dense N^3 GEMM
+ * (plain epilogue) beside cuBLAS on the same; their token count is fixed.
+ * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -54,6 +57,7 @@
 typedef struct {
     const char *name;
     int64_t hidden, ffn, experts, topk;
+    int64_t tokens; /* 0: the command line's */
 } bmodel_t;
 
 static const bmodel_t models[] = {
@@ -61,6 +65,8 @@ static const bmodel_t models[] = {
     {"phi-3.5-moe", 4096, 6400, 16, 2},
     {"qwen2-moe", 2048, 1408, 64, 4},
     {"deepseek-v3", 7168, 2048, 256, 8},
+    {"dense-4096", 4096, 4096, 1, 1, 4096},
+    {"dense-8192", 8192, 8192, 1, 1, 8192},
 };
 
 __global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
@@ -306,13 +312,13 @@ int main(int argc, char **argv) {
     const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
     cublasHandle_t cub;
     CKB(cublasCreate(&cub));
-    bresult_t res[8];
+    bresult_t res[sizeof models / sizeof models[0]];
     int nres = 0;
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         int want = argc <= 2;
         for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
         if (!want) continue;
-        run_model(&models[i], T, cub, sms, curve, &res[nres]);
+        run_model(&models[i], models[i].tokens ? models[i].tokens : T, cub, sms, curve, &res[nres]);
         fprintf(stderr, "%s done\n", models[i].name);
         nres++;
     }
