@@ -28,9 +28,11 @@
  *            chunk width), entry = e
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
- *            copy every rank's staged routing here (all SMs: the builder, one
- *            block, would wait on each remote load), build my plan from it
- *   dispatch pull my experts' token rows from the peers' stages
+ *            copy every rank's staged routing here (all SMs), build my plan
+ *            from it (three launches, plan_kernel.cu)
+ *   dispatch pull my experts' token rows from the peers' stages: each token
+ *            once, stored into every row of its slots here (the overlapped
+ *            mode pulls by row block)
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
  *   signal   o_ready[me] = e on every rank (my o is complete)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each

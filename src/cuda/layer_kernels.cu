@@ -17,6 +17,7 @@
 #define COMET_PLAN_API static __device__
 #include "../plan/plan_impl.h"
 
+#include "../core/validate.h" /* COMET_MAX_RANKS */
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "plan_kernel.h"
@@ -241,7 +242,7 @@ __global__ void k_gather_routing(comet_cuda_ctx_t c) {
 }
 
 /* The token rows of one block, pulled from their home ranks' stages into a,
- * by the whole CTA (both dispatch kernels use it), PULL_ROWS rows at a time:
+ * by the whole CTA (the overlapped dispatch), PULL_ROWS rows at a time:
  * their sources go to shared memory, then every thread keeps PULL_UNROLL
  * 16-byte loads in flight before it stores them. */
 __device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *p, const comet_plan_block_t *blk) {
@@ -282,18 +283,74 @@ __device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *
  * dispatch: pull my experts' token rows from every rank's stage
  * ------------------------------------------------------------------------- */
 
+/* Sequential dispatch, by token: each token with rows here (the plan's send
+ * lists, local rank first) is read once from its home rank's stage and
+ * stored into every row its slots have here (row_of_slot), so a token with
+ * several of its top-k experts on this rank crosses NVLink once (TP: every
+ * slot of every token). CTAs take PULL_ROWS tokens at a time: sources and
+ * slot rows to shared memory, then every thread keeps PULL_UNROLL 16-byte
+ * loads in flight before it stores each to the token's rows. (The
+ * overlapped mode pulls by row block instead: GEMM0 waits per block.) */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c) {
+    __shared__ const char *src_of[PULL_ROWS];
+    __shared__ const int32_t *rows_of[PULL_ROWS]; /* row_of_slot of the token: topk entries, -1 = not here */
+    __shared__ int32_t first[COMET_MAX_RANKS + 1]; /* send-list items before stage q */
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int nb = p.totals->num_blocks;
-    for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+    const int w = c.d.world_size, r = c.d.rank;
+    const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
+    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    if (threadIdx.x == 0) {
+        first[0] = 0;
+        for (int q = 0; q < w; q++) first[q + 1] = first[q] + p.send_count[comet_rank_of_stage(r, q, w)];
+    }
+    __syncthreads();
+    const int32_t items = first[w];
+    for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
         const uint64_t t0 = TRACE_T0;
-        const comet_plan_block_t blk = p.blocks[p.l0_order[i]];
-        pull_rows(&c, &p, &blk);
+        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+        __syncthreads(); /* the previous sources are no longer read */
+        for (int k = threadIdx.x; k < nr; k += blockDim.x) {
+            int q = 0;
+            while (first[q + 1] <= i0 + k) q++;
+            const int s = comet_rank_of_stage(r, q, w);
+            const int32_t t = p.send_tokens[(int64_t)s * c.d.max_tokens + (i0 + k - first[q])];
+            src_of[k] = c.peers[s] + c.lay.x + (size_t)t * row_bytes;
+            rows_of[k] = p.row_of_slot + s * slots + t * topk;
+        }
+        __syncthreads();
+        if (row_bytes % 16) { /* hidden % 8 != 0: one warp a token and row, narrower accesses */
+            for (int k = threadIdx.x / 32; k < nr; k += blockDim.x / 32)
+                for (int64_t j = 0; j < topk; j++) {
+                    const int32_t row = rows_of[k][j];
+                    if (row >= 0) copy_bytes((char *)c.a + row * row_bytes, src_of[k], row_bytes, threadIdx.x % 32, 32);
+                }
+        } else {
+            const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
+            for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
+                uint4 v[PULL_UNROLL];
+#pragma unroll
+                for (int u = 0; u < PULL_UNROLL; u++) {
+                    const uint32_t i = base + u * blockDim.x + threadIdx.x;
+                    if (i < total) v[u] = ((const uint4 *)src_of[i / per_row])[i % per_row];
+                }
+#pragma unroll
+                for (int u = 0; u < PULL_UNROLL; u++) {
+                    const uint32_t i = base + u * blockDim.x + threadIdx.x;
+                    if (i >= total) continue;
+                    const int32_t *ros = rows_of[i / per_row];
+                    for (int64_t j = 0; j < topk; j++) {
+                        const int32_t row = ros[j];
+                        if (row >= 0) ((uint4 *)((char *)c.a + row * row_bytes))[i % per_row] = v[u];
+                    }
+                }
+            }
+        }
         if (c.tr_events) {
             __syncthreads();
-            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, p.l0_order[i], blk.stage, t0);
+            if (threadIdx.x == 0)
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
         }
     }
 }
