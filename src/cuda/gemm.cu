@@ -44,7 +44,7 @@
 #define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
 #define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
 #define GM_SMEM_BYTES (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + 2 * GM_STAGES * 8 + GM_STAGES * 4)
-#define GM_GROUP 16 /* row blocks walked together (L2 reuse of A and B) */
+#define GM_GROUP 16 /* row blocks walked together (L2 reuse of A and B); COMET_GEMM_GROUP overrides it */
 
 enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2 };
 
@@ -57,6 +57,7 @@ typedef struct {
     int up_off;     /* gated: F_local (row offset of the up half) */
     int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
+    int group;      /* row blocks per group of the tile walk (gm_group_coords) */
     int rank;
     const comet_plan_totals_t *totals;
     const comet_plan_block_t *blocks;
@@ -81,6 +82,7 @@ struct comet_gemm {
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     int num_sms;
+    int group;       /* GM_GROUP, or COMET_GEMM_GROUP at prepare (a measurement knob) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -194,12 +196,12 @@ __device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, u
 }
 
 /* Tile t -> (position in the block list, first output column, chunk). Both
- * roles walk the same list. Groups of GM_GROUP blocks are walked column tile
+ * roles walk the same list. Groups of `group` blocks are walked column tile
  * by column tile, so CTAs running together share A rows and B tiles in L2. */
-__device__ __forceinline__ void gm_group_coords(int t, int nb, int tn_count, int *bi, int *tn) {
-    const int per_group = GM_GROUP * tn_count, g = t / per_group, first = g * GM_GROUP;
+__device__ __forceinline__ void gm_group_coords(int t, int nb, int tn_count, int group, int *bi, int *tn) {
+    const int per_group = group * tn_count, g = t / per_group, first = g * group;
     int gs = nb - first;
-    if (gs > GM_GROUP) gs = GM_GROUP;
+    if (gs > group) gs = group;
     const int r = t - g * per_group;
     *bi = first + r % gs;
     *tn = r / gs;
@@ -215,7 +217,7 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
                                           int *col_end) {
     int bi, tn;
     if (p.mode != GM_MODE_GEMM1) {
-        gm_group_coords(t, nb, (p.n + p.tile_cols - 1) / p.tile_cols, &bi, &tn);
+        gm_group_coords(t, nb, (p.n + p.tile_cols - 1) / p.tile_cols, p.group, &bi, &tn);
         *blk = p.order[bi];
         *col0 = tn * p.tile_cols;
         *chunk = 0;
@@ -227,7 +229,7 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
     const int last = ch >= full; /* the narrower last chunk (selects, no branch) */
     ch = last ? full : ch;
     const int tnc = last ? (p.n - full * p.chunk_cols + GM_BN - 1) / GM_BN : tpc;
-    gm_group_coords(t - ch * per_chunk, nb, tnc, &bi, &tn);
+    gm_group_coords(t - ch * per_chunk, nb, tnc, p.group, &bi, &tn);
     *blk = bi;
     *chunk = ch;
     *col0 = ch * p.chunk_cols + tn * GM_BN;
@@ -598,6 +600,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     g->num_sms = sms > 0 ? sms : 132;
+    const char *grp = getenv("COMET_GEMM_GROUP");
+    g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : GM_GROUP;
     cudaError_t e = cudaFuncSetAttribute(comet_gemm0_gated_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          GM_SMEM_BYTES);
     if (e == cudaSuccess)
@@ -652,6 +656,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     gm_params_t p;
     memset(&p, 0, sizeof(p));
     p.rank = d->rank;
+    p.group = g->group;
     p.totals = plan.totals;
     p.blocks = plan.blocks;
     p.block_ready = hk.block_ready;

@@ -102,7 +102,8 @@ const char *comet_gemm_check(const comet_dims_t *d);
 /* Build the tensor maps once per layer (host, no kernel launch; the tile
  * counters are args->sched, or, when that is NULL, 16 bytes of device memory
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
- * share counters.
+ * share counters. COMET_GEMM_GROUP (a measurement knob, read here): row blocks
+ * per group of the tile walk, default 16.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
