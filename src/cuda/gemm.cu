@@ -44,7 +44,17 @@
 #define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
 #define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
 #define GM_SMEM_BYTES (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + 2 * GM_STAGES * 8 + GM_STAGES * 4)
-#define GM_GROUP 16 /* row blocks walked together (L2 reuse of A and B); COMET_GEMM_GROUP overrides it */
+/* Row blocks walked together (L2 reuse of A and B): the largest power of two
+ * up to 16 whose A rows (group x 128 x K bf16) fit in 16 MiB, at least 4.
+ * Measured on H200 (gemm_bench, dev/NOTES.md): DeepSeek GEMM0 (K = 7168)
+ * 472 -> 532 TFLOP/s from 16 to 8 (29 MiB of A rows crowded the B tiles
+ * out of L2), 412 at 32; every other shape flat between 4 and 16.
+ * COMET_GEMM_GROUP (read at prepare) overrides it for measurements. */
+static int gm_group_for(int64_t k) {
+    int g = 16;
+    while (g > 4 && (int64_t)g * GM_BM * k * 2 > ((int64_t)16 << 20)) g /= 2;
+    return g;
+}
 
 enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2 };
 
@@ -82,7 +92,7 @@ struct comet_gemm {
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     int num_sms;
-    int group;       /* GM_GROUP, or COMET_GEMM_GROUP at prepare (a measurement knob) */
+    int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -601,7 +611,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     g->num_sms = sms > 0 ? sms : 132;
     const char *grp = getenv("COMET_GEMM_GROUP");
-    g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : GM_GROUP;
+    g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
     cudaError_t e = cudaFuncSetAttribute(comet_gemm0_gated_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          GM_SMEM_BYTES);
     if (e == cudaSuccess)
@@ -656,7 +666,6 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     gm_params_t p;
     memset(&p, 0, sizeof(p));
     p.rank = d->rank;
-    p.group = g->group;
     p.totals = plan.totals;
     p.blocks = plan.blocks;
     p.block_ready = hk.block_ready;
@@ -696,6 +705,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.order = NULL;
         p.c = a->o;
     }
+    p.group = g->group ? g->group : gm_group_for(p.k);
     const int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     cudaStream_t st = (cudaStream_t)stream;
     if (gemm1)

@@ -9,7 +9,7 @@
  *          row_start + num_rows) of a):  h[rows, n] = act(a[rows] W1[e]^T),
  *          n in [0, F_local); gated SiLU pairs gate row n with up row
  *          F_local + n inside one 256-wide tile; GELU is the erf form.
- *          Tiles in l0_order (local first), grouped by 16 blocks.
+ *          Tiles in l0_order (local first), in groups of 4-16 blocks (gemm.cu).
  *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
  *          major (all blocks of chunk 0, then chunk 1, ...).
  * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
@@ -103,7 +103,7 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * counters are args->sched, or, when that is NULL, 16 bytes of device memory
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
  * share counters. COMET_GEMM_GROUP (a measurement knob, read here): row blocks
- * per group of the tile walk, default 16.
+ * per group of the tile walk instead of the rule in gemm.cu (4 to 16 by K).
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
