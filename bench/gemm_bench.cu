@@ -1,7 +1,8 @@
 /*
  * gemm_bench.cu - speed of comet's Hopper grouped GEMM (src/cuda/gemm.h):
  * GEMM0 + gated SiLU and GEMM1 on one GPU for MoE model shapes at M tokens,
- * EP = 1 (all experts local), TP = 1, uniform random routing, beside cuBLAS
+ * EP = 1 (all experts local; or one rank's experts, below), TP = 1, random
+ * routing (uniform unless skewed, below), beside cuBLAS
  * run per expert (cublasGemmEx in a loop over the host's expert counts; no
  * activation) and cuBLAS dense with the same FLOPs (M = valid rows).
  * TFLOP/s count valid rows only: GEMM0 2*rows*H*2F, GEMM1 2*rows*F*H.
@@ -21,6 +22,10 @@
  * Two dense shapes ride along: dense-4096 and dense-8192 (one expert, topk
  * 1, H = F = N tokens): their gemm1 row is our kernel on the dense N^3 GEMM
  * (plain epilogue) beside cuBLAS on the same; their token count is fixed.
+ * GEMM_BENCH_EP=e (1..8, default 1): e ranks of `tokens` tokens each, the
+ * GEMMs of rank 0 (its E/e experts, rows from every rank: the per-GPU GEMMs
+ * of an EP=e layer at M = e x tokens); GEMM_BENCH_SKEW=s (default 0): expert
+ * popularity 1 + s N(0,1), the routing of src/workload (comet_routing_draw).
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
 #include <cublas_v2.h>
@@ -33,6 +38,7 @@
 
 #include "../src/core/validate.h"
 #include "../src/cuda/gemm.h"
+#include "../src/workload/workload.h"
 
 #define CK(x)                                                                                        \
     do {                                                                                             \
@@ -135,12 +141,21 @@ static double curve_eff(const bresult_t *r, int gm, int p, int sms) {
     return r->curve_tf[gm][p] / r->curve_tf[gm][0] / ((double)r->curve_ctas[p] / sms);
 }
 
-static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, int sms, int curve, bresult_t *res) {
+/* Routing of the run (GEMM_BENCH_EP, GEMM_BENCH_SKEW): ep ranks of T tokens
+ * each; the GEMMs are rank 0's (its E/ep experts, rows from every rank). */
+typedef struct {
+    int ep;
+    double skew;
+} brouting_t;
+
+static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublasHandle_t cub, int sms, int curve,
+                      bresult_t *res) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    const int ep = m->experts % br->ep == 0 ? br->ep : 1; /* the dense shapes have one expert */
     cfg.hidden = m->hidden, cfg.ffn = m->ffn, cfg.num_experts = m->experts, cfg.topk = m->topk;
-    cfg.max_tokens_per_rank = T, cfg.tile_m = 128;
+    cfg.max_tokens_per_rank = T, cfg.tile_m = 128, cfg.ep = ep;
     comet_dims_t d;
-    if (comet_dims_from_config(&cfg, 1, 0, &d) != COMET_SUCCESS) {
+    if (comet_dims_from_config(&cfg, ep, 0, &d) != COMET_SUCCESS) {
         fprintf(stderr, "%s: %s\n", m->name, comet_last_error());
         exit(1);
     }
@@ -150,30 +165,25 @@ static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, int sms,
         exit(1);
     }
     const int64_t H = d.hidden, F = d.ffn_local, E = d.experts_local, K = m->topk, MR = d.max_rows_padded;
-    /* uniform routing: topk distinct experts per token */
-    int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
-    float *w = (float *)malloc(sizeof(float) * (size_t)(T * K));
-    uint64_t s = 0x9e3779b97f4a7c15ull ^ (uint64_t)m->experts;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < K; j++) {
-            int32_t e;
-            int dup;
-            do {
-                s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-                e = (int32_t)(s % (uint64_t)E);
-                dup = 0;
-                for (int64_t q = 0; q < j; q++) dup |= idx[t * K + q] == e;
-            } while (dup);
-            idx[t * K + j] = e, w[t * K + j] = 0.5f;
-        }
+    int32_t *idx[COMET_GEMM_MAX_PUSH];
+    float *w[COMET_GEMM_MAX_PUSH];
+    int64_t tok[COMET_GEMM_MAX_PUSH];
+    for (int s = 0; s < ep; s++) {
+        tok[s] = T;
+        idx[s] = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K + 1));
+        w[s] = (float *)malloc(sizeof(float) * (size_t)(T * K + 1));
+    }
+    comet_routing_opts_t ro = {br->skew, 0, 0x9e3779b97f4a7c15ull ^ (uint64_t)m->experts};
+    comet_rng_t rng = {ro.seed};
+    if (comet_routing_draw(m->experts, K, ep, tok, idx, w, &ro, &rng) != COMET_SUCCESS) {
+        fprintf(stderr, "%s: routing: %s\n", m->name, comet_last_error());
+        exit(1);
+    }
     size_t ws_bytes = comet_plan_workspace_bytes(&d);
     void *ws = aligned_alloc(64, (ws_bytes + 63) / 64 * 64);
     comet_plan_t pl;
     comet_plan_carve(&d, ws, &pl);
-    int64_t tok[1] = {T};
-    const int32_t *ip[1] = {idx};
-    const float *wp[1] = {w};
-    comet_plan_input_t in = {tok, ip, wp};
+    comet_plan_input_t in = {tok, (const int32_t *const *)idx, (const float *const *)w};
     comet_plan_build(&d, &in, &pl);
     const int nrows = pl.totals->num_rows;
     res->name = m->name, res->blocks = pl.totals->num_blocks, res->rows = nrows;
@@ -296,7 +306,8 @@ static void run_model(const bmodel_t *m, int64_t T, cublasHandle_t cub, int sms,
     cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
     cudaFree(d_ws), cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
     cudaFree(oref), cudaFree(d_valid), cudaFree(d_bad);
-    free(idx), free(w), free(ws), free(valid_rows), free(cnt);
+    for (int s = 0; s < ep; s++) free(idx[s]), free(w[s]);
+    free(ws), free(valid_rows), free(cnt);
 }
 
 int main(int argc, char **argv) {
@@ -308,8 +319,13 @@ int main(int argc, char **argv) {
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const char *cv = getenv("GEMM_BENCH_CURVE");
+    const char *cv = getenv("GEMM_BENCH_CURVE"), *ev = getenv("GEMM_BENCH_EP"), *sv = getenv("GEMM_BENCH_SKEW");
     const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
+    brouting_t br = {ev ? atoi(ev) : 1, sv ? atof(sv) : 0.0};
+    if (br.ep < 1 || br.ep > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1) {
+        fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP in 1..%d, GEMM_BENCH_SKEW >= 0\n", COMET_GEMM_MAX_PUSH);
+        return 2;
+    }
     cublasHandle_t cub;
     CKB(cublasCreate(&cub));
     bresult_t res[sizeof models / sizeof models[0]];
@@ -318,15 +334,15 @@ int main(int argc, char **argv) {
         int want = argc <= 2;
         for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
         if (!want) continue;
-        run_model(&models[i], models[i].tokens ? models[i].tokens : T, cub, sms, curve, &res[nres]);
+        run_model(&models[i], models[i].tokens ? models[i].tokens : T, &br, cub, sms, curve, &res[nres]);
         fprintf(stderr, "%s done\n", models[i].name);
         nres++;
     }
     char date[64];
     time_t now = time(NULL);
     strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("\ncomet grouped GEMM, %s, %s, M=%lld tokens/GPU, EP=1 TP=1, uniform routing, median of %d\n", prop.name,
-           date, (long long)T, NREP);
+    printf("\ncomet grouped GEMM, %s, %s, %lld tokens a rank x EP=%d ranks (rank 0's experts; the dense shapes EP=1), "
+           "TP=1, routing skew %g, median of %d\n", prop.name, date, (long long)T, br.ep, br.skew, NREP);
     printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
     printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
            "cuBLAS dense", "ours/loop  o-bad");
@@ -354,8 +370,8 @@ int main(int argc, char **argv) {
     snprintf(path, sizeof path, "%s/gemm_bench.json", out && *out ? out : ".");
     FILE *f = fopen(path, "w");
     if (f) {
-        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"reps\": %d, ", prop.name, date,
-                (long long)T, NREP);
+        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"skew\": %g, \"reps\": %d, ",
+                prop.name, date, (long long)T, br.ep, br.skew, NREP);
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {

@@ -111,8 +111,9 @@ static void fill_bf16(uint16_t *a, int64_t n, double scale, comet_rng_t *r) {
  * Expert popularity: 1 + skew * N(0,1), floored at 0.01, and 0 for the
  * zero_experts chosen at random. Each token draws topk distinct experts in
  * proportion to popularity; its weights are a softmax of random logits. */
-static comet_status_t draw_routing(comet_problem_t *p, const comet_routing_opts_t *ro, comet_rng_t *rng) {
-    const int64_t e_num = p->cfg.num_experts, topk = p->cfg.topk;
+comet_status_t comet_routing_draw(int64_t e_num, int64_t topk, int world_size, const int64_t *tokens,
+                                  int32_t *const *topk_idx, float *const *topk_w, const comet_routing_opts_t *ro,
+                                  comet_rng_t *rng) {
     if (ro->skew < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "routing skew %g < 0", ro->skew);
     if (ro->zero_experts < 0 || e_num - ro->zero_experts < topk)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
@@ -133,10 +134,10 @@ static comet_status_t draw_routing(comet_problem_t *p, const comet_routing_opts_
         int64_t e = (int64_t)(comet_rng_next(rng) % (uint64_t)e_num);
         if (pop[e] > 0) pop[e] = 0, z++;
     }
-    for (int s = 0; s < p->world_size; s++) {
-        for (int64_t t = 0; t < p->tokens[s]; t++) {
-            int32_t *idx = p->topk_idx[s] + t * topk;
-            float *w = p->topk_w[s] + t * topk;
+    for (int s = 0; s < world_size; s++) {
+        for (int64_t t = 0; t < tokens[s]; t++) {
+            int32_t *idx = topk_idx[s] + t * topk;
+            float *w = topk_w[s] + t * topk;
             double left = 0, norm = 0;
             for (int64_t e = 0; e < e_num; e++) left += (mass[e] = pop[e]);
             for (int64_t j = 0; j < topk; j++) {
@@ -158,6 +159,11 @@ static comet_status_t draw_routing(comet_problem_t *p, const comet_routing_opts_
     }
     free(pop), free(mass), free(logit);
     return COMET_SUCCESS;
+}
+
+static comet_status_t draw_routing(comet_problem_t *p, const comet_routing_opts_t *ro, comet_rng_t *rng) {
+    return comet_routing_draw(p->cfg.num_experts, p->cfg.topk, p->world_size, p->tokens, p->topk_idx, p->topk_w, ro,
+                              rng);
 }
 
 /* ---- problems --------------------------------------------------------------- */

@@ -41,6 +41,15 @@ typedef struct {
     uint64_t seed;
 } comet_routing_opts_t;
 
+/* Routing of world_size ranks (tokens[s] tokens each) into topk_idx[s] and
+ * topk_w[s] ((tokens[s], topk) each): expert popularity 1 + skew * N(0,1)
+ * (floored at 0.01; zero_experts random experts at 0), each token drawing
+ * topk distinct experts in proportion, weights a softmax of random logits.
+ * The problems below use it; so does bench/gemm_bench.cu. */
+comet_status_t comet_routing_draw(int64_t num_experts, int64_t topk, int world_size, const int64_t *tokens,
+                                  int32_t *const *topk_idx, float *const *topk_w, const comet_routing_opts_t *ro,
+                                  comet_rng_t *rng);
+
 /* ---- a multi-rank problem ----------------------------------------------------
  * Global weights W1 (E, w1_rows_full, H), W2 (E, H, F) are drawn once; each
  * rank gets its experts' TP slices, laid out as include/comet.h documents. */
