@@ -265,7 +265,7 @@ __device__ __forceinline__ float gm_silu(float g) {
  * (element i < 64) with up (i + 64, 128 columns further); GELU; or plain. */
 __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     if (mode == GM_MODE_GATED) return gm_silu(d[i]) * d[i + 64];
-    if (mode == GM_MODE_GELU) return comet_gelu(d[i]);
+    if (mode == GM_MODE_GELU) return comet_gelu_fast(d[i]); /* comet_gelu's erff spilled here */
     float x; /* an opaque copy: without it ptxas serialises GEMM1's wgmmas (C7520) */
     asm volatile("mov.b32 %0, %1;" : "=f"(x) : "f"(d[i]));
     return x;

@@ -13,8 +13,9 @@
  *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
  *          major (all blocks of chunk 0, then chunk 1, ...).
  * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
- * (comet_gelu of src/core/numerics.h; SiLU with the SFU's ex2 and rcp, within
- * ~2^-22 of comet_silu), h and o stored bf16 (RNE).
+ * (comet_gelu_fast of src/core/numerics.h, within 1e-6 of the exact GELU for
+ * g >= -2; SiLU with the SFU's ex2 and rcp, within ~2^-22 of comet_silu), h
+ * and o stored bf16 (RNE).
  * Padding rows of a block (num_rows < tile_m) are never written.
  *
  * What it is not: a general GEMM (only the two MoE shapes above), nor the
