@@ -127,10 +127,13 @@ typedef struct {
     uint64_t timeout_ns;
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
-    /* overlapped mode (n_comm > 0, Hopper GEMM only): n_comm communication
-     * CTAs on a second stream run beside GEMM CTAs on the others SMs:
-     * layer 0 pulls rows block by block and releases block_ready[b], which
-     * GEMM0 waits for; in layer 1, comm CTA 0 flags each GEMM1 column chunk
+    /* overlapped mode (n_comm > 0, Hopper GEMM only): in layer 0, n_comm
+     * communication CTAs pull rows block by block and release block_ready[b],
+     * which GEMM0 waits for; GEMM0 follows them on the same stream as a
+     * programmatic dependent on every SM (its CTAs take the other SMs at
+     * once and the comm CTAs' SMs when the pulls are done). Without push, in
+     * layer 1 n_comm comm CTAs on a second stream run beside GEMM1 on the
+     * other SMs: comm CTA 0 flags each GEMM1 column chunk
      * on every rank as soon as its tiles are stored, and all comm CTAs
      * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
      * rank has flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on

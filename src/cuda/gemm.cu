@@ -707,14 +707,22 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     }
     p.group = g->group ? g->group : gm_group_for(p.k);
     const int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
-    cudaStream_t st = (cudaStream_t)stream;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3((unsigned)grid), cfg.blockDim = dim3(384), cfg.dynamicSmemBytes = GM_SMEM_BYTES;
+    cfg.stream = (cudaStream_t)stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr, cfg.numAttrs = hk.pdl ? 1 : 0;
+    cudaError_t e;
     if (gemm1)
-        comet_gemm1_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a1, g->b1, g->c1, p);
+        e = cudaLaunchKernelEx(&cfg, comet_gemm1_kernel, g->a1, g->b1, g->c1, p);
     else if (p.mode == GM_MODE_GATED)
-        comet_gemm0_gated_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a0, g->b0, g->c0, p);
+        e = cudaLaunchKernelEx(&cfg, comet_gemm0_gated_kernel, g->a0, g->b0, g->c0, p);
     else
-        comet_gemm0_gelu_kernel<<<grid, 384, GM_SMEM_BYTES, st>>>(g->a0, g->b0, g->c0, p);
-    return (int)cudaGetLastError();
+        e = cudaLaunchKernelEx(&cfg, comet_gemm0_gelu_kernel, g->a0, g->b0, g->c0, p);
+    return (int)e;
 }
 
 extern "C" int comet_gemm_warm(void) {

@@ -82,6 +82,10 @@ typedef struct {
      * "some rank's input is invalid" flag). */
     const uint32_t *skip;
     int num_ctas;              /* persistent CTAs (one per SM); 0 = every SM */
+    int pdl;                   /* launch as a programmatic dependent of the kernel before it in the
+                                * stream: CTAs may start once that kernel triggers launch_dependents
+                                * (griddepcontrol), on the SMs it leaves free; nothing here waits for
+                                * it to finish, so its results must come through block_ready */
     int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
                                 * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
     int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */

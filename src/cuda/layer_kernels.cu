@@ -665,8 +665,14 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
  * ------------------------------------------------------------------------- */
 
 /* Layer 0: pull the rows of each block (local-first order) and release it to
- * GEMM0, which waits on block_ready[b] >= epoch. */
+ * GEMM0, which waits on block_ready[b] >= epoch. GEMM0 is launched right
+ * after on the same stream as a programmatic dependent on every SM: the
+ * trigger below lets its CTAs start on the SMs these n_comm CTAs leave free,
+ * and the rest start on these SMs once the pulls are done (the SMs are lent,
+ * not lost). These CTAs are resident before any GEMM0 CTA, so GEMM0's waits
+ * cannot starve them. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -762,9 +768,11 @@ extern "C" int comet_cuda_layer_warm(void) {
     return comet_gemm_warm();
 }
 
-/* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace. */
+/* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
+ * programmatically dependent on the kernel before it, hooks->pdl, must follow
+ * that kernel directly: its begin mark goes before that kernel instead). */
 static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
-    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 0);
+    if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0);
     const int ge = which ? comet_gemm1_launch((const comet_gemm_t *)c->gemm, stream, hooks)
                          : comet_gemm0_launch((const comet_gemm_t *)c->gemm, stream, hooks);
     if (ge != cudaSuccess) return ge;
@@ -792,39 +800,45 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1);
     int combine = 1; /* the signal and combine kernels after GEMM1 (all but the chunked overlapped combine) */
-    if (c.gemm && c.n_comm > 0) { /* overlapped: comm CTAs on stream2 beside the GEMM CTAs */
-        cudaStream_t s2 = (cudaStream_t)c.stream2;
-        cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);
-        if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
-        if (e != cudaSuccess) return (int)e;
+    if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
         hooks.skip = &c.state->skip;
-        hooks.num_ctas = c.num_sms - c.n_comm;
+        hooks.num_ctas = c.num_sms; /* programmatic dependent of the pulls: CTAs start as SMs come free */
+        hooks.pdl = 1;
         hooks.timeout_ns = c.timeout_ns;
         hooks.block_ready = c.block_ready;
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
-        k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
+        k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
+        hooks.pdl = 0;
         if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
-            hooks.num_ctas = c.num_sms; /* the pulls are long done: GEMM0 waited for every block */
+            hooks.num_ctas = c.num_sms;
             /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
              * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
             hooks.push = !(c.disable & COMET_DISABLE_COMM);
-        } else { /* comm CTAs combine GEMM1's column chunks as they come */
+            ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
+            if (ge != cudaSuccess) return ge;
+        } else { /* comm CTAs on stream2 beside GEMM1 combine its column chunks as they come */
+            cudaStream_t s2 = (cudaStream_t)c.stream2;
+            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream); /* after the pulls and GEMM0 */
+            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
+            if (e != cudaSuccess) return (int)e;
             k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
+            hooks.num_ctas = c.num_sms - c.n_comm;
             hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
             hooks.chunk_cols = c.chunk_cols;
+            ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
+            if (ge != cudaSuccess) return ge;
+            e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
+            if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
+            if (e != cudaSuccess) return (int)e;
             combine = 0;
         }
-        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
-        if (ge != cudaSuccess) return ge;
-        e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
-        if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
-        if (e != cudaSuccess) return (int)e;
     } else if (c.gemm) { /* sequential, Hopper grouped GEMM */
         k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         comet_gemm_hooks_t hooks;
