@@ -32,7 +32,7 @@ typedef struct {
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
     void *priv[8];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
-                            * tile counters at word 16), block_ready, overlap state, routing copies,
+                            * tile counters at word 16), block_ready + block_rows, overlap state, routing copies,
                             * the plan builder's count table */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
     cudaEvent_t ev_plan, ev_comm;
@@ -276,7 +276,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const size_t rows = (size_t)d->max_rows_padded;
     const size_t slots = (size_t)(d->max_tokens * d->topk);
     const size_t bytes[8] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
-                             256, (size_t)d->max_blocks * sizeof(uint64_t), sizeof(comet_cuda_overlap_t),
+                             256, (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t)), sizeof(comet_cuda_overlap_t),
                              (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
     for (int i = 0; i < 8; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
@@ -288,6 +288,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     c->state = L->priv[0];
     c->a = L->priv[1], c->h = L->priv[2];
     c->block_ready = L->priv[4];
+    c->block_rows = (uint32_t *)(c->block_ready + d->max_blocks);
     c->ov = L->priv[5];
     c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
     c->plan_scratch = L->priv[7];

@@ -128,8 +128,8 @@ typedef struct {
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
     /* overlapped mode (n_comm > 0, Hopper GEMM only): in layer 0, n_comm
-     * communication CTAs pull rows block by block and release block_ready[b],
-     * which GEMM0 waits for; GEMM0 follows them on the same stream as a
+     * communication CTAs pull by token, count the rows stored per block and
+     * release block_ready[b] when its last row is in, which GEMM0 waits for; GEMM0 follows them on the same stream as a
      * programmatic dependent on every SM (its CTAs take the other SMs at
      * once and the comm CTAs' SMs when the pulls are done). Without push, in
      * layer 1 n_comm comm CTAs on a second stream run beside GEMM1 on the
@@ -144,6 +144,7 @@ typedef struct {
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */
+    uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */
     comet_cuda_overlap_t *ov;      /* device */
     void *stream2, *ev_plan, *ev_comm; /* cudaStream_t, cudaEvent_t */
     /* tracing (comet_layer_set_trace): events in the layout of

@@ -228,12 +228,15 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
 /* Rows whose sources a CTA looks up at once. */
 #define PULL_ROWS 128
 
-/* Every rank's staged routing copied here by all CTAs, so that the one-block
- * plan builder reads local memory instead of waiting on remote loads. */
+/* Every rank's staged routing copied here by all CTAs, so that the plan
+ * builder reads local memory instead of waiting on remote loads; and, in the
+ * overlapped mode, the dispatch's row counts per block zeroed. */
 __global__ void k_gather_routing(comet_cuda_ctx_t c) {
     comet_cuda_state_t *s = c.state;
     if (s->skip) return;
     const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
+    if (c.n_comm > 0) /* the overlapped dispatch counts rows per block from 0 */
+        for (size_t b = tid; b < (size_t)c.d.max_blocks; b += nth) c.block_rows[b] = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         const size_t n = (size_t)(s->token_count[q] * c.d.topk) * 4;
         copy_bytes(s->route_idx[q], s->peer_idx[q], n, tid, nth);
@@ -241,112 +244,89 @@ __global__ void k_gather_routing(comet_cuda_ctx_t c) {
     }
 }
 
-/* The token rows of one block, pulled from their home ranks' stages into a,
- * by the whole CTA (the overlapped dispatch), PULL_ROWS rows at a time:
- * their sources go to shared memory, then every thread keeps PULL_UNROLL
- * 16-byte loads in flight before it stores them. */
-__device__ static void pull_rows(const comet_cuda_ctx_t *c, const comet_plan_t *p, const comet_plan_block_t *blk) {
-    __shared__ const char *src_of[PULL_ROWS];
+/* ---------------------------------------------------------------------------
+ * dispatch: pull my experts' token rows from every rank's stage
+ * ------------------------------------------------------------------------- */
+
+/* Dispatch by token (both modes): each token with rows here (the plan's send
+ * lists, local rank first) is read once from its home rank's stage and
+ * stored into every row its slots have here (row_of_slot), so a token with
+ * several of its top-k experts on this rank crosses NVLink once (TP: every
+ * slot of every token). Items (tokens) are numbered over the send lists in
+ * stage order; first[q] = items before stage q. */
+typedef struct {
+    const char *src[PULL_ROWS];      /* the token's row in its home rank's stage */
+    const int32_t *rows[PULL_ROWS];  /* its row_of_slot: topk entries, -1 = not here */
+    int32_t first[COMET_MAX_RANKS + 1];
+} dispatch_smem_t;
+
+/* first[] of the send lists (one thread). */
+__device__ static void dispatch_items(const comet_cuda_ctx_t *c, const comet_plan_t *p, dispatch_smem_t *sm) {
+    const int w = c->d.world_size, r = c->d.rank;
+    sm->first[0] = 0;
+    for (int q = 0; q < w; q++) sm->first[q + 1] = sm->first[q] + p->send_count[comet_rank_of_stage(r, q, w)];
+}
+
+/* Items [i0, i0 + nr) by the whole CTA: sources and slot rows to shared
+ * memory, then every thread keeps PULL_UNROLL 16-byte loads in flight before
+ * it stores each to the token's rows (copy = 0: the lookups only). */
+__device__ static void dispatch_batch(const comet_cuda_ctx_t *c, const comet_plan_t *p, dispatch_smem_t *sm, int32_t i0,
+                                      int nr, int copy) {
+    const int w = c->d.world_size, r = c->d.rank;
+    const int64_t topk = c->d.topk, slots = c->d.max_tokens * topk;
     const size_t row_bytes = (size_t)c->d.hidden * 2;
-    for (int r0 = 0; r0 < blk->num_rows; r0 += PULL_ROWS) {
-        const int nr = blk->num_rows - r0 < PULL_ROWS ? blk->num_rows - r0 : PULL_ROWS;
-        __syncthreads(); /* the previous sources are no longer read */
-        for (int r = threadIdx.x; r < nr; r += blockDim.x) {
-            const comet_plan_row_t pr = p->rows[blk->row_start + r0 + r];
-            src_of[r] = c->peers[pr.src_rank] + c->lay.x + (size_t)pr.src_token * row_bytes;
-        }
-        __syncthreads();
-        char *dst = (char *)(c->a + (size_t)(blk->row_start + r0) * c->d.hidden);
-        if (row_bytes % 16) { /* hidden % 8 != 0: one warp a row, narrower accesses */
-            for (int r = threadIdx.x / 32; r < nr; r += blockDim.x / 32)
-                copy_bytes(dst + r * row_bytes, src_of[r], row_bytes, threadIdx.x % 32, 32);
-            continue;
-        }
-        const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
-        for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
-            uint4 v[PULL_UNROLL];
-#pragma unroll
-            for (int u = 0; u < PULL_UNROLL; u++) {
-                const uint32_t i = base + u * blockDim.x + threadIdx.x;
-                if (i < total) v[u] = ((const uint4 *)src_of[i / per_row])[i % per_row];
+    __syncthreads(); /* the previous batch's sources are no longer read */
+    for (int k = threadIdx.x; k < nr; k += blockDim.x) {
+        int q = 0;
+        while (sm->first[q + 1] <= i0 + k) q++;
+        const int s = comet_rank_of_stage(r, q, w);
+        const int32_t t = p->send_tokens[(int64_t)s * c->d.max_tokens + (i0 + k - sm->first[q])];
+        sm->src[k] = c->peers[s] + c->lay.x + (size_t)t * row_bytes;
+        sm->rows[k] = p->row_of_slot + s * slots + t * topk;
+    }
+    __syncthreads();
+    if (!copy) return;
+    if (row_bytes % 16) { /* hidden % 8 != 0: one warp a token and row, narrower accesses */
+        for (int k = threadIdx.x / 32; k < nr; k += blockDim.x / 32)
+            for (int64_t j = 0; j < topk; j++) {
+                const int32_t row = sm->rows[k][j];
+                if (row >= 0) copy_bytes((char *)c->a + row * row_bytes, sm->src[k], row_bytes, threadIdx.x % 32, 32);
             }
+        return;
+    }
+    const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
+    for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
+        uint4 v[PULL_UNROLL];
 #pragma unroll
-            for (int u = 0; u < PULL_UNROLL; u++) {
-                const uint32_t i = base + u * blockDim.x + threadIdx.x;
-                if (i < total) ((uint4 *)dst)[i] = v[u];
+        for (int u = 0; u < PULL_UNROLL; u++) {
+            const uint32_t i = base + u * blockDim.x + threadIdx.x;
+            if (i < total) v[u] = ((const uint4 *)sm->src[i / per_row])[i % per_row];
+        }
+#pragma unroll
+        for (int u = 0; u < PULL_UNROLL; u++) {
+            const uint32_t i = base + u * blockDim.x + threadIdx.x;
+            if (i >= total) continue;
+            const int32_t *ros = sm->rows[i / per_row];
+            for (int64_t j = 0; j < topk; j++) {
+                const int32_t row = ros[j];
+                if (row >= 0) ((uint4 *)((char *)c->a + row * row_bytes))[i % per_row] = v[u];
             }
         }
     }
 }
 
-/* ---------------------------------------------------------------------------
- * dispatch: pull my experts' token rows from every rank's stage
- * ------------------------------------------------------------------------- */
-
-/* Sequential dispatch, by token: each token with rows here (the plan's send
- * lists, local rank first) is read once from its home rank's stage and
- * stored into every row its slots have here (row_of_slot), so a token with
- * several of its top-k experts on this rank crosses NVLink once (TP: every
- * slot of every token). CTAs take PULL_ROWS tokens at a time: sources and
- * slot rows to shared memory, then every thread keeps PULL_UNROLL 16-byte
- * loads in flight before it stores each to the token's rows. (The
- * overlapped mode pulls by row block instead: GEMM0 waits per block.) */
+/* Sequential dispatch: CTAs take PULL_ROWS tokens at a time. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c) {
-    __shared__ const char *src_of[PULL_ROWS];
-    __shared__ const int32_t *rows_of[PULL_ROWS]; /* row_of_slot of the token: topk entries, -1 = not here */
-    __shared__ int32_t first[COMET_MAX_RANKS + 1]; /* send-list items before stage q */
+    __shared__ dispatch_smem_t sm;
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int w = c.d.world_size, r = c.d.rank;
-    const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
-    const size_t row_bytes = (size_t)c.d.hidden * 2;
-    if (threadIdx.x == 0) {
-        first[0] = 0;
-        for (int q = 0; q < w; q++) first[q + 1] = first[q] + p.send_count[comet_rank_of_stage(r, q, w)];
-    }
+    if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
     __syncthreads();
-    const int32_t items = first[w];
+    const int32_t items = sm.first[c.d.world_size];
     for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
         const uint64_t t0 = TRACE_T0;
-        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
-        __syncthreads(); /* the previous sources are no longer read */
-        for (int k = threadIdx.x; k < nr; k += blockDim.x) {
-            int q = 0;
-            while (first[q + 1] <= i0 + k) q++;
-            const int s = comet_rank_of_stage(r, q, w);
-            const int32_t t = p.send_tokens[(int64_t)s * c.d.max_tokens + (i0 + k - first[q])];
-            src_of[k] = c.peers[s] + c.lay.x + (size_t)t * row_bytes;
-            rows_of[k] = p.row_of_slot + s * slots + t * topk;
-        }
-        __syncthreads();
-        if (row_bytes % 16) { /* hidden % 8 != 0: one warp a token and row, narrower accesses */
-            for (int k = threadIdx.x / 32; k < nr; k += blockDim.x / 32)
-                for (int64_t j = 0; j < topk; j++) {
-                    const int32_t row = rows_of[k][j];
-                    if (row >= 0) copy_bytes((char *)c.a + row * row_bytes, src_of[k], row_bytes, threadIdx.x % 32, 32);
-                }
-        } else {
-            const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
-            for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
-                uint4 v[PULL_UNROLL];
-#pragma unroll
-                for (int u = 0; u < PULL_UNROLL; u++) {
-                    const uint32_t i = base + u * blockDim.x + threadIdx.x;
-                    if (i < total) v[u] = ((const uint4 *)src_of[i / per_row])[i % per_row];
-                }
-#pragma unroll
-                for (int u = 0; u < PULL_UNROLL; u++) {
-                    const uint32_t i = base + u * blockDim.x + threadIdx.x;
-                    if (i >= total) continue;
-                    const int32_t *ros = rows_of[i / per_row];
-                    for (int64_t j = 0; j < topk; j++) {
-                        const int32_t row = ros[j];
-                        if (row >= 0) ((uint4 *)((char *)c.a + row * row_bytes))[i % per_row] = v[u];
-                    }
-                }
-            }
-        }
+        dispatch_batch(&c, &p, &sm, i0, items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS, 1);
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0)
@@ -664,30 +644,57 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
  * Overlapped mode: communication CTAs beside the GEMM CTAs (cuda_layer.h)
  * ------------------------------------------------------------------------- */
 
-/* Layer 0: pull the rows of each block (local-first order) and release it to
- * GEMM0, which waits on block_ready[b] >= epoch. GEMM0 is launched right
- * after on the same stream as a programmatic dependent on every SM: the
- * trigger below lets its CTAs start on the SMs these n_comm CTAs leave free,
- * and the rest start on these SMs once the pulls are done (the SMs are lent,
- * not lost). These CTAs are resident before any GEMM0 CTA, so GEMM0's waits
- * cannot starve them. */
+/* The row block holding plan row `row` (blocks are in row order). */
+__device__ static inline int32_t block_of_row(const comet_plan_t *p, int32_t nb, int32_t row) {
+    int32_t lo = 0, hi = nb - 1;
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (p->blocks[mid].row_start <= row) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Layer 0 of the overlapped mode: the dispatch by token (local tokens first,
+ * then stage by stage, tokens ascending, so blocks fill in the order GEMM0
+ * visits them), and after each batch its rows counted into their blocks
+ * (block_rows); whoever completes a block releases block_ready[b] = epoch,
+ * which GEMM0 waits for. GEMM0 is launched right after on the same stream
+ * as a programmatic dependent on every SM: the trigger below lets its CTAs
+ * start on the SMs these n_comm CTAs leave free, and the rest start on these
+ * SMs once the pulls are done (the SMs are lent, not lost). These CTAs are
+ * resident before any GEMM0 CTA, so GEMM0's waits cannot starve them. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
+    __shared__ dispatch_smem_t sm;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const uint64_t e = c.state->epoch;
-    const int nb = p.totals->num_blocks;
-    for (int i = blockIdx.x; i < nb; i += gridDim.x) {
+    const int32_t nb = p.totals->num_blocks;
+    if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
+    __syncthreads();
+    const int32_t items = sm.first[c.d.world_size];
+    for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
         const uint64_t t0 = TRACE_T0;
-        const int32_t b = p.l0_order[i];
-        const comet_plan_block_t blk = p.blocks[b];
-        if (!(c.disable & COMET_DISABLE_COMM)) pull_rows(&c, &p, &blk);
-        __threadfence();
+        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+        dispatch_batch(&c, &p, &sm, i0, nr, !(c.disable & COMET_DISABLE_COMM));
+        __threadfence(); /* this CTA's rows, before any block count that includes them */
         __syncthreads();
-        if (threadIdx.x == 0) {
-            st_release_gpu(&c.block_ready[b], e);
-            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, b, blk.stage, t0);
+        for (int k = threadIdx.x; k < nr; k += blockDim.x)
+            for (int64_t j = 0; j < c.d.topk; j++) {
+                const int32_t row = sm.rows[k][j];
+                if (row < 0) continue;
+                const int32_t b = block_of_row(&p, nb, row);
+                if (atomicAdd(&c.block_rows[b], 1u) + 1u == (uint32_t)p.blocks[b].num_rows) {
+                    __threadfence(); /* every CTA's rows of the block (counted before), then the flag */
+                    st_release_gpu(&c.block_ready[b], e);
+                }
+            }
+        if (c.tr_events) {
+            __syncthreads();
+            if (threadIdx.x == 0)
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
         }
     }
 }
