@@ -151,7 +151,11 @@ typedef struct {
 static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublasHandle_t cub, int sms, int curve,
                       bresult_t *res) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    const int ep = m->experts % br->ep == 0 ? br->ep : 1; /* the dense shapes have one expert */
+    const int ep = m->experts == 1 ? 1 : br->ep; /* the dense shapes have one expert */
+    if (m->experts % ep) {
+        fprintf(stderr, "%s: GEMM_BENCH_EP=%d does not divide its %lld experts\n", m->name, ep, (long long)m->experts);
+        exit(2);
+    }
     cfg.hidden = m->hidden, cfg.ffn = m->ffn, cfg.num_experts = m->experts, cfg.topk = m->topk;
     cfg.max_tokens_per_rank = T, cfg.tile_m = 128, cfg.ep = ep;
     comet_dims_t d;

@@ -35,7 +35,7 @@ typedef struct {
                             * tile counters at word 16), block_ready + block_rows, overlap state, routing copies,
                             * the plan builder's count table */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
-    cudaEvent_t ev_plan, ev_comm;
+    cudaEvent_t ev_gemm0, ev_comm;
     size_t private_bytes;  /* what layer_init allocated */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
@@ -219,7 +219,7 @@ static void free_all(cuda_layer_t *L) {
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
     if (L->stream2) cudaStreamDestroy(L->stream2);
-    if (L->ev_plan) cudaEventDestroy(L->ev_plan);
+    if (L->ev_gemm0) cudaEventDestroy(L->ev_gemm0);
     if (L->ev_comm) cudaEventDestroy(L->ev_comm);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
@@ -294,9 +294,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     c->plan_scratch = L->priv[7];
     c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
-    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_gemm0, cudaEventDisableTiming));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
-    c->stream2 = L->stream2, c->ev_plan = L->ev_plan, c->ev_comm = L->ev_comm;
+    c->stream2 = L->stream2, c->ev_gemm0 = L->ev_gemm0, c->ev_comm = L->ev_comm;
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);

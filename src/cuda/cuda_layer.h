@@ -146,7 +146,7 @@ typedef struct {
     uint64_t *block_ready;         /* device [max_blocks] */
     uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */
     comet_cuda_overlap_t *ov;      /* device */
-    void *stream2, *ev_plan, *ev_comm; /* cudaStream_t, cudaEvent_t */
+    void *stream2, *ev_gemm0, *ev_comm; /* cudaStream_t, cudaEvent_t */
     /* tracing (comet_layer_set_trace): events in the layout of
      * src/trace/trace.h, [COMET_CUDA_TRACE_LANES][tr_capacity], counts per lane */
     void *tr_events;               /* device, or NULL: not tracing */

@@ -68,6 +68,7 @@ typedef struct {
     int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
+    int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
     const comet_plan_totals_t *totals;
     const comet_plan_block_t *blocks;
@@ -507,6 +508,10 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* stores done before smem goes */
         if (mode == GM_MODE_GEMM1 && p.push_on) __threadfence_system(); /* pushed rows, before the home is told */
     }
+    /* a programmatic dependent's completion then implies its primary's (the
+     * kernels after this one in the stream are ordered after this one only);
+     * the primary's data came through block_ready, so this costs nothing */
+    if (p.pdl && threadIdx.x == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 #define GM_KERNEL(name, mode)                                                                                 \
@@ -706,6 +711,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.c = a->o;
     }
     p.group = g->group ? g->group : gm_group_for(p.k);
+    p.pdl = hk.pdl;
     const int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);

@@ -832,8 +832,8 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
             if (ge != cudaSuccess) return ge;
         } else { /* comm CTAs on stream2 beside GEMM1 combine its column chunks as they come */
             cudaStream_t s2 = (cudaStream_t)c.stream2;
-            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream); /* after the pulls and GEMM0 */
-            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
+            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_gemm0, stream); /* after the pulls and GEMM0 */
+            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_gemm0, 0);
             if (e != cudaSuccess) return (int)e;
             k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
             hooks.num_ctas = c.num_sms - c.n_comm;
