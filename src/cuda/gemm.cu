@@ -18,8 +18,9 @@
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
  *
- * What dev/gemm's v8 has and this does not (yet): 2-CTA clusters with B
- * multicast (v8 measured +9% over v5 from clusters + TMA store together).
+ * 2-CTA clusters with B multicast (dev/gemm's v8: +9% over v5 from clusters
+ * and the TMA store together) are a second set of kernels, chosen at prepare
+ * by COMET_GEMM_CLUSTER=1, off by default until measured here.
  * Tile walk: each CTA's producer claims the next tile with an atomic counter
  * (per comet_gemm_t and GEMM, reset by the last CTA) and hands its id to the
  * consumers in shared memory with the stage; the tile count is derived on the
@@ -43,7 +44,9 @@
 #define GM_B_BYTES (GM_BN * GM_BK * 2)           /* 32 KiB */
 #define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
 #define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
-#define GM_SMEM_BYTES (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + 2 * GM_STAGES * 8 + GM_STAGES * 4)
+#define GM_RING 8 /* 2-CTA clusters: tiles claimed by CTA 0 and not yet read by CTA 1 (> GM_STAGES + 1) */
+#define GM_SMEM_BYTES \
+    (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
  * up to 16 whose A rows (group x 128 x K bf16) fit in 16 MiB, at least 4.
  * Measured on H200 (gemm_bench, dev/NOTES.md): DeepSeek GEMM0 (K = 7168)
@@ -92,7 +95,10 @@ struct comet_gemm {
     comet_gemm_args_t args;
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
+    CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
     int num_sms;
+    int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
+                             * once (even); 0: no clusters (the default until measured) */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
@@ -224,12 +230,14 @@ __device__ __forceinline__ int gm_num_tiles(const gm_params_t &p, int nb) {
     const int full = p.n / p.chunk_cols, rest = p.n - full * p.chunk_cols;
     return nb * (full * (p.chunk_cols / GM_BN) + (rest + GM_BN - 1) / GM_BN);
 }
-__device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, int *blk, int *col0, int *chunk,
+/* Tile t over nb units (row blocks, or pairs of them with clusters) -> the
+ * unit, first output column, chunk and end of the chunk's columns. */
+__device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, int *unit, int *col0, int *chunk,
                                           int *col_end) {
     int bi, tn;
     if (p.mode != GM_MODE_GEMM1) {
         gm_group_coords(t, nb, (p.n + p.tile_cols - 1) / p.tile_cols, p.group, &bi, &tn);
-        *blk = p.order[bi];
+        *unit = bi;
         *col0 = tn * p.tile_cols;
         *chunk = 0;
         *col_end = p.n;
@@ -241,11 +249,74 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
     ch = last ? full : ch;
     const int tnc = last ? (p.n - full * p.chunk_cols + GM_BN - 1) / GM_BN : tpc;
     gm_group_coords(t - ch * per_chunk, nb, tnc, p.group, &bi, &tn);
-    *blk = bi;
+    *unit = bi;
     *chunk = ch;
     *col0 = ch * p.chunk_cols + tn * GM_BN;
     const int end = (ch + 1) * p.chunk_cols;
     *col_end = end < p.n ? end : p.n;
+}
+
+/* One CTA's share of tile t: its row block (-1: none; with 2-CTA clusters
+ * the unit is a pair of consecutive blocks of the walk, this CTA takes the
+ * one of its rank) and its partner's (clusters), and the columns. */
+typedef struct {
+    int b, pb, col0, chunk, col_end;
+} gm_tile_t;
+
+__device__ __forceinline__ int gm_block_at(const gm_params_t &p, int nb, int pos) {
+    return pos >= nb ? -1 : p.order ? p.order[pos] : pos;
+}
+__device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nb, int t, int cl, unsigned rank) {
+    gm_tile_t o;
+    int unit;
+    gm_decode(p, cl ? (nb + 1) / 2 : nb, t, &unit, &o.col0, &o.chunk, &o.col_end);
+    o.b = gm_block_at(p, nb, cl ? 2 * unit + (int)rank : unit);
+    o.pb = cl ? gm_block_at(p, nb, 2 * unit + (int)(rank ^ 1u)) : -1;
+    return o;
+}
+
+/* 2-CTA clusters (dev/gemm v4/v8: the barrier protocol measured there). */
+__device__ __forceinline__ unsigned gm_cluster_rank(void) {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void gm_cluster_sync(void) {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+/* arrive on the mbarrier at the same offset in the peer CTA (release.cta semantics: the consumers' wgmma
+ * waits already ordered their shared-memory reads; .release.cluster here stalled every k-step, v4 run 2) */
+__device__ __forceinline__ void gm_mbar_arrive_peer(uint64_t *bar, unsigned peer) {
+    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(
+                     gm_smem(bar)),
+                 "r"(peer)
+                 : "memory");
+}
+/* CTA 0 -> CTA 1: the tile of claim i, into the peer's ring slot, then its slot barrier (release.cluster) */
+__device__ __forceinline__ void gm_ring_publish(volatile int32_t *val, uint64_t *bar, int t) {
+    asm volatile("{\n.reg .b32 ra, rb;\nmapa.shared::cluster.u32 ra, %0, 1;\nmapa.shared::cluster.u32 rb, %1, 1;\n"
+                 "st.shared::cluster.u32 [ra], %2;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [rb];\n}\n" ::"r"(
+                     gm_smem((const void *)val)),
+                 "r"(gm_smem(bar)), "r"(t)
+                 : "memory");
+}
+__device__ __forceinline__ int gm_ring_receive(volatile int32_t *val, uint64_t *bar, int parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(gm_smem(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+    return *val;
+}
+/* 2D tile load into the same offset of both CTAs of the cluster, each one's barrier at the same offset */
+__device__ __forceinline__ void gm_tma_load_mc(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(gm_smem(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar)), "h"((uint16_t)3)
+                 : "memory");
 }
 
 /* SiLU on the special-function unit: g * rcp(1 + 2^(-g log2 e)), ex2 and
@@ -369,65 +440,94 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
     }
 }
 
-/* The kernel body; `mode` is a literal in each of the three kernels below, so
- * each holds only its own epilogue (one kernel with a run-time mode held all
- * three for each of the 128 accumulators: 257 KB of SASS, and the instruction
- * fetches of the epilogue cost ~30% of the run time). */
-__device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmc,
-                                        const gm_params_t &p, const int mode) {
-    if (p.skip && *p.skip) return;
+/* The kernel body; `mode` and `cl` are literals in each of the kernels below,
+ * so each holds only its own epilogue (one kernel with a run-time mode held
+ * all three for each of the 128 accumulators: 257 KB of SASS, and the
+ * instruction fetches of the epilogue cost ~30% of the run time).
+ * cl = 1: launched in 2-CTA clusters. CTA 0 claims tiles of pairs of
+ * consecutive blocks of the walk and hands each claim to CTA 1 through a ring
+ * in CTA 1's shared memory; each CTA computes the block of its rank. When
+ * both blocks of a pair belong to one expert they share the B tile: each CTA
+ * loads one 128-row half and multicasts it to both, so a stage is free only
+ * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
+ * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes. */
+__device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
+                                        const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
+    if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
     extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *cbufs = base + GM_STAGES * GM_STAGE_BYTES;
     uint64_t *full = (uint64_t *)(cbufs + 2 * GM_CBUF_BYTES);
     uint64_t *empty = full + GM_STAGES;
-    volatile int32_t *stage_tile = (volatile int32_t *)(empty + GM_STAGES); /* tile of a stage's first k-slice */
+    uint64_t *ring_full = empty + GM_STAGES; /* cl: CTA 1's claim ring */
+    volatile int32_t *stage_tile = (volatile int32_t *)(ring_full + GM_RING); /* tile of a stage's first k-slice */
+    volatile int32_t *ring = stage_tile + GM_STAGES;
     const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    const unsigned rank = cl ? gm_cluster_rank() : 0u;
     const int nb = p.totals->num_blocks;
-    const int ntiles = gm_num_tiles(p, nb); /* p.mode == mode */
+    const int ntiles = gm_num_tiles(p, cl ? (nb + 1) / 2 : nb); /* p.mode == mode */
     const int nk = (p.k + GM_BK - 1) / GM_BK;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < GM_STAGES; s++) {
             gm_mbar_init(&full[s], 1);
-            gm_mbar_init(&empty[s], 8);
+            gm_mbar_init(&empty[s], cl ? 16 : 8);
         }
+        for (int s = 0; cl && s < GM_RING; s++) gm_mbar_init(&ring_full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
+    if (cl) gm_cluster_sync(); /* the peer's barriers exist before anything reaches them */
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        /* registers: 168 x 384 at launch = 40 x 128 + 232 x 256; the cluster producer needs 48 (it
+         * spilled at 40), its consumers get 224 */
+        if (cl)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 0) {
             const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
-            for (;;) {
+            for (int i = 0;; i++) {
                 /* dynamic claim: the tiles in flight stay a window of consecutive t, so the
                  * CTAs sharing a B tile (neighbours in t) run it at the same time (L2 reuse) */
-                const int t = (int)atomicAdd(&p.sched[0], 1u);
-                if (t >= ntiles) break;
-                int b, col0, chunk, col_end;
-                gm_decode(p, nb, t, &b, &col0, &chunk, &col_end);
-                const comet_plan_block_t blk = p.blocks[b];
-                if (p.block_ready) {
+                int t;
+                if (!cl || rank == 0) {
+                    t = (int)atomicAdd(&p.sched[0], 1u);
+                    if (t >= ntiles) t = -1;
+                    if (cl) gm_ring_publish(&ring[i % GM_RING], &ring_full[i % GM_RING], t);
+                } else {
+                    t = gm_ring_receive(&ring[i % GM_RING], &ring_full[i % GM_RING], (i / GM_RING) & 1);
+                }
+                if (t < 0) break;
+                const gm_tile_t tl = gm_tile(p, nb, t, cl, rank);
+                const comet_plan_block_t blk = tl.b >= 0 ? p.blocks[tl.b] : p.blocks[tl.pb];
+                const int same = cl && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
+                if (p.block_ready && tl.b >= 0) {
                     const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
                     uint64_t v;
-                    while ((v = gm_ld_acquire_gpu(&p.block_ready[b])) < epoch) {
-                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, b, v, epoch);
+                    while ((v = gm_ld_acquire_gpu(&p.block_ready[tl.b])) < epoch) {
+                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, tl.b, v, epoch);
                         __nanosleep(128);
                     }
                     asm volatile("fence.proxy.async.global;" ::: "memory");
                 }
-                const int brow = blk.expert * p.b_rows + col0;
+                const int brow = blk.expert * p.b_rows + tl.col0;
                 for (int k = 0; k < nk; k++, it++) {
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
                     if (k == 0) stage_tile[s] = t; /* published by the arrive below (release.cta) */
-                    gm_mbar_expect_tx(&full[s], GM_STAGE_BYTES);
+                    gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_STAGE_BYTES : 0); /* no block: no bytes */
+                    if (tl.b < 0) continue;
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
-                    if (mode == GM_MODE_GATED) {
+                    if (same) { /* my half of the shared B tile, into both CTAs (gated: gate or up rows) */
+                        const int hrow = mode == GM_MODE_GATED ? brow + (int)rank * p.up_off : brow + (int)rank * (GM_BN / 2);
+                        gm_tma_load_mc(st + GM_A_BYTES + rank * (GM_B_BYTES / 2), mode == GM_MODE_GATED ? &tmb : &tmbh,
+                                       k * GM_BK, hrow, &full[s]);
+                    } else if (mode == GM_MODE_GATED) {
                         gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
                         gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
                     } else {
@@ -440,15 +540,20 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             gm_mbar_wait(&empty[s], ph ^ 1);
             stage_tile[s] = -1;
             gm_mbar_arrive(&full[s]);
-            /* the last CTA past the end resets the counters for the next launch */
-            __threadfence();
-            if (atomicAdd(&p.sched[1], 1u) == gridDim.x - 1) {
-                atomicExch(&p.sched[0], 0u);
-                atomicExch(&p.sched[1], 0u);
+            /* the last claimer past the end resets the counters for the next launch */
+            if (!cl || rank == 0) {
+                __threadfence();
+                if (atomicAdd(&p.sched[1], 1u) == (cl ? gridDim.x / 2 : gridDim.x) - 1) {
+                    atomicExch(&p.sched[0], 0u);
+                    atomicExch(&p.sched[1], 0u);
+                }
             }
         }
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        if (cl)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = wg - 1, lane = tid & 31;
         float d[128];
 #pragma unroll
@@ -458,10 +563,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
             const int t = stage_tile[it % GM_STAGES];
             if (t < 0) break;
-            int b, col0, chunk, col_end;
-            gm_decode(p, nb, t, &b, &col0, &chunk, &col_end);
-            const comet_plan_block_t blk = p.blocks[b];
-            for (int k = 0; k < nk; k++, it++) {
+            for (int k = 0; k < nk; k++, it++) { /* no block (cl): the pair's rhythm on stale data, no store */
                 const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                 if (k > 0) gm_mbar_wait(&full[s], ph);
                 unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
@@ -473,11 +575,21 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 gm_wgmma_commit();
                 GM_WGMMA_WAIT(1);
                 gm_reg_fence(d);
-                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+                if (k > 0 && lane == 0) {
+                    gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+                    if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
+                }
             }
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
-            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+            if (lane == 0) {
+                gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+                if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
+            }
+            /* the tile decoded only now: nothing but t stays live across the main loop */
+            const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u);
+            if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
+            const comet_plan_block_t blk = p.blocks[tl.b];
 
             /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
              * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
@@ -489,11 +601,11 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
 #pragma unroll
             for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i])); /* keep the packing out of the branches */
             const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
-            const int rows = blk.num_rows - c * 64, col_lim = col_end - col0, row0 = blk.row_start + c * 64;
+            const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
             if (rows >= 64)
-                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, col0, ncols / 128, col_lim, tid, c, p, mode);
+                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, tl.col0, ncols / 128, col_lim, tid, c, p, mode);
             else if (rows > 0)
-                gm_store_regs(pk, p.c, p.n, row0, col0, ncols, rows, col_lim, tid, p, mode);
+                gm_store_regs(pk, p.c, p.n, row0, tl.col0, ncols, rows, col_lim, tid, p, mode);
             if (p.chunk_done) {
                 /* both consumers' stores of this tile are complete and visible, then one release add */
                 if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -501,28 +613,34 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 __threadfence();
                 gm_named_bar(1, 256);
                 if (threadIdx.x == 128) {
-                    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(&p.chunk_done[chunk]) : "memory");
+                    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(&p.chunk_done[tl.chunk]) : "memory");
                 }
             }
         }
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* stores done before smem goes */
         if (mode == GM_MODE_GEMM1 && p.push_on) __threadfence_system(); /* pushed rows, before the home is told */
     }
+    /* cl: no CTA leaves while its peer may still multicast into it or arrive on its barriers */
+    if (cl) gm_cluster_sync();
     /* a programmatic dependent's completion then implies its primary's (the
      * kernels after this one in the stream are ordered after this one only);
      * the primary's data came through block_ready, so this costs nothing */
     if (p.pdl && threadIdx.x == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-#define GM_KERNEL(name, mode)                                                                                 \
+#define GM_KERNEL(name, mode, cl)                                                                             \
     __global__ void __launch_bounds__(384, 1)                                                                 \
         name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
-             const __grid_constant__ CUtensorMap tmc, const __grid_constant__ gm_params_t p) {                \
-        gm_body(tma, tmb, tmc, p, mode);                                                                      \
+             const __grid_constant__ CUtensorMap tmbh, const __grid_constant__ CUtensorMap tmc,              \
+             const __grid_constant__ gm_params_t p) {                                                         \
+        gm_body(tma, tmb, tmbh, tmc, p, mode, cl);                                                            \
     }
-GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED)
-GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU)
-GM_KERNEL(comet_gemm1_kernel, GM_MODE_GEMM1)
+GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0)
+GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0)
+GM_KERNEL(comet_gemm1_kernel, GM_MODE_GEMM1, 0)
+GM_KERNEL(comet_gemm0_gated_cl_kernel, GM_MODE_GATED, 1)
+GM_KERNEL(comet_gemm0_gelu_cl_kernel, GM_MODE_GELU, 1)
+GM_KERNEL(comet_gemm1_cl_kernel, GM_MODE_GEMM1, 1)
 #undef GM_KERNEL
 
 /* ---------------------------------------------------------------------------
@@ -606,6 +724,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->a1, args->h, mr, fl, 128, 1);
     bad |= gm_map(&g->b1, args->w2, el * hd, fl, 256, 1);
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
+    bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, 128, 1);
+    bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -623,6 +743,26 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         e = cudaFuncSetAttribute(comet_gemm0_gelu_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(comet_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+    const char *cl = getenv("COMET_GEMM_CLUSTER");
+    if (e == cudaSuccess && cl && strcmp(cl, "1") == 0) {
+        const void *fns[] = {(const void *)comet_gemm0_gated_cl_kernel, (const void *)comet_gemm0_gelu_cl_kernel,
+                             (const void *)comet_gemm1_cl_kernel};
+        int most = -1;
+        for (size_t i = 0; i < sizeof fns / sizeof fns[0] && e == cudaSuccess; i++) {
+            e = cudaFuncSetAttribute(fns[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+            cudaLaunchConfig_t lc;
+            memset(&lc, 0, sizeof lc);
+            cudaLaunchAttribute at;
+            at.id = cudaLaunchAttributeClusterDimension;
+            at.val.clusterDim.x = 2, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+            lc.gridDim = dim3((unsigned)(g->num_sms / 2 * 2)), lc.blockDim = dim3(384), lc.dynamicSmemBytes = GM_SMEM_BYTES;
+            lc.attrs = &at, lc.numAttrs = 1;
+            int n = 0;
+            if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, fns[i], &lc);
+            most = most < 0 || n < most ? n : most;
+        }
+        g->cluster_ctas = e == cudaSuccess && most > 0 ? 2 * most : 0;
+    }
     if (e != cudaSuccess) {
         free(g);
         snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
@@ -712,28 +852,40 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     }
     p.group = g->group ? g->group : gm_group_for(p.k);
     p.pdl = hk.pdl;
-    const int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
+    int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
+    const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
+    if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDim = dim3((unsigned)grid), cfg.blockDim = dim3(384), cfg.dynamicSmemBytes = GM_SMEM_BYTES;
     cfg.stream = (cudaStream_t)stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr, cfg.numAttrs = hk.pdl ? 1 : 0;
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (hk.pdl) {
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cl) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = 2, attr[na].val.clusterDim.y = 1, attr[na++].val.clusterDim.z = 1;
+    }
+    cfg.attrs = attr, cfg.numAttrs = (unsigned)na;
     cudaError_t e;
     if (gemm1)
-        e = cudaLaunchKernelEx(&cfg, comet_gemm1_kernel, g->a1, g->b1, g->c1, p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
     else if (p.mode == GM_MODE_GATED)
-        e = cudaLaunchKernelEx(&cfg, comet_gemm0_gated_kernel, g->a0, g->b0, g->c0, p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0,
+                               g->c0, p);
     else
-        e = cudaLaunchKernelEx(&cfg, comet_gemm0_gelu_kernel, g->a0, g->b0, g->c0, p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,
+                               g->c0, p);
     return (int)e;
 }
 
 extern "C" int comet_gemm_warm(void) {
-    const void *fns[] = {(const void *)comet_gemm0_gated_kernel, (const void *)comet_gemm0_gelu_kernel,
-                         (const void *)comet_gemm1_kernel};
+    const void *fns[] = {(const void *)comet_gemm0_gated_kernel,    (const void *)comet_gemm0_gelu_kernel,
+                         (const void *)comet_gemm1_kernel,          (const void *)comet_gemm0_gated_cl_kernel,
+                         (const void *)comet_gemm0_gelu_cl_kernel, (const void *)comet_gemm1_cl_kernel};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
