@@ -208,6 +208,8 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     char err[256];
     int rc = comet_gemm_prepare(&ga, &g, err, sizeof err);
     CHECK(rc == 0, "%s: prepare: %s", c->tag, err);
+    if (rc == 0 && getenv("COMET_GEMM_CLUSTER"))
+        CHECK(comet_gemm_cluster_ctas(g) > 0, "%s: COMET_GEMM_CLUSTER=1, yet no 2-CTA clusters fit", c->tag);
     if (rc) return;
 
     /* skip: nothing written */
@@ -401,24 +403,31 @@ static int timeout_child(void) {
 }
 
 int main(void) {
-    /* The timeout child first, before this process touches CUDA (fork and CUDA do not mix). */
-    int n = 0;
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(100);
-        cudaDeviceProp prop;
-        cudaGetDeviceProperties(&prop, 0);
-        if (prop.major != 9) _exit(100);
-        _exit(getenv("COMET_GEMM_TEST_SMALL") ? 0 : timeout_child()); /* no planted trap under a sanitizer */
+    /* The timeout children first (without and with 2-CTA clusters), before
+     * this process touches CUDA (fork and CUDA do not mix). */
+    int n = 0, child_rc[2] = {0, 0};
+    for (int cl = 0; cl < 2; cl++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            if (cl) setenv("COMET_GEMM_CLUSTER", "1", 1);
+            if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(100);
+            cudaDeviceProp prop;
+            cudaGetDeviceProperties(&prop, 0);
+            if (prop.major != 9) _exit(100);
+            _exit(getenv("COMET_GEMM_TEST_SMALL") ? 0 : timeout_child()); /* no planted trap under a sanitizer */
+        }
+        int status = 0;
+        waitpid(pid, &status, 0);
+        child_rc[cl] = WIFEXITED(status) ? WEXITSTATUS(status) : 200;
+        if (child_rc[cl] == 100) break;
     }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    const int child_rc = WIFEXITED(status) ? WEXITSTATUS(status) : 200;
-    if (child_rc == 100 || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-        check_skip("test_gemm_gpu", child_rc == 100 ? "no GPU or not sm_90" : "no GPU");
+    if (child_rc[0] == 100 || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        check_skip("test_gemm_gpu", child_rc[0] == 100 ? "no GPU or not sm_90" : "no GPU");
         return check_summary("test_gemm_gpu");
     }
-    CHECK(child_rc == 0, "block_ready timeout: the child exited %d (want: trapped with a report, 0)", child_rc);
+    for (int cl = 0; cl < 2; cl++)
+        CHECK(child_rc[cl] == 0, "block_ready timeout%s: the child exited %d (want: trapped with a report, 0)",
+              cl ? " (2-CTA clusters)" : "", child_rc[cl]);
 
     static const gcase_t cases[] = {
         /* tag, H, F, E, topk, T, act, zero experts, skew, chunk, rows checked */

@@ -4,11 +4,12 @@
  * the device-resident plan, with the hooks the fused layers need.
  *
  * Kernels (comet_gemm0_gated_kernel, comet_gemm0_gelu_kernel,
- * comet_gemm1_kernel: one body, the mode a literal in each): persistent CTAs of 384
+ * comet_gemm1_kernel, and the same three as 2-CTA clusters: one body, mode
+ * and cluster literals in each): persistent CTAs of 384
  * threads, one per SM (~225 KiB shared memory). Warpgroup 0 is the producer
- * (setmaxnreg 40; one thread issues TMA loads of 128B-swizzled 64-wide K
+ * (setmaxnreg 40, 48 in clusters; one thread issues TMA loads of 128B-swizzled 64-wide K
  * slices into a 4-stage ring of 48 KiB stages on mbarriers); warpgroups 1 and
- * 2 are consumers (setmaxnreg 232), each computing 64 rows x 256 columns with
+ * 2 are consumers (setmaxnreg 232, 224 in clusters), each computing 64 rows x 256 columns with
  * wgmma m64n256k16 and keeping one k-slice of wgmma in flight. Tile = one plan
  * row block (128 rows) x 256 B rows. Epilogue: activation in fp32 in
  * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
@@ -21,8 +22,8 @@
  * 2-CTA clusters with B multicast (dev/gemm's v8: +9% over v5 from clusters
  * and the TMA store together) are a second set of kernels, chosen at prepare
  * by COMET_GEMM_CLUSTER=1, off by default until measured here.
- * Tile walk: each CTA's producer claims the next tile with an atomic counter
- * (per comet_gemm_t and GEMM, reset by the last CTA) and hands its id to the
+ * Tile walk: each CTA's producer (in clusters CTA 0's, for the pair) claims the next tile with an atomic counter
+ * (per comet_gemm_t and GEMM, reset by the last claimer) and hands its id to the
  * consumers in shared memory with the stage; the tile count is derived on the
  * device from plan.totals->num_blocks (no host sync). So one comet_gemm_t
  * runs one GEMM0 and one GEMM1 at a time.
@@ -44,7 +45,14 @@
 #define GM_B_BYTES (GM_BN * GM_BK * 2)           /* 32 KiB */
 #define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
 #define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
-#define GM_RING 8 /* 2-CTA clusters: tiles claimed by CTA 0 and not yet read by CTA 1 (> GM_STAGES + 1) */
+/* 2-CTA clusters: slots of CTA 1's claim ring. CTA 0 publishes claim i only
+ * after the empty wait for the last stage of claim i-1, which needs CTA 1's
+ * consumers to have released the stage GM_STAGES before it, which needs CTA
+ * 1's producer to have read the claim holding that stage: so at most
+ * GM_STAGES + 1 claims are unread (one stage a tile), and slot i % GM_RING
+ * last held a claim already read. A slot's reuse is ordered only by that
+ * chain (release.cta arrives plus the data dependency): 3 slots of slack. */
+#define GM_RING 8
 #define GM_SMEM_BYTES \
     (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
@@ -765,7 +773,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     }
     if (e != cudaSuccess) {
         free(g);
-        snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+        snprintf(err, err_len, "setting up the GEMM kernels (shared memory, cluster occupancy): %s", cudaGetErrorString(e));
         return -1;
     }
     g->sched = args->sched, g->own_sched = args->sched == NULL;
@@ -782,6 +790,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     *out = g;
     return 0;
 }
+
+extern "C" int comet_gemm_cluster_ctas(const comet_gemm_t *g) { return g->cluster_ctas; }
 
 extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
     if (!g) return;
@@ -850,11 +860,12 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.order = NULL;
         p.c = a->o;
     }
-    p.group = g->group ? g->group : gm_group_for(p.k);
-    p.pdl = hk.pdl;
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
+    p.group = g->group ? g->group : gm_group_for(p.k);
+    if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
+    p.pdl = hk.pdl;
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDim = dim3((unsigned)grid), cfg.blockDim = dim3(384), cfg.dynamicSmemBytes = GM_SMEM_BYTES;

@@ -116,6 +116,8 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
 void comet_gemm_destroy(comet_gemm_t *g);
+/* CTAs the launches of g run as 2-CTA clusters at most (even), or 0: no clusters. */
+int comet_gemm_cluster_ctas(const comet_gemm_t *g);
 
 /* Host: 1 and a message naming rank, role, tile and block when the report
  * (host view of hooks.timeout_report) records a timeout, else 0. */
