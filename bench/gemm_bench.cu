@@ -283,6 +283,9 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
         }
     /* n_compute curve: ours with num_ctas persistent CTAs, rounds interleaved over the points */
     res->ncurve = curve ? curve_points(sms, res->curve_ctas) : 0;
+    const int most = comet_gemm_cluster_ctas(g); /* clusters: the launch runs an even count, at most this */
+    for (int p = 0; most > 0 && p < res->ncurve; p++)
+        res->curve_ctas[p] = (res->curve_ctas[p] < most ? res->curve_ctas[p] : most) / 2 * 2;
     if (res->ncurve) {
         float tc[2][NCURVE][NREP];
         for (int rep = -2; rep < NREP; rep++)
