@@ -651,6 +651,12 @@ GM_KERNEL(comet_gemm0_gelu_cl_kernel, GM_MODE_GELU, 1)
 GM_KERNEL(comet_gemm1_cl_kernel, GM_MODE_GEMM1, 1)
 #undef GM_KERNEL
 
+/* Every kernel above: the three plain ones, then the three cluster ones. */
+static const void *const gm_kernels[6] = {
+    (const void *)comet_gemm0_gated_kernel,    (const void *)comet_gemm0_gelu_kernel,
+    (const void *)comet_gemm1_kernel,          (const void *)comet_gemm0_gated_cl_kernel,
+    (const void *)comet_gemm0_gelu_cl_kernel, (const void *)comet_gemm1_cl_kernel};
+
 /* ---------------------------------------------------------------------------
  * Host side
  * ------------------------------------------------------------------------- */
@@ -745,19 +751,13 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     g->num_sms = sms > 0 ? sms : 132;
     const char *grp = getenv("COMET_GEMM_GROUP");
     g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
-    cudaError_t e = cudaFuncSetAttribute(comet_gemm0_gated_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         GM_SMEM_BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(comet_gemm0_gelu_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(comet_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+    cudaError_t e = cudaSuccess;
+    for (int i = 0; i < 6 && e == cudaSuccess; i++)
+        e = cudaFuncSetAttribute(gm_kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
     const char *cl = getenv("COMET_GEMM_CLUSTER");
     if (e == cudaSuccess && cl && strcmp(cl, "1") == 0) {
-        const void *fns[] = {(const void *)comet_gemm0_gated_cl_kernel, (const void *)comet_gemm0_gelu_cl_kernel,
-                             (const void *)comet_gemm1_cl_kernel};
         int most = -1;
-        for (size_t i = 0; i < sizeof fns / sizeof fns[0] && e == cudaSuccess; i++) {
-            e = cudaFuncSetAttribute(fns[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+        for (int i = 3; i < 6 && e == cudaSuccess; i++) { /* the cluster kernels */
             cudaLaunchConfig_t lc;
             memset(&lc, 0, sizeof lc);
             cudaLaunchAttribute at;
@@ -766,7 +766,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
             lc.gridDim = dim3((unsigned)(g->num_sms / 2 * 2)), lc.blockDim = dim3(384), lc.dynamicSmemBytes = GM_SMEM_BYTES;
             lc.attrs = &at, lc.numAttrs = 1;
             int n = 0;
-            if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, fns[i], &lc);
+            e = cudaOccupancyMaxActiveClusters(&n, gm_kernels[i], &lc);
             most = most < 0 || n < most ? n : most;
         }
         g->cluster_ctas = e == cudaSuccess && most > 0 ? 2 * most : 0;
@@ -894,12 +894,9 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
 }
 
 extern "C" int comet_gemm_warm(void) {
-    const void *fns[] = {(const void *)comet_gemm0_gated_kernel,    (const void *)comet_gemm0_gelu_kernel,
-                         (const void *)comet_gemm1_kernel,          (const void *)comet_gemm0_gated_cl_kernel,
-                         (const void *)comet_gemm0_gelu_cl_kernel, (const void *)comet_gemm1_cl_kernel};
-    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
+    for (int i = 0; i < 6; i++) {
         cudaFuncAttributes a;
-        cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
+        cudaError_t e = cudaFuncGetAttributes(&a, gm_kernels[i]);
         if (e != cudaSuccess) return (int)e;
     }
     return 0;
