@@ -17,7 +17,6 @@
 #define COMET_PLAN_API static __device__
 #include "../plan/plan_impl.h"
 
-#include "../core/validate.h" /* COMET_MAX_RANKS */
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "plan_kernel.h"
@@ -257,7 +256,7 @@ __global__ void k_gather_routing(comet_cuda_ctx_t c) {
 typedef struct {
     const char *src[PULL_ROWS];      /* the token's row in its home rank's stage */
     const int32_t *rows[PULL_ROWS];  /* its row_of_slot: topk entries, -1 = not here */
-    int32_t first[COMET_MAX_RANKS + 1];
+    int32_t first[COMET_CUDA_MAX_RANKS + 1];
 } dispatch_smem_t;
 
 /* first[] of the send lists (one thread). */
