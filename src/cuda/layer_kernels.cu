@@ -224,8 +224,10 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
  * (512 threads x 8 x 16 B = 64 KB) to cover NVLink latency with few CTAs. */
 #define PULL_UNROLL 8
 
-/* Rows whose sources a CTA looks up at once. */
+/* Rows whose sources a CTA looks up at once (the overlapped dispatch: one
+ * row block's tokens). */
 #define PULL_ROWS 128
+static_assert(PULL_ROWS >= COMET_GEMM_TILE_M, "a row block's tokens fit one dispatch batch");
 
 /* Every rank's staged routing copied here by all CTAs, so that the plan
  * builder reads local memory instead of waiting on remote loads; and, in the
@@ -266,11 +268,10 @@ __device__ static void dispatch_items(const comet_cuda_ctx_t *c, const comet_pla
     for (int q = 0; q < w; q++) sm->first[q + 1] = sm->first[q] + p->send_count[comet_rank_of_stage(r, q, w)];
 }
 
-/* Items [i0, i0 + nr) by the whole CTA: sources and slot rows to shared
- * memory, then every thread keeps PULL_UNROLL 16-byte loads in flight before
- * it stores each to the token's rows (copy = 0: the lookups only). */
-__device__ static void dispatch_batch(const comet_cuda_ctx_t *c, const comet_plan_t *p, dispatch_smem_t *sm, int32_t i0,
-                                      int nr, int copy) {
+/* Items [i0, i0 + nr) of the send lists by the whole CTA: each token's
+ * source and slot rows into shared memory. */
+__device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_plan_t *p, dispatch_smem_t *sm,
+                                       int32_t i0, int nr) {
     const int w = c->d.world_size, r = c->d.rank;
     const int64_t topk = c->d.topk, slots = c->d.max_tokens * topk;
     const size_t row_bytes = (size_t)c->d.hidden * 2;
@@ -284,7 +285,14 @@ __device__ static void dispatch_batch(const comet_cuda_ctx_t *c, const comet_pla
         sm->rows[k] = p->row_of_slot + s * slots + t * topk;
     }
     __syncthreads();
-    if (!copy) return;
+}
+
+/* The nr tokens of shared memory by the whole CTA: every thread keeps
+ * PULL_UNROLL 16-byte loads in flight before it stores each to the token's
+ * rows. */
+__device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_smem_t *sm, int nr) {
+    const int64_t topk = c->d.topk;
+    const size_t row_bytes = (size_t)c->d.hidden * 2;
     if (row_bytes % 16) { /* hidden % 8 != 0: one warp a token and row, narrower accesses */
         for (int k = threadIdx.x / 32; k < nr; k += blockDim.x / 32)
             for (int64_t j = 0; j < topk; j++) {
@@ -325,7 +333,9 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c
     const int32_t items = sm.first[c.d.world_size];
     for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
         const uint64_t t0 = TRACE_T0;
-        dispatch_batch(&c, &p, &sm, i0, items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS, 1);
+        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+        dispatch_lookup(&c, &p, &sm, i0, nr);
+        dispatch_copy(&c, &sm, nr);
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0)
@@ -654,15 +664,37 @@ __device__ static inline int32_t block_of_row(const comet_plan_t *p, int32_t nb,
     return lo;
 }
 
-/* Layer 0 of the overlapped mode: the dispatch by token (local tokens first,
- * then stage by stage, tokens ascending, so blocks fill in the order GEMM0
- * visits them), and after each batch its rows counted into their blocks
+/* Count the rows of the nr tokens in shared memory into their blocks
  * (block_rows); whoever completes a block releases block_ready[b] = epoch,
- * which GEMM0 waits for. GEMM0 is launched right after on the same stream
- * as a programmatic dependent on every SM: the trigger below lets its CTAs
- * start on the SMs these n_comm CTAs leave free, and the rest start on these
- * SMs once the pulls are done (the SMs are lent, not lost). These CTAs are
- * resident before any GEMM0 CTA, so GEMM0's waits cannot starve them. */
+ * which GEMM0 waits for. */
+__device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_plan_t *p, const dispatch_smem_t *sm,
+                                      int nr, uint64_t e) {
+    const int32_t nb = p->totals->num_blocks;
+    __threadfence(); /* this CTA's rows, before any block count that includes them */
+    __syncthreads();
+    for (int k = threadIdx.x; k < nr; k += blockDim.x)
+        for (int64_t j = 0; j < c->d.topk; j++) {
+            const int32_t row = sm->rows[k][j];
+            if (row < 0) continue;
+            const int32_t b = block_of_row(p, nb, row);
+            if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
+                __threadfence(); /* every CTA's rows of the block (counted before), then the flag */
+                st_release_gpu(&c->block_ready[b], e);
+            }
+        }
+}
+
+/* Layer 0 of the overlapped mode, one CTA per SM. CTAs n_comm.. copy the
+ * local tokens (by token, as the sequential dispatch) and exit: GEMM0, the
+ * programmatic dependent launched right after on every SM, starts on their
+ * SMs with the local-only row blocks (l0_order begins with them). CTAs
+ * 0..n_comm-1 pull the remote tokens meanwhile, row block by row block in
+ * l0_order (GEMM0's order), each token when its first row here is reached:
+ * read once, stored into all its rows; so blocks complete in the order
+ * GEMM0 takes them, and every token crosses NVLink once. Each batch's rows
+ * are counted into their blocks (dispatch_count). All these CTAs are
+ * resident before any GEMM0 CTA (which takes their SMs as they exit), so
+ * GEMM0's waits cannot starve them. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
     __shared__ dispatch_smem_t sm;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -670,30 +702,57 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const uint64_t e = c.state->epoch;
-    const int32_t nb = p.totals->num_blocks;
-    if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
-    __syncthreads();
-    const int32_t items = sm.first[c.d.world_size];
-    for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
-        const uint64_t t0 = TRACE_T0;
-        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
-        dispatch_batch(&c, &p, &sm, i0, nr, !(c.disable & COMET_DISABLE_COMM));
-        __threadfence(); /* this CTA's rows, before any block count that includes them */
+    const int copy = !(c.disable & COMET_DISABLE_COMM);
+    const int n_comm = c.n_comm, me = c.d.rank;
+    if ((int)blockIdx.x >= n_comm) { /* local tokens: items [0, first[1]) of the send lists */
+        if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
         __syncthreads();
-        for (int k = threadIdx.x; k < nr; k += blockDim.x)
-            for (int64_t j = 0; j < c.d.topk; j++) {
-                const int32_t row = sm.rows[k][j];
-                if (row < 0) continue;
-                const int32_t b = block_of_row(&p, nb, row);
-                if (atomicAdd(&c.block_rows[b], 1u) + 1u == (uint32_t)p.blocks[b].num_rows) {
-                    __threadfence(); /* every CTA's rows of the block (counted before), then the flag */
-                    st_release_gpu(&c.block_ready[b], e);
-                }
+        const int32_t items = sm.first[1], step = ((int32_t)gridDim.x - n_comm) * PULL_ROWS;
+        for (int32_t i0 = ((int32_t)blockIdx.x - n_comm) * PULL_ROWS; i0 < items; i0 += step) {
+            const uint64_t t0 = TRACE_T0;
+            const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+            dispatch_lookup(&c, &p, &sm, i0, nr);
+            if (copy) dispatch_copy(&c, &sm, nr);
+            dispatch_count(&c, &p, &sm, nr, e);
+            if (c.tr_events) {
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
             }
+        }
+        return;
+    }
+    const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
+    const size_t row_bytes = (size_t)c.d.hidden * 2;
+    const int32_t nb = p.totals->num_blocks;
+    __shared__ int n;
+    for (int32_t li = p.stage_end[0] + (int32_t)blockIdx.x; li < nb; li += n_comm) {
+        const uint64_t t0 = TRACE_T0;
+        const comet_plan_block_t blk = p.blocks[p.l0_order[li]];
+        __syncthreads(); /* the previous batch is no longer read */
+        if (threadIdx.x == 0) n = 0;
+        __syncthreads();
+        for (int k = threadIdx.x; k < blk.num_rows; k += blockDim.x) {
+            const int32_t row = blk.row_start + k;
+            const comet_plan_row_t pr = p.rows[row];
+            if (pr.src_rank == me) continue; /* a local row: the other CTAs copy it */
+            const int32_t *ros = p.row_of_slot + pr.src_rank * slots + (int64_t)pr.src_token * topk;
+            int32_t lo = row;
+            for (int64_t j = 0; j < topk; j++)
+                if (ros[j] >= 0 && ros[j] < lo) lo = ros[j];
+            if (lo != row) continue; /* the token came (or comes) with its first row */
+            const int at = atomicAdd(&n, 1);
+            sm.src[at] = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
+            sm.rows[at] = ros;
+        }
+        __syncthreads();
+        const int nr = n;
+        if (copy) dispatch_copy(&c, &sm, nr);
+        dispatch_count(&c, &p, &sm, nr, e);
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, li, -1, t0);
         }
     }
 }
@@ -817,7 +876,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
-        k_dispatch_ov<<<c.n_comm, COMM_THREADS, 0, stream>>>(c);
+        k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
