@@ -124,12 +124,14 @@ static void check_plan_properties(const built_t *b, const comet_plan_input_t *in
             ok &= p->rows[i].src_rank == -1;
     }
     CHECK(ok, "%s: padded offsets and (stage, token, slot) order", tag);
-    /* blocks cover the valid rows; their stage is the max of their rows */
+    /* blocks cover the valid rows, block b at padded row b * tile_m (the
+     * overlapped dispatch finds a row's block by division); their stage is
+     * the max of their rows */
     int64_t covered = 0;
     ok = 1;
     for (int32_t bi = 0; bi < p->totals->num_blocks; bi++) {
         const comet_plan_block_t *blk = &p->blocks[bi];
-        ok &= blk->num_rows >= 1 && blk->num_rows <= tm && (blk->row_start - p->expert_start[blk->expert]) % tm == 0;
+        ok &= blk->num_rows >= 1 && blk->num_rows <= tm && blk->row_start == bi * tm;
         ok &= blk->row_start + blk->num_rows <= p->expert_start[blk->expert] + p->expert_count[blk->expert];
         int mx = 0;
         for (int32_t i = blk->row_start; i < blk->row_start + blk->num_rows; i++) {

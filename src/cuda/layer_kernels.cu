@@ -224,10 +224,12 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
  * (512 threads x 8 x 16 B = 64 KB) to cover NVLink latency with few CTAs. */
 #define PULL_UNROLL 8
 
-/* Rows whose sources a CTA looks up at once (the overlapped dispatch: one
- * row block's tokens). */
+/* Tokens whose sources a CTA looks up at once (sequential dispatch). */
 #define PULL_ROWS 128
-static_assert(PULL_ROWS >= COMET_GEMM_TILE_M, "a row block's tokens fit one dispatch batch");
+
+/* Row blocks the overlapped dispatch scans at once: one row a thread. */
+#define OV_BLOCKS (COMM_THREADS / COMET_GEMM_TILE_M)
+static_assert(OV_BLOCKS * COMET_GEMM_TILE_M == COMM_THREADS, "one row a thread");
 
 /* Every rank's staged routing copied here by all CTAs, so that the plan
  * builder reads local memory instead of waiting on remote loads; and, in the
@@ -256,8 +258,8 @@ __global__ void k_gather_routing(comet_cuda_ctx_t c) {
  * slot of every token). Items (tokens) are numbered over the send lists in
  * stage order; first[q] = items before stage q. */
 typedef struct {
-    const char *src[PULL_ROWS];      /* the token's row in its home rank's stage */
-    const int32_t *rows[PULL_ROWS];  /* its row_of_slot: topk entries, -1 = not here */
+    const char *src[COMM_THREADS];      /* the token's row in its home rank's stage */
+    const int32_t *rows[COMM_THREADS];  /* its row_of_slot: topk entries, -1 = not here */
     int32_t first[COMET_CUDA_MAX_RANKS + 1];
 } dispatch_smem_t;
 
@@ -653,30 +655,19 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
  * Overlapped mode: communication CTAs beside the GEMM CTAs (cuda_layer.h)
  * ------------------------------------------------------------------------- */
 
-/* The row block holding plan row `row` (blocks are in row order). */
-__device__ static inline int32_t block_of_row(const comet_plan_t *p, int32_t nb, int32_t row) {
-    int32_t lo = 0, hi = nb - 1;
-    while (lo < hi) {
-        const int32_t mid = (lo + hi + 1) / 2;
-        if (p->blocks[mid].row_start <= row) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 /* Count the rows of the nr tokens in shared memory into their blocks
  * (block_rows); whoever completes a block releases block_ready[b] = epoch,
  * which GEMM0 waits for. */
 __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_plan_t *p, const dispatch_smem_t *sm,
                                       int nr, uint64_t e) {
-    const int32_t nb = p->totals->num_blocks;
+    const int32_t tm = (int32_t)c->d.tile_m;
     __threadfence(); /* this CTA's rows, before any block count that includes them */
     __syncthreads();
     for (int k = threadIdx.x; k < nr; k += blockDim.x)
         for (int64_t j = 0; j < c->d.topk; j++) {
             const int32_t row = sm->rows[k][j];
             if (row < 0) continue;
-            const int32_t b = block_of_row(p, nb, row);
+            const int32_t b = row / tm; /* blocks tile the padded rows in order (plan.h) */
             if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
                 __threadfence(); /* every CTA's rows of the block (counted before), then the flag */
                 st_release_gpu(&c->block_ready[b], e);
@@ -724,26 +715,27 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     }
     const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
     const size_t row_bytes = (size_t)c.d.hidden * 2;
-    const int32_t nb = p.totals->num_blocks;
+    const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
     __shared__ int n;
-    for (int32_t li = p.stage_end[0] + (int32_t)blockIdx.x; li < nb; li += n_comm) {
+    for (int32_t g = l0 + (int32_t)blockIdx.x * OV_BLOCKS; g < nb; g += n_comm * OV_BLOCKS) {
         const uint64_t t0 = TRACE_T0;
-        const comet_plan_block_t blk = p.blocks[p.l0_order[li]];
         __syncthreads(); /* the previous batch is no longer read */
         if (threadIdx.x == 0) n = 0;
         __syncthreads();
-        for (int k = threadIdx.x; k < blk.num_rows; k += blockDim.x) {
-            const int32_t row = blk.row_start + k;
-            const comet_plan_row_t pr = p.rows[row];
-            if (pr.src_rank == me) continue; /* a local row: the other CTAs copy it */
+        const int32_t li = g + (int32_t)threadIdx.x / tm, k = (int32_t)threadIdx.x % tm;
+        const comet_plan_block_t blk = p.blocks[p.l0_order[li < nb ? li : g]];
+        const int32_t row = blk.row_start + k;
+        const comet_plan_row_t pr = p.rows[row];
+        if (li < nb && k < blk.num_rows && pr.src_rank != me) { /* a remote row (the other CTAs copy local ones) */
             const int32_t *ros = p.row_of_slot + pr.src_rank * slots + (int64_t)pr.src_token * topk;
             int32_t lo = row;
             for (int64_t j = 0; j < topk; j++)
                 if (ros[j] >= 0 && ros[j] < lo) lo = ros[j];
-            if (lo != row) continue; /* the token came (or comes) with its first row */
-            const int at = atomicAdd(&n, 1);
-            sm.src[at] = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
-            sm.rows[at] = ros;
+            if (lo == row) { /* the token's first row here: it comes now, with all its rows */
+                const int at = atomicAdd(&n, 1);
+                sm.src[at] = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
+                sm.rows[at] = ros;
+            }
         }
         __syncthreads();
         const int nr = n;
@@ -752,7 +744,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, li, -1, t0);
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, g, -1, t0);
         }
     }
 }

@@ -72,7 +72,7 @@ typedef struct {
     int32_t *expert_start;       /* [E_local + 1] padded row offsets, multiples of tile_m */
     int32_t *cursor;             /* [E_local] scratch for the fill */
     comet_plan_row_t *rows;      /* [max_rows_padded] */
-    comet_plan_block_t *blocks;  /* [max_blocks] in expert order */
+    comet_plan_block_t *blocks;  /* [max_blocks] in expert order; block b holds padded rows [b, b + 1) * tile_m */
     int32_t *l0_order;           /* [max_blocks] block ids, ascending stage (local first) */
     int32_t *stage_end;          /* [W] l0_order entries with stage <= q */
     int32_t *row_of_slot;        /* [W, max_tokens * topk] row of (src s, token t, slot j) or -1 */
