@@ -220,9 +220,10 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
     }
 }
 
-/* Rows of a pull in flight per thread: enough bytes outstanding per CTA
- * (512 threads x 8 x 16 B = 64 KB) to cover NVLink latency with few CTAs. */
-#define PULL_UNROLL 8
+/* 16-byte loads of a pull in flight per thread: bytes outstanding per CTA
+ * (512 threads x 12 x 16 B = 96 KB) to cover NVLink latency with few CTAs
+ * (8 a thread: 5-7 GB/s per CTA in the overlapped mode's trace; 16 spill). */
+#define PULL_UNROLL 12
 
 /* Tokens whose sources a CTA looks up at once (sequential dispatch). */
 #define PULL_ROWS 128
@@ -698,17 +699,20 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     if ((int)blockIdx.x >= n_comm) { /* local tokens: items [0, first[1]) of the send lists */
         if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
         __syncthreads();
-        const int32_t items = sm.first[1], step = ((int32_t)gridDim.x - n_comm) * PULL_ROWS;
-        for (int32_t i0 = ((int32_t)blockIdx.x - n_comm) * PULL_ROWS; i0 < items; i0 += step) {
+        /* batches sized to spread the tokens over all these CTAs (16..PULL_ROWS) */
+        const int32_t items = sm.first[1], nl = (int32_t)gridDim.x - n_comm;
+        int32_t per = (items + nl - 1) / nl;
+        per = per < 16 ? 16 : per > PULL_ROWS ? PULL_ROWS : per;
+        for (int32_t i0 = ((int32_t)blockIdx.x - n_comm) * per; i0 < items; i0 += nl * per) {
             const uint64_t t0 = TRACE_T0;
-            const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+            const int nr = items - i0 < per ? items - i0 : per;
             dispatch_lookup(&c, &p, &sm, i0, nr);
             if (copy) dispatch_copy(&c, &sm, nr);
             dispatch_count(&c, &p, &sm, nr, e);
             if (c.tr_events) {
                 __syncthreads();
                 if (threadIdx.x == 0)
-                    trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
+                    trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / per, -1, t0);
             }
         }
         return;
