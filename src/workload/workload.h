@@ -109,7 +109,8 @@ typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
     int n_comm_of_rank[64]; /* when not 0, override that rank's n_comm (tests of disagreeing ranks) */
     int repeats;            /* forward calls per rank (>= 1) */
-    int disable;            /* when not 0, COMET_DISABLE_* bits for every rank's args */
+    int disable;            /* when not 0, COMET_DISABLE_* bits for every rank's args (after one
+                             * untimed whole forward, so both sides work on real data) */
     comet_trace_t *trace;   /* when not NULL, attached to every rank's layer for the last call */
     int compare_repeats;    /* when not 0: y poisoned before every call and compared bitwise with
                              * the first call's output after it (not for timing) */
