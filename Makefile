@@ -44,7 +44,7 @@ LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_OBJ)
 WL_OBJ  := $(BUILD)/src/workload/workload.o
 TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wildcard tests/test_*.c)))
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
-GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench)
+GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench $(BUILD)/bench/link_bench)
 
 all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
 
@@ -74,6 +74,11 @@ $(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.
 # The grouped-GEMM benchmark (against cuBLAS): built here so that its link is
 # checked everywhere; bench/run_gemm_bench.sh runs it on the GPU machine.
 $(BUILD)/bench/gemm_bench: bench/gemm_bench.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) -lcublas $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
+
+# NVLink transport rates (pull, push, TMA bulk, copy engine; 2 GPUs).
+$(BUILD)/bench/link_bench: bench/link_bench.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) -lcublas $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 

@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests sanitize gemm cluster bench push trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests sanitize gemm cluster link bench push trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -51,6 +51,11 @@ for step in $STEPS; do
             COMET_GEMM_CLUSTER=$cl OUT="$OUT" timeout 200 build/bench/gemm_bench "${TOKENS%% *}" >> "$OUT/cluster.log" 2>&1
             summary+=("gemm_bench COMET_GEMM_CLUSTER=$cl round $round: $(grep -E '^(mixtral|phi|qwen|deepseek)' "$OUT/cluster.log" | tail -n 8 | awk '{printf "%s/%s %s  ", substr($1,1,4), $4, $6}')")
         done; done
+        ;;
+    link) # two GPUs: NVLink transport rates (pull, push, TMA bulk, copy engine), idle and beside a GEMM
+        OUT="$OUT" timeout 200 build/bench/link_bench > "$OUT/link.log" 2>&1
+        summary+=("link_bench: exit $? (link.log, link_bench.json)")
+        cat "$OUT/link.log"
         ;;
     push) # push (the default) beside the pull combine (COMET_PUSH=0), sequential and overlapped
         for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2 --n-comm -1" "--ep 2 --n-comm 8 --comm-hidden"; do
