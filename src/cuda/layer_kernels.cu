@@ -719,9 +719,11 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     }
     const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
     const size_t row_bytes = (size_t)c.d.hidden * 2;
+    /* one row a thread: blockDim.x / tile_m blocks a pass (OV_BLOCKS: tile_m is 128, comet_gemm_check) */
     const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
+    const int32_t per_pass = (int32_t)blockDim.x / tm;
     __shared__ int n;
-    for (int32_t g = l0 + (int32_t)blockIdx.x * OV_BLOCKS; g < nb; g += n_comm * OV_BLOCKS) {
+    for (int32_t g = l0 + (int32_t)blockIdx.x * per_pass; g < nb; g += n_comm * per_pass) {
         const uint64_t t0 = TRACE_T0;
         __syncthreads(); /* the previous batch is no longer read */
         if (threadIdx.x == 0) n = 0;
@@ -731,11 +733,17 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         const int32_t row = blk.row_start + k;
         const comet_plan_row_t pr = p.rows[row];
         if (li < nb && k < blk.num_rows && pr.src_rank != me) { /* a remote row (the other CTAs copy local ones) */
+            /* the token comes with its first row in l0_order, (its block's stage, row) least */
             const int32_t *ros = p.row_of_slot + pr.src_rank * slots + (int64_t)pr.src_token * topk;
-            int32_t lo = row;
-            for (int64_t j = 0; j < topk; j++)
-                if (ros[j] >= 0 && ros[j] < lo) lo = ros[j];
-            if (lo == row) { /* the token's first row here: it comes now, with all its rows */
+            const int64_t key = (int64_t)blk.stage << 32 | row;
+            int64_t lo = key;
+            for (int64_t j = 0; j < topk; j++) {
+                const int32_t r = ros[j];
+                if (r < 0) continue;
+                const int64_t k2 = (int64_t)p.blocks[r / tm].stage << 32 | r;
+                lo = k2 < lo ? k2 : lo;
+            }
+            if (lo == key) { /* it comes now, with all its rows */
                 const int at = atomicAdd(&n, 1);
                 sm.src[at] = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
                 sm.rows[at] = ros;
@@ -748,7 +756,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, g, -1, t0);
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, (g - l0) / per_pass, 1, t0);
         }
     }
 }

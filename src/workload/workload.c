@@ -482,10 +482,6 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         ts[i]->data = dev[i];
     }
     a->stream = stream;
-    if (e == cudaSuccess && job->run->disable) { /* y poisoned again: the calls without one side leave it */
-        st = full_forward_first(layer, a);
-        if (st == COMET_SUCCESS) e = cudaMemset(dev[5], 0xff, (size_t)(t * hd) * 2);
-    }
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     if (job->run->graph) { /* the forward enqueues only device work: capture it once */
@@ -500,6 +496,11 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         job->agreed = 1;
         if (!agree(job->agree, ok) && ok)
             st = comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not capture its forward in a graph", r);
+    }
+    /* after the graph's agreement, so that every rank is known to take part */
+    if (e == cudaSuccess && st == COMET_SUCCESS && job->run->disable) { /* y poisoned again: the calls */
+        st = full_forward_first(layer, a);                                /* without one side leave it */
+        if (st == COMET_SUCCESS) e = cudaMemset(dev[5], 0xff, (size_t)(t * hd) * 2);
     }
     uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
