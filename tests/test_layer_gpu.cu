@@ -10,7 +10,9 @@
  * to the first (fixed reduction order), and the overlapped mode (n_comm > 0)
  * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
  * rows home (the default, COMET_PUSH=1 here; the other cases set
- * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create); one layer
+ * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
+ * and the overlapped mode with its remote rows through the copy engine
+ * (COMET_DISPATCH_CE=1) too; one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
@@ -24,19 +26,30 @@
 #include "../src/workload/workload.h"
 #include "check.h"
 
-/* comet_problem_run with COMET_PUSH=1 while its layers are created (the
- * caller's value put back after). */
-static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
-    const char *old = getenv("COMET_PUSH");
-    char *keep = old ? strdup(old) : NULL;
-    setenv("COMET_PUSH", "1", 1);
+/* comet_problem_run with the environment variables vars (name, value, ...,
+ * NULL) set while its layers are created (the caller's values put back after). */
+static comet_status_t run_with_env(comet_problem_t *p, comet_world_t *world, comet_run_t *run, const char *const *vars) {
+    char *keep[8];
+    int n = 0;
+    for (; vars[2 * n] && n < 8; n++) {
+        const char *old = getenv(vars[2 * n]);
+        keep[n] = old ? strdup(old) : NULL;
+        setenv(vars[2 * n], vars[2 * n + 1], 1);
+    }
     comet_status_t st = comet_problem_run(p, world, run, 0);
-    if (keep)
-        setenv("COMET_PUSH", keep, 1);
-    else
-        unsetenv("COMET_PUSH");
-    free(keep);
+    for (int i = 0; i < n; i++) {
+        if (keep[i])
+            setenv(vars[2 * i], keep[i], 1);
+        else
+            unsetenv(vars[2 * i]);
+        free(keep[i]);
+    }
     return st;
+}
+
+static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
+    static const char *const push[] = {"COMET_PUSH", "1", NULL};
+    return run_with_env(p, world, run, push);
 }
 
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro,
@@ -108,6 +121,20 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
         CHECK(same, "%s: overlapped with push: %s, output %s", tag, comet_status_string(st),
               same ? "equal" : "differs from the sequential one");
+        /* and the remote rows through the copy engine (COMET_DISPATCH_CE=1), with push and without */
+        static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_DISPATCH_CE", "1", NULL};
+        static const char *const ce_pull[] = {"COMET_PUSH", "0", "COMET_DISPATCH_CE", "1", NULL};
+        for (int pass = 0; pass < 2; pass++) {
+            const size_t private_bytes = run.memory.private_bytes;
+            comet_problem_poison(p);
+            st = run_with_env(p, world, &run, pass ? ce_pull : ce_push);
+            same = st == COMET_SUCCESS;
+            for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+            CHECK(same && (pass || run.memory.private_bytes > private_bytes),
+                  "%s: overlapped, copy-engine dispatch, %s: %s, output %s, staging %s", tag, pass ? "pull" : "push",
+                  comet_status_string(st), same ? "equal" : "differs from the sequential one",
+                  pass || run.memory.private_bytes > private_bytes ? "allocated" : "missing");
+        }
     }
     for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);

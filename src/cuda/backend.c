@@ -34,8 +34,9 @@ typedef struct {
     void *priv[8];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
                             * tile counters at word 16), block_ready + block_rows, overlap state, routing copies,
                             * the plan builder's count table */
-    cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream */
-    cudaEvent_t ev_gemm0, ev_comm;
+    cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream (and the copy engine's) */
+    cudaEvent_t ev_gemm0, ev_comm, ev_plan, ev_ce;
+    void *ce_stage;        /* copy-engine dispatch's staging, or NULL (cuda_layer.h) */
     size_t private_bytes;  /* what layer_init allocated */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
@@ -45,6 +46,8 @@ typedef struct {
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
     int push;              /* at create, unless COMET_PUSH=0: GEMM1 pushes o rows home (both modes) */
+    int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
+                            * come through the copy engine (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -221,6 +224,9 @@ static void free_all(cuda_layer_t *L) {
     if (L->stream2) cudaStreamDestroy(L->stream2);
     if (L->ev_gemm0) cudaEventDestroy(L->ev_gemm0);
     if (L->ev_comm) cudaEventDestroy(L->ev_comm);
+    if (L->ev_plan) cudaEventDestroy(L->ev_plan);
+    if (L->ev_ce) cudaEventDestroy(L->ev_ce);
+    cudaFree(L->ce_stage);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
     free(L);
@@ -296,7 +302,18 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_gemm0, cudaEventDisableTiming));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_ce, cudaEventDisableTiming));
     c->stream2 = L->stream2, c->ev_gemm0 = L->ev_gemm0, c->ev_comm = L->ev_comm;
+    c->ev_plan = L->ev_plan, c->ev_ce = L->ev_ce;
+    if (L->ce) { /* every peer's whole stage, one region per stage 1..W-1 */
+        const size_t ce_bytes = (size_t)(w - 1) * (size_t)d->max_tokens * (size_t)d->hidden * 2;
+        cudaError_t e = cudaMalloc(&L->ce_stage, ce_bytes);
+        if (e != cudaSuccess)
+            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the copy-engine staging (%zu bytes): %s",
+                              rank, ce_bytes, cudaGetErrorString(e));
+        L->private_bytes += ce_bytes;
+    }
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
@@ -337,6 +354,8 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     const char *push_env = getenv("COMET_PUSH");
     const int w = l->dims.world_size;
     L->push = !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
+    const char *ce_env = getenv("COMET_DISPATCH_CE");
+    L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
@@ -408,6 +427,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
             c.disable = args->disable;
+            c.ce_stage = (char *)L->ce_stage;
         }
         c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
     }

@@ -83,6 +83,8 @@ typedef struct {
 typedef struct {
     uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk (cumulative, GEMM hook) */
     uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by comm CTA 0) */
+    uint64_t ce_ready[COMET_CUDA_MAX_RANKS];    /* copy-engine dispatch: [q] = e once the stage of
+                                                 * stage-q's rank is in ce_stage (a kernel after the copy) */
 } comet_cuda_overlap_t;
 
 typedef struct {
@@ -147,6 +149,14 @@ typedef struct {
     uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */
     comet_cuda_overlap_t *ov;      /* device */
     void *stream2, *ev_gemm0, *ev_comm; /* cudaStream_t, cudaEvent_t */
+    /* copy-engine dispatch (overlapped mode, COMET_DISPATCH_CE=1 at layer
+     * create): on stream2, after the plan, the copy engine copies each
+     * peer's whole stage (max_tokens rows of x) into ce_stage, region q-1
+     * for stage q, and a one-thread kernel sets ce_ready[q]; the pulling
+     * CTAs wait for it and copy the remote rows from there (local reads)
+     * instead of over NVLink. NULL: they pull over NVLink. */
+    char *ce_stage;                /* device, (W - 1, max_tokens, H) bf16, or NULL */
+    void *ev_plan, *ev_ce;         /* cudaEvent_t: the plan is built; the copies are done */
     /* tracing (comet_layer_set_trace): events in the layout of
      * src/trace/trace.h, [COMET_CUDA_TRACE_LANES][tr_capacity], counts per lane */
     void *tr_events;               /* device, or NULL: not tracing */

@@ -723,6 +723,12 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
     const int32_t per_pass = (int32_t)blockDim.x / tm;
     __shared__ int n;
+    const int w = c.d.world_size;
+    if (c.ce_stage) { /* the copy engine brings every peer's stage here first (k_ce_ready) */
+        if (threadIdx.x == 0)
+            for (int q = 1; q < w; q++) wait_geq(&c.ov->ce_ready[q], e, &c, "dispatch: copy-engine stage", q);
+        __syncthreads();
+    }
     for (int32_t g = l0 + (int32_t)blockIdx.x * per_pass; g < nb; g += n_comm * per_pass) {
         const uint64_t t0 = TRACE_T0;
         __syncthreads(); /* the previous batch is no longer read */
@@ -745,7 +751,10 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
             }
             if (lo == key) { /* it comes now, with all its rows */
                 const int at = atomicAdd(&n, 1);
-                sm.src[at] = c.peers[pr.src_rank] + c.lay.x + (size_t)pr.src_token * row_bytes;
+                const int q = comet_stage_of(me, pr.src_rank, w);
+                const size_t at_row = c.ce_stage ? (size_t)(q - 1) * (size_t)c.d.max_tokens + (size_t)pr.src_token
+                                                 : (size_t)pr.src_token;
+                sm.src[at] = (c.ce_stage ? c.ce_stage : c.peers[pr.src_rank] + c.lay.x) + at_row * row_bytes;
                 sm.rows[at] = ros;
             }
         }
@@ -760,6 +769,12 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         }
     }
 }
+
+/* Copy-engine dispatch: stage q's copy (enqueued before this on stream2)
+ * is done. One thread; while the pulling CTAs wait for this they hold
+ * their SMs with room beside them (512 threads, ~8 KB of shared memory), so
+ * this CTA always finds a place even when GEMM0 fills every other SM. */
+__global__ void k_ce_ready(comet_cuda_ctx_t c, int q) { st_release_gpu(&c.ov->ce_ready[q], c.state->epoch); }
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
  * 128 x 256 tile). */
@@ -828,7 +843,8 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
+                         (const void *)k_dispatch_ov, (const void *)k_ce_ready, (const void *)k_combine_ov,
+                         (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
@@ -879,6 +895,24 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.block_ready = c.block_ready;
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
+        if (c.ce_stage) { /* every peer's stage is complete (k_plan waited for its entry flag) */
+            cudaStream_t s2 = (cudaStream_t)c.stream2;
+            const size_t stage_bytes = (size_t)d->max_tokens * (size_t)d->hidden * 2;
+            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);
+            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
+            for (int q = 1; e == cudaSuccess && q < d->world_size; q++) {
+                const int s = comet_rank_of_stage(d->rank, q, d->world_size);
+                if (!(c.disable & COMET_DISABLE_COMM))
+                    e = cudaMemcpyAsync(c.ce_stage + (size_t)(q - 1) * stage_bytes, c.peers[s] + c.lay.x, stage_bytes,
+                                        cudaMemcpyDeviceToDevice, s2);
+                if (e == cudaSuccess) {
+                    k_ce_ready<<<1, 1, 0, s2>>>(c, q);
+                    e = cudaGetLastError();
+                }
+            }
+            if (e == cudaSuccess) e = cudaEventRecord((cudaEvent_t)c.ev_ce, s2);
+            if (e != cudaSuccess) return (int)e;
+        }
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
@@ -931,6 +965,10 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     if (combine) {
         k_signal<<<1, 1, 0, stream>>>(c);
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    }
+    if (c.gemm && c.n_comm > 0 && c.ce_stage) { /* stream2 joins: peers may restage only after my copies */
+        cudaError_t e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_ce, 0);
+        if (e != cudaSuccess) return (int)e;
     }
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
