@@ -31,7 +31,7 @@
 static comet_status_t run_with_env(comet_problem_t *p, comet_world_t *world, comet_run_t *run, const char *const *vars) {
     char *keep[8];
     int n = 0;
-    for (; vars[2 * n] && n < 8; n++) {
+    for (; n < 8 && vars[2 * n]; n++) {
         const char *old = getenv(vars[2 * n]);
         keep[n] = old ? strdup(old) : NULL;
         setenv(vars[2 * n], vars[2 * n + 1], 1);

@@ -37,6 +37,7 @@ typedef struct {
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream (and the copy engine's) */
     cudaEvent_t ev_gemm0, ev_comm, ev_plan, ev_ce;
     void *ce_stage;        /* copy-engine dispatch's staging, or NULL (cuda_layer.h) */
+    uint64_t *ce_one;      /* pinned host memory holding 1 (the copy engine's flag value) */
     size_t private_bytes;  /* what layer_init allocated */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
@@ -227,6 +228,7 @@ static void free_all(cuda_layer_t *L) {
     if (L->ev_plan) cudaEventDestroy(L->ev_plan);
     if (L->ev_ce) cudaEventDestroy(L->ev_ce);
     cudaFree(L->ce_stage);
+    if (L->ce_one) cudaFreeHost(L->ce_one);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
     free(L);
@@ -313,6 +315,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the copy-engine staging (%zu bytes): %s",
                               rank, ce_bytes, cudaGetErrorString(e));
         L->private_bytes += ce_bytes;
+        CUDA_TRY(rank, cudaHostAlloc((void **)&L->ce_one, sizeof(uint64_t), cudaHostAllocDefault));
+        *L->ce_one = 1;
     }
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
@@ -427,7 +431,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
             c.disable = args->disable;
-            c.ce_stage = (char *)L->ce_stage;
+            c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
         }
         c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
     }

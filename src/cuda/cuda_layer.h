@@ -83,8 +83,8 @@ typedef struct {
 typedef struct {
     uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk (cumulative, GEMM hook) */
     uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by comm CTA 0) */
-    uint64_t ce_ready[COMET_CUDA_MAX_RANKS];    /* copy-engine dispatch: [q] = e once the stage of
-                                                 * stage-q's rank is in ce_stage (a kernel after the copy) */
+    uint64_t ce_ready[COMET_CUDA_MAX_RANKS];    /* copy-engine dispatch: [q] = 1 once the stage of
+                                                 * stage-q's rank is in ce_stage (0 from k_enter) */
 } comet_cuda_overlap_t;
 
 typedef struct {
@@ -150,13 +150,16 @@ typedef struct {
     comet_cuda_overlap_t *ov;      /* device */
     void *stream2, *ev_gemm0, *ev_comm; /* cudaStream_t, cudaEvent_t */
     /* copy-engine dispatch (overlapped mode, COMET_DISPATCH_CE=1 at layer
-     * create): on stream2, after the plan, the copy engine copies each
-     * peer's whole stage (max_tokens rows of x) into ce_stage, region q-1
-     * for stage q, and a one-thread kernel sets ce_ready[q]; the pulling
-     * CTAs wait for it and copy the remote rows from there (local reads)
-     * instead of over NVLink. NULL: they pull over NVLink. */
+     * create): on stream2, right after k_plan (every peer has staged), the
+     * copy engine copies each peer's whole stage (max_tokens rows of x) into
+     * ce_stage, region q-1 for stage q, then sets ce_ready[q] = 1 with an
+     * 8-byte copy of ce_one (no kernel: none could be sure of an SM while
+     * the pullers wait and GEMM0 fills the rest); the pulling CTAs wait for
+     * the stages their blocks need and copy the remote rows from there
+     * (local reads) instead of over NVLink. NULL: they pull over NVLink. */
     char *ce_stage;                /* device, (W - 1, max_tokens, H) bf16, or NULL */
-    void *ev_plan, *ev_ce;         /* cudaEvent_t: the plan is built; the copies are done */
+    const uint64_t *ce_one;        /* pinned host memory holding 1 */
+    void *ev_plan, *ev_ce;         /* cudaEvent_t: every rank has staged; the copies are done */
     /* tracing (comet_layer_set_trace): events in the layout of
      * src/trace/trace.h, [COMET_CUDA_TRACE_LANES][tr_capacity], counts per lane */
     void *tr_events;               /* device, or NULL: not tracing */

@@ -130,6 +130,8 @@ __global__ void k_enter(comet_cuda_ctx_t c) {
     uint64_t e = s->epoch + 1;
     s->epoch = e;
     s->own_status = 0;
+    if (c.ce_stage) /* the copy engine sets them to 1 after this call's copies (no epoch: its value is a constant) */
+        for (int q = 0; q < c.d.world_size; q++) c.ov->ce_ready[q] = 0;
     for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
 }
 
@@ -724,15 +726,17 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     const int32_t per_pass = (int32_t)blockDim.x / tm;
     __shared__ int n;
     const int w = c.d.world_size;
-    if (c.ce_stage) { /* the copy engine brings every peer's stage here first (k_ce_ready) */
-        if (threadIdx.x == 0)
-            for (int q = 1; q < w; q++) wait_geq(&c.ov->ce_ready[q], e, &c, "dispatch: copy-engine stage", q);
-        __syncthreads();
-    }
+    int ready = 0; /* copy-engine dispatch: stages 1..ready are in ce_stage (thread 0's view) */
     for (int32_t g = l0 + (int32_t)blockIdx.x * per_pass; g < nb; g += n_comm * per_pass) {
         const uint64_t t0 = TRACE_T0;
         __syncthreads(); /* the previous batch is no longer read */
-        if (threadIdx.x == 0) n = 0;
+        if (threadIdx.x == 0) {
+            n = 0;
+            if (c.ce_stage) { /* blocks are in stage order: the pass's last block has its latest stage */
+                const int last = p.blocks[p.l0_order[g + per_pass - 1 < nb ? g + per_pass - 1 : nb - 1]].stage;
+                for (; ready < last; ready++) wait_geq(&c.ov->ce_ready[ready + 1], 1, &c, "dispatch: copy-engine stage", ready + 1);
+            }
+        }
         __syncthreads();
         const int32_t li = g + (int32_t)threadIdx.x / tm, k = (int32_t)threadIdx.x % tm;
         const comet_plan_block_t blk = p.blocks[p.l0_order[li < nb ? li : g]];
@@ -769,12 +773,6 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         }
     }
 }
-
-/* Copy-engine dispatch: stage q's copy (enqueued before this on stream2)
- * is done. One thread; while the pulling CTAs wait for this they hold
- * their SMs with room beside them (512 threads, ~8 KB of shared memory), so
- * this CTA always finds a place even when GEMM0 fills every other SM. */
-__global__ void k_ce_ready(comet_cuda_ctx_t c, int q) { st_release_gpu(&c.ov->ce_ready[q], c.state->epoch); }
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
  * 128 x 256 tile). */
@@ -843,8 +841,7 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_ce_ready, (const void *)k_combine_ov,
-                         (const void *)k_mark};
+                         (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
@@ -865,6 +862,28 @@ static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_ho
     return cudaSuccess;
 }
 
+/* Copy-engine dispatch: on stream2, each peer's whole stage into ce_stage,
+ * then ce_ready[q] = 1 by the copy engine too (an 8-byte copy from pinned
+ * host memory): a kernel could not be sure of an SM while the pullers wait
+ * for it and GEMM0 fills the others. ev_ce joins stream2 back before k_exit. */
+static int ce_copies(const comet_cuda_ctx_t *c, cudaStream_t stream) {
+    const comet_dims_t *d = &c->d;
+    cudaStream_t s2 = (cudaStream_t)c->stream2;
+    const size_t stage_bytes = (size_t)d->max_tokens * (size_t)d->hidden * 2;
+    cudaError_t e = cudaEventRecord((cudaEvent_t)c->ev_plan, stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c->ev_plan, 0);
+    for (int q = 1; e == cudaSuccess && q < d->world_size; q++) {
+        const int s = comet_rank_of_stage(d->rank, q, d->world_size);
+        if (!(c->disable & COMET_DISABLE_COMM))
+            e = cudaMemcpyAsync(c->ce_stage + (size_t)(q - 1) * stage_bytes, c->peers[s] + c->lay.x, stage_bytes,
+                                cudaMemcpyDeviceToDevice, s2);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(&c->ov->ce_ready[q], c->ce_one, sizeof(uint64_t), cudaMemcpyHostToDevice, s2);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord((cudaEvent_t)c->ev_ce, s2);
+    return (int)e;
+}
+
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
     const comet_cuda_ctx_t c = *ctx;
@@ -875,6 +894,10 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
+    if (c.gemm && c.n_comm > 0 && c.ce_stage) { /* every peer's stage is complete (k_plan waited for it) */
+        const int e = ce_copies(&c, stream);
+        if (e != cudaSuccess) return e;
+    }
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0);
     k_gather_routing<<<grid, 256, 0, stream>>>(c);
     comet_plan_input_t in;
@@ -895,24 +918,6 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         hooks.block_ready = c.block_ready;
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
-        if (c.ce_stage) { /* every peer's stage is complete (k_plan waited for its entry flag) */
-            cudaStream_t s2 = (cudaStream_t)c.stream2;
-            const size_t stage_bytes = (size_t)d->max_tokens * (size_t)d->hidden * 2;
-            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_plan, stream);
-            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_plan, 0);
-            for (int q = 1; e == cudaSuccess && q < d->world_size; q++) {
-                const int s = comet_rank_of_stage(d->rank, q, d->world_size);
-                if (!(c.disable & COMET_DISABLE_COMM))
-                    e = cudaMemcpyAsync(c.ce_stage + (size_t)(q - 1) * stage_bytes, c.peers[s] + c.lay.x, stage_bytes,
-                                        cudaMemcpyDeviceToDevice, s2);
-                if (e == cudaSuccess) {
-                    k_ce_ready<<<1, 1, 0, s2>>>(c, q);
-                    e = cudaGetLastError();
-                }
-            }
-            if (e == cudaSuccess) e = cudaEventRecord((cudaEvent_t)c.ev_ce, s2);
-            if (e != cudaSuccess) return (int)e;
-        }
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
