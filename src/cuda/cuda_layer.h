@@ -129,11 +129,14 @@ typedef struct {
     uint64_t timeout_ns;
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
-    /* overlapped mode (n_comm > 0, Hopper GEMM only): in layer 0, n_comm
-     * communication CTAs pull by token, count the rows stored per block and
-     * release block_ready[b] when its last row is in, which GEMM0 waits for; GEMM0 follows them on the same stream as a
-     * programmatic dependent on every SM (its CTAs take the other SMs at
-     * once and the comm CTAs' SMs when the pulls are done). Without push, in
+    /* overlapped mode (n_comm > 0, Hopper GEMM only): in layer 0, one
+     * dispatch CTA per SM: those beyond n_comm copy the local tokens and
+     * exit, the n_comm communication CTAs pull the remote tokens in GEMM0's
+     * block order; all count the rows stored per block and release
+     * block_ready[b] when its last row is in, which GEMM0 waits for. GEMM0
+     * follows on the same stream as a programmatic dependent on every SM
+     * (its CTAs take the copiers' SMs at once and the pullers' SMs when the
+     * pulls are done). Without push, in
      * layer 1 n_comm comm CTAs on a second stream run beside GEMM1 on the
      * other SMs: comm CTA 0 flags each GEMM1 column chunk
      * on every rank as soon as its tiles are stored, and all comm CTAs
