@@ -39,6 +39,8 @@ typedef struct {
     void *ce_stage;        /* copy-engine dispatch's staging, or NULL (cuda_layer.h) */
     uint64_t *ce_one;      /* pinned host memory holding 1 (the copy engine's flag value) */
     size_t private_bytes;  /* what layer_init allocated */
+    size_t priv_bytes[8];  /* the size of each priv buffer */
+    int *agree;            /* device word of agree_ranks (W > 1) */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
     uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
@@ -228,6 +230,7 @@ static void free_all(cuda_layer_t *L) {
     if (L->ev_plan) cudaEventDestroy(L->ev_plan);
     if (L->ev_ce) cudaEventDestroy(L->ev_ce);
     cudaFree(L->ce_stage);
+    cudaFree(L->agree);
     if (L->ce_one) cudaFreeHost(L->ce_one);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
@@ -265,42 +268,69 @@ static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay)
     lay->total = off;
 }
 
-/* Buffers of one rank's layer and its device state; on failure everything
- * taken is given back (one path). */
-static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
+/* The device state of a fresh layer: epoch 0, every rank's staged routing
+ * as this GPU sees it, flags zeroed, receive buffers poisoned. */
+static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
+    comet_cuda_ctx_t *c = &L->ctx;
+    const comet_dims_t *d = &c->d;
+    const int w = d->world_size;
+    const size_t slots = (size_t)(d->max_tokens * d->topk);
+    comet_cuda_state_t s;
+    memset(&s, 0, sizeof s);
+    for (int q = 0; q < w; q++) {
+        s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
+        s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
+        s.route_idx[q] = (int32_t *)L->priv[6] + (size_t)q * slots;
+        s.route_w[q] = (float *)((int32_t *)L->priv[6] + (size_t)w * slots) + (size_t)q * slots;
+    }
+    CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
+    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
+    /* pushed rows arrive in recv: poisoned (bf16 NaN) until they do, so a row never pushed shows */
+    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
+    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
+    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, L->priv_bytes[4]));
+    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, L->priv_bytes[5]));
+    CUDA_TRY(rank, cudaDeviceSynchronize());
+    return COMET_SUCCESS;
+}
+
+/* Every rank learns whether all of them got this far (st: this rank's
+ * status), so that a rank failing alone (out of memory, say) does not leave
+ * the others waiting in the next collective. Returns st, or PEER_FAILED on
+ * the ranks that were fine when another was not. */
+static comet_status_t agree_ranks(cuda_layer_t *L, int rank, comet_status_t st) {
+    if (!L->comm) return st;
+    int v = st != COMET_SUCCESS;
+    cudaError_t e = cudaMemcpy(L->agree, &v, sizeof v, cudaMemcpyHostToDevice);
+    ncclResult_t r = ncclAllReduce(L->agree, L->agree, 1, ncclInt32, ncclMax, comet_comm_nccl(L->comm), 0);
+    if (e == cudaSuccess && r == ncclSuccess) e = cudaStreamSynchronize(0);
+    if (e == cudaSuccess && r == ncclSuccess) e = cudaMemcpy(&v, L->agree, sizeof v, cudaMemcpyDeviceToHost);
+    if (st != COMET_SUCCESS) return st;
+    if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: layer set-up: %s", rank, ncclGetErrorString(r));
+    if (e != cudaSuccess) return cuda_fail(rank, e, "layer set-up");
+    if (v) return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not set up its layer", rank);
+    return COMET_SUCCESS;
+}
+
+/* This rank's private buffers, streams and events (no collective: a failure
+ * here is agreed on before the symmetric buffer's collective allocation). */
+static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
-    c->d = *d;
-    sym_layout(d, L->push, &c->lay);
-    if (w > 1) {
-        COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
-        c->sym = L->sym.local;
-        for (int q = 0; q < w; q++) c->peers[q] = (char *)L->sym.peers_host[q];
-    } else {
-        CUDA_TRY(rank, cudaMalloc(&L->sym_single, c->lay.total));
-        c->sym = c->peers[0] = (char *)L->sym_single;
-    }
-    const size_t rows = (size_t)d->max_rows_padded;
-    const size_t slots = (size_t)(d->max_tokens * d->topk);
-    const size_t bytes[8] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
-                             256, (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t)), sizeof(comet_cuda_overlap_t),
-                             (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
     for (int i = 0; i < 8; i++) {
-        cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
+        cudaError_t e = cudaMalloc(&L->priv[i], L->priv_bytes[i] ? L->priv_bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
                               cudaGetErrorString(e));
-        L->private_bytes += bytes[i];
+        L->private_bytes += L->priv_bytes[i];
     }
     c->state = L->priv[0];
     c->a = L->priv[1], c->h = L->priv[2];
     c->block_ready = L->priv[4];
     c->block_rows = (uint32_t *)(c->block_ready + d->max_blocks);
     c->ov = L->priv[5];
-    c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
     c->plan_scratch = L->priv[7];
-    c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_gemm0, cudaEventDisableTiming));
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
@@ -319,30 +349,42 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
         *L->ce_one = 1;
     }
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
+    return COMET_SUCCESS;
+}
+
+/* Buffers of one rank's layer and its device state; on failure everything
+ * taken is given back (one path). The ranks agree after the private
+ * buffers and again at the end, so a failure on one rank fails all. */
+static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
+    const comet_dims_t *d = &l->dims;
+    const int rank = l->rank, w = d->world_size;
+    comet_cuda_ctx_t *c = &L->ctx;
+    c->d = *d;
+    sym_layout(d, L->push, &c->lay);
+    const size_t rows = (size_t)d->max_rows_padded;
+    const size_t slots = (size_t)(d->max_tokens * d->topk);
+    const size_t bytes[8] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
+                             256, (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t)), sizeof(comet_cuda_overlap_t),
+                             (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
+    memcpy(L->priv_bytes, bytes, sizeof bytes);
+    if (L->comm) CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int))); /* before anything can fail alone */
+    COMET_TRY(agree_ranks(L, rank, alloc_private(l, L)));
+    if (w > 1) {
+        COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
+        c->sym = L->sym.local;
+        for (int q = 0; q < w; q++) c->peers[q] = (char *)L->sym.peers_host[q];
+    } else {
+        CUDA_TRY(rank, cudaMalloc(&L->sym_single, c->lay.total));
+        c->sym = c->peers[0] = (char *)L->sym_single;
+    }
+    c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
+    c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
     int major = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
     L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
-
-    /* device state: epoch 0, every rank's staged routing as this GPU sees it */
-    comet_cuda_state_t s;
-    memset(&s, 0, sizeof s);
-    for (int q = 0; q < w; q++) {
-        s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
-        s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
-        s.route_idx[q] = (int32_t *)L->priv[6] + (size_t)q * slots;
-        s.route_w[q] = (float *)((int32_t *)L->priv[6] + (size_t)w * slots) + (size_t)q * slots;
-    }
-    CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
-    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
-    /* pushed rows arrive in recv: poisoned (bf16 NaN) until they do, so a row never pushed shows */
-    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
-    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
-    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
-    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
-    CUDA_TRY(rank, cudaDeviceSynchronize());
-    return barrier(L, rank);
+    return agree_ranks(L, rank, init_device_state(L, rank));
 }
 
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
