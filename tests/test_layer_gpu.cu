@@ -159,14 +159,19 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[4] = {"sequential", "overlapped", "sequential with push", "overlapped with push"};
-    for (int mode = 0; mode < (w > 1 ? 8 : 4); mode++) {
+    static const char *const names[5] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
+                                         "overlapped with push, copy-engine dispatch"};
+    static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_DISPATCH_CE", "1", NULL};
+    for (int mode = 0; mode < (w > 1 ? 10 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = kind % 2 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100, run.compare_repeats = 1;
+        run.n_comm = kind % 2 || kind == 4 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
+        run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind >= 2 ? run_with_push(p, world, &run) : comet_problem_run(p, world, &run, 0);
+        comet_status_t st = kind == 4  ? run_with_env(p, world, &run, ce_push)
+                            : kind >= 2 ? run_with_push(p, world, &run)
+                                        : comet_problem_run(p, world, &run, 0);
         int differ = 0;
         if (mode == 0) { /* the reference output of the others: written, and right */
             comet_check_t chk;

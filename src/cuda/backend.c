@@ -40,7 +40,7 @@ typedef struct {
     uint64_t *ce_one;      /* pinned host memory holding 1 (the copy engine's flag value) */
     size_t private_bytes;  /* what layer_init allocated */
     size_t priv_bytes[8];  /* the size of each priv buffer */
-    int *agree;            /* device word of agree_ranks (W > 1) */
+    int *agree;            /* device word of agree_ranks (ranks in separate processes) */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
     uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
@@ -294,14 +294,34 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     return COMET_SUCCESS;
 }
 
+static void *agree_token(void *arg) {
+    static char token;
+    (void)arg;
+    return &token;
+}
+
 /* Every rank learns whether all of them got this far (st: this rank's
  * status), so that a rank failing alone (out of memory, say) does not leave
- * the others waiting in the next collective. Returns st, or PEER_FAILED on
- * the ranks that were fine when another was not. */
-static comet_status_t agree_ranks(cuda_layer_t *L, int rank, comet_status_t st) {
+ * the others waiting in the next collective. A local world meets on the host
+ * (a world rendezvous keyed by "failed": ranks that differ fail, and its
+ * timeout bounds the wait); ranks in separate processes through an NCCL
+ * allreduce. Returns st, or PEER_FAILED on the ranks that were fine when
+ * another was not. */
+static comet_status_t agree_ranks(comet_layer_t *l, cuda_layer_t *L, comet_status_t st) {
+    const int rank = l->rank;
     if (!L->comm) return st;
     int v = st != COMET_SUCCESS;
-    cudaError_t e = cudaMemcpy(L->agree, &v, sizeof v, cudaMemcpyHostToDevice);
+    if (l->world->local_rank < 0) {
+        void *unused;
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", st != COMET_SUCCESS ? comet_last_error() : "");
+        const comet_status_t met = comet_world_rendezvous(l->world, rank, &v, sizeof v, agree_token, NULL, &unused);
+        if (st != COMET_SUCCESS) return comet_fail_copy(st, msg);
+        if (met == COMET_ERR_INVALID_ARGUMENT) /* the keys differed: another rank failed */
+            return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not set up its layer", rank);
+        return met;
+    }
+    cudaError_t e = L->agree ? cudaMemcpy(L->agree, &v, sizeof v, cudaMemcpyHostToDevice) : cudaErrorMemoryAllocation;
     ncclResult_t r = ncclAllReduce(L->agree, L->agree, 1, ncclInt32, ncclMax, comet_comm_nccl(L->comm), 0);
     if (e == cudaSuccess && r == ncclSuccess) e = cudaStreamSynchronize(0);
     if (e == cudaSuccess && r == ncclSuccess) e = cudaMemcpy(&v, L->agree, sizeof v, cudaMemcpyDeviceToHost);
@@ -349,6 +369,14 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
         *L->ce_one = 1;
     }
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
+    if (w > 1) { /* the symmetric buffer next is a collective: one rank failing it alone would hang the others */
+        size_t free_b = 0, total_b = 0;
+        CUDA_TRY(rank, cudaMemGetInfo(&free_b, &total_b));
+        const size_t need = c->lay.total + ((size_t)64 << 20); /* its allocation granularity, and a margin */
+        if (free_b < need)
+            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: %zu MiB free on the GPU, the symmetric buffer needs %zu MiB",
+                              rank, free_b >> 20, need >> 20);
+    }
     return COMET_SUCCESS;
 }
 
@@ -367,8 +395,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
                              256, (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t)), sizeof(comet_cuda_overlap_t),
                              (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
     memcpy(L->priv_bytes, bytes, sizeof bytes);
-    if (L->comm) CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int))); /* before anything can fail alone */
-    COMET_TRY(agree_ranks(L, rank, alloc_private(l, L)));
+    if (L->comm && l->world->local_rank >= 0) /* processes agree through NCCL (a failure here still hangs them) */
+        CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int)));
+    COMET_TRY(agree_ranks(l, L, alloc_private(l, L)));
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
         c->sym = L->sym.local;
@@ -384,7 +413,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     int major = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
     L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
-    return agree_ranks(L, rank, init_device_state(L, rank));
+    return agree_ranks(l, L, init_device_state(L, rank));
 }
 
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
@@ -405,9 +434,11 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
+        char msg[1024]; /* the clean-up's own failures must not replace the reason */
+        snprintf(msg, sizeof msg, "%s", comet_last_error());
         free_all(L);
         if (joined) leave_ranks(l->world, rank);
-        return st;
+        return comet_fail_copy(st, msg);
     }
     l->backend_state = L;
     return COMET_SUCCESS;

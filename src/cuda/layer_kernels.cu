@@ -884,20 +884,34 @@ static int ce_copies(const comet_cuda_ctx_t *c, cudaStream_t stream) {
     return (int)e;
 }
 
+/* Everything after the copy-engine fork (if any) up to k_exit. */
+static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
+
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
     const comet_cuda_ctx_t c = *ctx;
-    const comet_dims_t *d = &c.d;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
-    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
     k_enter<<<1, 1, 0, stream>>>(c);
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
-    if (c.gemm && c.n_comm > 0 && c.ce_stage) { /* every peer's stage is complete (k_plan waited for it) */
-        const int e = ce_copies(&c, stream);
-        if (e != cudaSuccess) return e;
+    const int ce = c.gemm && c.n_comm > 0 && c.ce_stage; /* every peer's stage is complete (k_plan waited for it) */
+    int e = ce ? ce_copies(&c, stream) : cudaSuccess;
+    if (e == cudaSuccess) e = forward_chain(&c, stream);
+    if (ce) { /* stream2 joins, on errors too (a capture needs it): peers may restage only after my copies */
+        const cudaError_t j = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_ce, 0);
+        if (e == cudaSuccess) e = (int)j;
     }
+    if (e != cudaSuccess) return e;
+    k_exit<<<1, 1, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
+
+static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+    const comet_cuda_ctx_t c = *ctx;
+    const comet_dims_t *d = &c.d;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0);
     k_gather_routing<<<grid, 256, 0, stream>>>(c);
     comet_plan_input_t in;
@@ -971,10 +985,5 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
         k_signal<<<1, 1, 0, stream>>>(c);
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     }
-    if (c.gemm && c.n_comm > 0 && c.ce_stage) { /* stream2 joins: peers may restage only after my copies */
-        cudaError_t e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_ce, 0);
-        if (e != cudaSuccess) return (int)e;
-    }
-    k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
 }
