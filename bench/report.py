@@ -53,7 +53,7 @@ def main(paths):
                   f"{r['check_rel_err']:.1e} |")
     else:
         base = {key(r): r for r in torch_rows}
-        # mode: seq (the sequential chain) or the overlapped mode's n_comm;
+        # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch);
         # comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
               "comm hidden | check (wrong/checked) |")
@@ -63,6 +63,7 @@ def main(paths):
             tb = f"{b['ms']:.3f}" if b else "-"
             sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
             mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
+            mode += " ce" if r.get("ce") else ""  # the copy-engine dispatch
             mode += ", graph" if r.get("graph") else ""
             hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) >= 0 else "-"
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "

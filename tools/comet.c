@@ -438,7 +438,10 @@ static int run(const char *cmd, int argc, char **argv) {
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[16];
-    snprintf(ncomm, sizeof ncomm, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
+    /* the copy-engine dispatch (COMET_DISPATCH_CE=1, read by the layer at create) shows as "<n>ce" */
+    const char *ce_env = getenv("COMET_DISPATCH_CE");
+    const int ce = use_cuda && o.n_comm > 0 && world > 1 && ce_env && strcmp(ce_env, "1") == 0;
+    snprintf(ncomm, sizeof ncomm, o.n_comm > 0 ? (ce ? "%dce" : "%d") : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -471,11 +474,11 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                hidden, r.graph);
+                ce, hidden, r.graph);
         fclose(f);
     }
     comet_problem_destroy(p);
