@@ -122,7 +122,7 @@ comet_tensor_t comet_tensor_3d(void *data, comet_dtype_t dtype, int64_t d0, int6
  * ------------------------------------------------------------------------- */
 typedef enum {
     COMET_BACKEND_CPU = 0,  /* ranks are threads of one process; the specification engine */
-    COMET_BACKEND_CUDA = 1  /* one GPU per rank (rank r on device r), NCCL symmetric memory underneath */
+    COMET_BACKEND_CUDA = 1  /* one GPU per rank (local worlds: rank r on device r), NCCL symmetric memory underneath */
 } comet_backend_t;
 
 typedef struct comet_world comet_world_t;
@@ -207,9 +207,12 @@ comet_status_t comet_layer_destroy(comet_layer_t *layer);
  * symmetric (reachable by every rank) and private. CPU backend: staged
  * tokens, routing, fp32 partials and flags symmetric; plan, gathered rows,
  * activations and expert outputs private (host memory). CUDA backend: staged
- * tokens, routing, flags, the plan and the expert outputs symmetric (home
- * ranks pull the outputs of their tokens); gathered rows, activations and a
- * local copy of every rank's routing private (device memory). */
+ * tokens, routing, flags, the plan, the expert outputs and, with push (the
+ * default on 2-8 ranks), the receive buffer of expert output rows pushed home
+ * symmetric (COMET_PUSH=0: home ranks pull the rows instead); gathered rows,
+ * activations, a local copy of every rank's routing, the plan builder's and
+ * the overlapped mode's state and, with COMET_DISPATCH_CE=1, the copy-engine
+ * staging private (device memory). */
 typedef struct {
     size_t symmetric_bytes;
     size_t private_bytes;
@@ -229,7 +232,8 @@ typedef struct {
     comet_tensor_t y;        /* [out] (T, H) bf16 */
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
     int n_comm;              /* [in]  communication workers (CPU engine) or CTAs beside the GEMM
-                              *       (CUDA: > 0 runs the overlapped mode; the same on every rank);
+                              *       (CUDA: > 0 runs the overlapped mode when the Hopper GEMM runs,
+                              *       else the sequential chain; at most SMs - 1; the same on every rank);
                               *       0 = tuner's choice (the `comet tune` table, else the rule:
                               *       CUDA the sequential chain); COMET_SEQUENTIAL = the sequential
                               *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */
@@ -266,7 +270,10 @@ comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_arg
  * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx),
  * COMET_ERR_PEER_FAILED (another rank's) or COMET_ERR_INVALID_ARGUMENT (this
  * rank's arguments, or the ranks ran different protocols: n_comm, chunk_cols
- * and the tuner's table must agree). CPU backend: COMET_SUCCESS at once. */
+ * and the tuner's table must agree). CPU backend: COMET_SUCCESS at once.
+ * CUDA backend: a wait between ranks that times out (COMET_TIMEOUT_MS) prints
+ * rank, role and index and traps; this then returns COMET_ERR_CUDA and the
+ * device context is unusable. */
 comet_status_t comet_layer_sync(comet_layer_t *layer);
 
 /* ---------------------------------------------------------------------------
@@ -284,7 +291,8 @@ comet_status_t comet_reference_forward(const comet_layer_config_t *cfg, int worl
  * one lane per rank and worker. Off unless attached; costs nothing then.
  * Recording takes no lock: every worker writes its own lane of a fixed-size
  * buffer; events that do not fit are dropped and counted, never a failure.
- * CPU backend only for now (the CUDA backend returns COMET_ERR_UNSUPPORTED).
+ * Both backends record (the CUDA backend into 11 lanes per rank, below;
+ * comet_layer_sync copies the last forward's events into the recorder).
  * ------------------------------------------------------------------------- */
 typedef struct comet_trace comet_trace_t;
 

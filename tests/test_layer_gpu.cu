@@ -141,7 +141,8 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_problem_destroy(p);
 }
 
-/* For each of sequential, overlapped and (W > 1) both with push,
+/* For each of sequential, overlapped and (W > 1) both with push and the
+ * overlapped mode with push and the copy-engine dispatch,
  * launched directly and replayed from a CUDA graph (captured on a fresh
  * layer's first forward): a layer created for the run, 100 forwards (output
  * poisoned before each), every output bitwise equal to the first direct one. */

@@ -1,9 +1,10 @@
 /*
- * backend.c - host side of the CUDA backend: one GPU per rank (rank r uses
- * device r of this process), buffers sized for the worst case at create time,
- * and a forward that only enqueues kernels (layer_kernels.cu) on the caller's
- * stream: no host synchronisation, so a whole forward can be captured in a
- * CUDA graph. The routing is checked on the device; comet_layer_sync reports
+ * backend.c - host side of the CUDA backend: one GPU per rank (local
+ * worlds: rank r on device r; comet_world_create_nccl: the device given),
+ * buffers sized for the worst case at create time, and a forward that only
+ * enqueues work (layer_kernels.cu) on the caller's stream and a second one
+ * forked and joined by events: no host synchronisation, so a whole forward
+ * can be captured in a CUDA graph. The routing is checked on the device; comet_layer_sync reports
  * what the device found.
  *
  * Ranks > 1 talk through NCCL symmetric memory (src/comm); a single rank needs
@@ -41,6 +42,7 @@ typedef struct {
     size_t private_bytes;  /* what layer_init allocated */
     size_t priv_bytes[8];  /* the size of each priv buffer */
     int *agree;            /* device word of agree_ranks (ranks in separate processes) */
+    uint64_t *gemm_report; /* host-mapped, 8 words: GEMM0's readiness-wait timeout (gemm.h) */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
     void *tr_events;       /* device [COMET_CUDA_TRACE_LANES][trace->capacity] */
     uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
@@ -231,6 +233,7 @@ static void free_all(cuda_layer_t *L) {
     if (L->ev_ce) cudaEventDestroy(L->ev_ce);
     cudaFree(L->ce_stage);
     cudaFree(L->agree);
+    if (L->gemm_report) cudaFreeHost(L->gemm_report);
     if (L->ce_one) cudaFreeHost(L->ce_one);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
@@ -368,6 +371,9 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
         CUDA_TRY(rank, cudaHostAlloc((void **)&L->ce_one, sizeof(uint64_t), cudaHostAllocDefault));
         *L->ce_one = 1;
     }
+    CUDA_TRY(rank, cudaHostAlloc((void **)&L->gemm_report, 8 * sizeof(uint64_t), cudaHostAllocMapped));
+    memset(L->gemm_report, 0, 8 * sizeof(uint64_t));
+    CUDA_TRY(rank, cudaHostGetDevicePointer((void **)&c->gemm_report, L->gemm_report, 0));
     CUDA_TRY(rank, (cudaError_t)comet_cuda_layer_warm());
     if (w > 1) { /* the symmetric buffer next is a collective: one rank failing it alone would hang the others */
         size_t free_b = 0, total_b = 0;
@@ -563,7 +569,11 @@ static comet_status_t trace_collect(comet_layer_t *l) {
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
-    CUDA_TRY(l->rank, cudaStreamSynchronize(L->last_stream));
+    const cudaError_t se = cudaStreamSynchronize(L->last_stream);
+    char why[320];
+    if (se != cudaSuccess && comet_gemm_timeout_message(L->gemm_report, why, sizeof why)) /* GEMM0 trapped */
+        return comet_fail(COMET_ERR_TIMEOUT, "rank %d: %s (%s)", l->rank, why, cudaGetErrorString(se));
+    if (se != cudaSuccess) return cuda_fail(l->rank, se, "cudaStreamSynchronize");
     if (L->trace) COMET_TRY(trace_collect(l));
     uint32_t st = 0;
     CUDA_TRY(l->rank, cudaMemcpy(&st, &L->ctx.state->last_status, sizeof st, cudaMemcpyDeviceToHost));

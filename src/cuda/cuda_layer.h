@@ -13,7 +13,7 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
- *   recv      (TP, max_T, topk, H) bf16 with push (default; not with COMET_PUSH=0): [tp][t][j] the o row
+ *   recv      (TP, max_T, topk, H) bf16 with push (default on 2-8 ranks; not with COMET_PUSH=0): [tp][t][j] the o row
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
@@ -43,7 +43,8 @@
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
- * index, then traps: never a silent hang.
+ * index, then traps: never a silent hang (GEMM0's readiness wait writes its
+ * report into gemm_report, which comet_layer_sync turns into the error).
  */
 #ifndef COMET_CUDA_LAYER_H
 #define COMET_CUDA_LAYER_H
@@ -161,6 +162,7 @@ typedef struct {
      * the stages their blocks need and copy the remote rows from there
      * (local reads) instead of over NVLink. NULL: they pull over NVLink. */
     char *ce_stage;                /* device, (W - 1, max_tokens, H) bf16, or NULL */
+    uint64_t *gemm_report;         /* host-mapped (device address): GEMM0's readiness-wait timeout report */
     const uint64_t *ce_one;        /* pinned host memory holding 1 */
     void *ev_plan, *ev_ce;         /* cudaEvent_t: every rank has staged; the copies are done */
     /* tracing (comet_layer_set_trace): events in the layout of

@@ -19,7 +19,7 @@
  * Padding rows of a block (num_rows < tile_m) are never written.
  *
  * What it is not: a general GEMM (only the two MoE shapes above), nor the
- * fused layer kernels (they use the hooks below), nor a fallback: shapes that
+ * layer's kernel chain (layer_kernels.cu uses the hooks below), nor a fallback: shapes that
  * comet_gemm_check rejects need the SIMT kernels of layer_kernels.cu.
  * Not part of the public API. No CUDA header needed to include this one.
  */
@@ -84,8 +84,9 @@ typedef struct {
     int num_ctas;              /* persistent CTAs (one per SM); 0 = every SM */
     int pdl;                   /* launch as a programmatic dependent of the kernel before it in the
                                 * stream: CTAs may start once that kernel triggers launch_dependents
-                                * (griddepcontrol), on the SMs it leaves free; nothing here waits for
-                                * it to finish, so its results must come through block_ready */
+                                * (griddepcontrol), on the SMs it leaves free; its results must come
+                                * through block_ready (the GEMM waits for it, griddepcontrol.wait,
+                                * only before exiting, so its completion implies the primary's) */
     int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
                                 * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
     int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
@@ -109,7 +110,7 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
  * share counters. COMET_GEMM_GROUP (a measurement knob, read here): row blocks
  * per group of the tile walk instead of the rule in gemm.cu (4 to 16 by K).
- * COMET_GEMM_CLUSTER=1 (read here; off by default until measured): run as
+ * COMET_GEMM_CLUSTER=1 (read here; off by default: on H200 only DeepSeek's GEMM0 gains): run as
  * 2-CTA clusters whose pairs of blocks of one expert share each B tile
  * (multicast); grids then even, at most what fits as clusters.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may

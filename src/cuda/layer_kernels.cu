@@ -1,9 +1,10 @@
 /*
- * layer_kernels.cu - the sequential CUDA layer: one forward as a chain of
- * kernels on one stream, with no host synchronisation (cuda_layer.h lists the
- * steps and the flag protocol). This is the unfused baseline and the fallback
- * on GPUs without Hopper features; the fused COMET kernels replace the
- * dispatch+gemm0 and gemm1+combine pairs.
+ * layer_kernels.cu - the CUDA layer: one forward as a chain of kernels on
+ * the caller's stream, with no host synchronisation (cuda_layer.h lists the
+ * steps and the flag protocol): the sequential chain (the default), and the
+ * overlapped mode (n_comm > 0, Hopper GEMM): k_dispatch_ov with GEMM0 as its
+ * programmatic dependent, optionally the copy-engine dispatch, and
+ * k_combine_ov beside GEMM1 without push.
  *
  * The expert GEMMs run on the Hopper grouped GEMM (gemm.cu) when the shapes
  * suit it (comet_gemm_check), else on the simple SIMT tiles below, which are
@@ -931,6 +932,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.timeout_ns = c.timeout_ns;
         hooks.block_ready = c.block_ready;
         hooks.epoch = &c.state->epoch; /* device address inside the state */
+        hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
         k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);

@@ -35,8 +35,9 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
 
 /* The analytical rule alone (what the table falls back to): chunk_cols about
  * hidden/8; n_comm on the CPU engine 1 or 2 workers, on the CUDA backend 0,
- * the sequential chain (on 2x H200 it beat every overlapped point measured,
- * bench/results/2026-11-22-comet-h200x2.md). */
+ * the sequential chain (on 2x H200 within a few % of the best everywhere
+ * measured; the overlapped mode won only Qwen2-MoE EP2, by ~4% with 16 CTAs:
+ * bench/results/2026-11-22-overlap-h200x2-session4.md). */
 void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* Read a table file, replacing the process's table (NULL or "" clears it).
