@@ -451,7 +451,7 @@ static int run(const char *cmd, int argc, char **argv) {
         printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
-           use_cuda ? "expert output rows pulled back" : "fp32 partials stored");
+           use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);

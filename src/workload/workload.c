@@ -379,12 +379,14 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backe
             for (int64_t j = 0; j < k; j++) {
                 int g = (int)(p->topk_idx[s][t * k + j] / el);
                 used[g] = 1;
-                /* every TP rank of group g pulls this row (and on CUDA, s pulls its output
-                 * row back from each of them); those that are not s cross a link */
-                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 * (backend == COMET_BACKEND_CUDA ? 2 : 1) : 0;
+                /* every TP rank of group g needs this slot: the CPU engine pulls the row per
+                 * slot; on CUDA the slot's output row crosses back to s from each of them */
+                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
             }
-            for (int g = 0; backend != COMET_BACKEND_CUDA && g < ep; g++) /* partials back to s from every rank of a used group */
-                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++) bytes += q != s ? hd * 4 : 0;
+            for (int g = 0; g < ep; g++) /* per used group and rank of it: CPU the partial back to s (fp32),
+                                          * CUDA the token's row, pulled once for all its slots there */
+                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++)
+                    bytes += q != s ? hd * (backend == COMET_BACKEND_CUDA ? 2 : 4) : 0;
         }
     free(used);
     return bytes;

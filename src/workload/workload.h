@@ -97,11 +97,12 @@ typedef struct {
 comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out);
 
 /* Bytes that cross between ranks in one forward, summed over every ordered
- * pair of ranks (docs: benchmarks "comm GB/s"): each token row a rank pulls
- * for one of its expert slots from another rank (H bf16), and the combine's:
- * on the CPU engine each fp32 partial (H) a rank stores into another token's
- * home rank, on the CUDA backend each expert output row (H bf16) a home rank
- * pulls from another rank. */
+ * pair of ranks (docs: benchmarks "comm GB/s"). CPU engine: each token row a
+ * rank pulls for one of its expert slots from another rank (H bf16) and each
+ * fp32 partial (H) it stores into another token's home rank. CUDA backend:
+ * each token row a rank pulls once for all its slots there (H bf16), and each
+ * expert output row (H bf16) that goes to the token's home rank from another
+ * (pushed by GEMM1, or pulled with COMET_PUSH=0). */
 int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend);
 
 /* ---- running every rank -------------------------------------------------- */
