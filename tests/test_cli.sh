@@ -63,6 +63,7 @@ expect launch-bad-env 2 "not a valid launch" -- env WORLD_SIZE=2 RANK=5 "$comet"
 expect comm-hidden 0 'communication hidden: -?[0-9.]+% \(gemm only [0-9.]+ ms, comm only [0-9.]+ ms' -- "$comet" bench --backend cpu --scale 64 --tokens 32 --iters 2 --warmup 0 --comm-hidden
 tune_out=$(mktemp -u /tmp/comet-tune-cli-XXXXXX)
 expect tune-help 0 'usage: comet tune' -- "$comet" tune --help
+expect tune-json 2 'are for bench and check' -- "$comet" tune --backend cpu --json /tmp/x.jsonl
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
 [ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }
 rm -f "$tune_out"

@@ -93,7 +93,7 @@ static void command_usage(const char *cmd, FILE *f) {
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
                    "workers x layer-1 chunk width), print the curve, and append the fastest to a\n"
-                   "table file that the library reads from COMET_TUNE_FILE.\n\nflags:\n%s"
+                   "table file that the library reads from COMET_TUNE_FILE.\n\nflags (not --json, --trace):\n%s"
                    "  --iters N          timed runs per point (default 3)\n"
                    "  --out FILE         table to append to (default $COMET_TUNE_FILE, else comet-tune.tsv)\n",
                 flag_help);
@@ -490,6 +490,11 @@ static int tune(int argc, char **argv) {
     options_t o;
     int pr = parse("tune", argc, argv, &o);
     if (pr) return pr > 0 ? 0 : 2;
+    if (o.json || o.trace) {
+        fprintf(stderr, "comet tune: --json and --trace are for bench and check\n");
+        return 2;
+    }
+    const int iters = o.iters > 0 ? o.iters : 3; /* before configure fills in bench's default */
     comet_layer_config_t cfg;
     int64_t tokens[64];
     int world, use_cuda;
@@ -521,7 +526,6 @@ static int tune(int argc, char **argv) {
         if (c > cfg.hidden) c = (int)cfg.hidden;
         if (n_chunks == 0 || chunks[n_chunks - 1] != c) chunks[n_chunks++] = c;
     }
-    const int iters = o.iters > 0 && o.iters != 5 ? o.iters : 3;
     /* on a GPU the sequential chain first: the table records it as n_comm 0 when it wins */
     const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
     printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns)\n%8s", iters, "n_comm");
