@@ -272,8 +272,9 @@ comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_arg
  * rank's arguments, or the ranks ran different protocols: n_comm, chunk_cols
  * and the tuner's table must agree). CPU backend: COMET_SUCCESS at once.
  * CUDA backend: a wait between ranks that times out (COMET_TIMEOUT_MS) prints
- * rank, role and index and traps; this then returns COMET_ERR_CUDA and the
- * device context is unusable. */
+ * rank, role and index and traps; this then returns COMET_ERR_TIMEOUT (GEMM0's
+ * readiness wait, with its report) or COMET_ERR_CUDA (the others: the message
+ * went to stdout), and the device context is unusable. */
 comet_status_t comet_layer_sync(comet_layer_t *layer);
 
 /* ---------------------------------------------------------------------------

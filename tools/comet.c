@@ -95,6 +95,7 @@ static void command_usage(const char *cmd, FILE *f) {
                    "workers x layer-1 chunk width), print the curve, and append the fastest to a\n"
                    "table file that the library reads from COMET_TUNE_FILE.\n\nflags (not --json, --trace):\n%s"
                    "  --iters N          timed runs per point (default 3)\n"
+                   "  --warmup N         untimed runs first, per point (default 1)\n"
                    "  --out FILE         table to append to (default $COMET_TUNE_FILE, else comet-tune.tsv)\n",
                 flag_help);
     else
@@ -451,7 +452,9 @@ static int run(const char *cmd, int argc, char **argv) {
         printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
-           use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
+           use_cuda ? "once per token and rank; expert output rows sent home; \"ce\" rows (COMET_DISPATCH_CE=1, which "
+                      "the overlapped mode with the Hopper GEMM honours) copy whole stages, not counted"
+                    : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
@@ -494,7 +497,8 @@ static int tune(int argc, char **argv) {
         fprintf(stderr, "comet tune: --json and --trace are for bench and check\n");
         return 2;
     }
-    const int iters = o.iters > 0 ? o.iters : 3; /* before configure fills in bench's default */
+    /* before configure fills in bench's defaults */
+    const int iters = o.iters > 0 ? o.iters : 3, warmup = o.warmup >= 0 ? o.warmup : 1;
     comet_layer_config_t cfg;
     int64_t tokens[64];
     int world, use_cuda;
@@ -543,8 +547,8 @@ static int tune(int argc, char **argv) {
         for (int c = 0; c < (seq ? 1 : n_chunks); c++) {
             comet_run_t r;
             memset(&r, 0, sizeof r);
-            r.n_comm = n_comm, r.chunk_cols = chunks[c], r.repeats = 1 + iters;
-            comet_status_t st = comet_problem_run(p, w, &r, 1);
+            r.n_comm = n_comm, r.chunk_cols = chunks[c], r.repeats = warmup + iters;
+            comet_status_t st = comet_problem_run(p, w, &r, warmup);
             if (st != COMET_SUCCESS) {
                 fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());
                 comet_world_destroy(w);

@@ -881,8 +881,8 @@ static int ce_copies(const comet_cuda_ctx_t *c, cudaStream_t stream) {
         if (e == cudaSuccess)
             e = cudaMemcpyAsync(&c->ov->ce_ready[q], c->ce_one, sizeof(uint64_t), cudaMemcpyHostToDevice, s2);
     }
-    if (e == cudaSuccess) e = cudaEventRecord((cudaEvent_t)c->ev_ce, s2);
-    return (int)e;
+    const cudaError_t r = cudaEventRecord((cudaEvent_t)c->ev_ce, s2); /* on errors too: the caller joins on it */
+    return (int)(e != cudaSuccess ? e : r);
 }
 
 /* Everything after the copy-engine fork (if any) up to k_exit. */
@@ -957,9 +957,10 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
             hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
             hooks.chunk_cols = c.chunk_cols;
             ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
-            if (ge != cudaSuccess) return ge;
+            /* stream2 joins on errors too (a capture needs it) */
             e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
             if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
+            if (ge != cudaSuccess) return ge;
             if (e != cudaSuccess) return (int)e;
             combine = 0;
         }
