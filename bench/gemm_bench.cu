@@ -40,22 +40,7 @@
 #include "../src/cuda/gemm.h"
 #include "../src/workload/workload.h"
 
-#define CK(x)                                                                                        \
-    do {                                                                                             \
-        cudaError_t e_ = (x);                                                                        \
-        if (e_ != cudaSuccess) {                                                                     \
-            fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-#define CKB(x)                                                                                       \
-    do {                                                                                             \
-        cublasStatus_t s_ = (x);                                                                     \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                           \
-            fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", (int)s_, __FILE__, __LINE__, #x);      \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
+#include "bench_check.h"
 
 #define NREP 10
 #define NCURVE 6 /* num_ctas points of the GEMM_BENCH_CURVE=1 curve */

@@ -26,22 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CK(x)                                                                                        \
-    do {                                                                                             \
-        cudaError_t e_ = (x);                                                                        \
-        if (e_ != cudaSuccess) {                                                                     \
-            fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-#define CKB(x)                                                                                       \
-    do {                                                                                             \
-        cublasStatus_t s_ = (x);                                                                     \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                           \
-            fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", (int)s_, __FILE__, __LINE__, #x);      \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
+#include "bench_check.h"
 
 #define THREADS 512
 #define PULL_UNROLL 12 /* as src/cuda/layer_kernels.cu */
