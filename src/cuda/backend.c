@@ -40,7 +40,6 @@ typedef struct {
     void *ce_stage;        /* copy-engine dispatch's staging, or NULL (cuda_layer.h) */
     uint64_t *ce_one;      /* pinned host memory holding 1 (the copy engine's flag value) */
     size_t private_bytes;  /* what layer_init allocated */
-    size_t priv_bytes[8];  /* the size of each priv buffer */
     int *agree;            /* device word of agree_ranks (ranks in separate processes) */
     uint64_t *gemm_report; /* host-mapped, 8 words: GEMM0's readiness-wait timeout (gemm.h) */
     comet_trace_t *trace;  /* recorder attached by comet_layer_set_trace, or NULL */
@@ -271,6 +270,19 @@ static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay)
     lay->total = off;
 }
 
+/* Sizes of the priv buffers (cuda_layer_t). */
+static void priv_sizes(const comet_dims_t *d, size_t bytes[8]) {
+    const size_t rows = (size_t)d->max_rows_padded, slots = (size_t)(d->max_tokens * d->topk);
+    bytes[0] = sizeof(comet_cuda_state_t);
+    bytes[1] = rows * (size_t)d->hidden * 2;
+    bytes[2] = rows * (size_t)d->ffn_local * 2;
+    bytes[3] = 256;
+    bytes[4] = (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t));
+    bytes[5] = sizeof(comet_cuda_overlap_t);
+    bytes[6] = (size_t)d->world_size * slots * 8;
+    bytes[7] = comet_cuda_plan_scratch_bytes(d);
+}
+
 /* The device state of a fresh layer: epoch 0, every rank's staged routing
  * as this GPU sees it, flags zeroed, receive buffers poisoned. */
 static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
@@ -278,6 +290,8 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     const comet_dims_t *d = &c->d;
     const int w = d->world_size;
     const size_t slots = (size_t)(d->max_tokens * d->topk);
+    size_t bytes[8];
+    priv_sizes(d, bytes);
     comet_cuda_state_t s;
     memset(&s, 0, sizeof s);
     for (int q = 0; q < w; q++) {
@@ -291,8 +305,8 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     /* pushed rows arrive in recv: poisoned (bf16 NaN) until they do, so a row never pushed shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
     CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
-    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, L->priv_bytes[4]));
-    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, L->priv_bytes[5]));
+    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
+    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
     return COMET_SUCCESS;
 }
@@ -324,7 +338,7 @@ static comet_status_t agree_ranks(comet_layer_t *l, cuda_layer_t *L, comet_statu
             return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not set up its layer", rank);
         return met;
     }
-    cudaError_t e = L->agree ? cudaMemcpy(L->agree, &v, sizeof v, cudaMemcpyHostToDevice) : cudaErrorMemoryAllocation;
+    cudaError_t e = cudaMemcpy(L->agree, &v, sizeof v, cudaMemcpyHostToDevice); /* allocated by layer_init */
     ncclResult_t r = ncclAllReduce(L->agree, L->agree, 1, ncclInt32, ncclMax, comet_comm_nccl(L->comm), 0);
     if (e == cudaSuccess && r == ncclSuccess) e = cudaStreamSynchronize(0);
     if (e == cudaSuccess && r == ncclSuccess) e = cudaMemcpy(&v, L->agree, sizeof v, cudaMemcpyDeviceToHost);
@@ -341,12 +355,14 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
+    size_t bytes[8];
+    priv_sizes(d, bytes);
     for (int i = 0; i < 8; i++) {
-        cudaError_t e = cudaMalloc(&L->priv[i], L->priv_bytes[i] ? L->priv_bytes[i] : 1);
+        cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
                               cudaGetErrorString(e));
-        L->private_bytes += L->priv_bytes[i];
+        L->private_bytes += bytes[i];
     }
     c->state = L->priv[0];
     c->a = L->priv[1], c->h = L->priv[2];
@@ -395,12 +411,6 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
     sym_layout(d, L->push, &c->lay);
-    const size_t rows = (size_t)d->max_rows_padded;
-    const size_t slots = (size_t)(d->max_tokens * d->topk);
-    const size_t bytes[8] = {sizeof(comet_cuda_state_t), rows * (size_t)d->hidden * 2, rows * (size_t)d->ffn_local * 2,
-                             256, (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t)), sizeof(comet_cuda_overlap_t),
-                             (size_t)w * slots * 8, comet_cuda_plan_scratch_bytes(d)};
-    memcpy(L->priv_bytes, bytes, sizeof bytes);
     if (L->comm && l->world->local_rank >= 0) /* processes agree through NCCL (a failure here still hangs them) */
         CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int)));
     COMET_TRY(agree_ranks(l, L, alloc_private(l, L)));

@@ -231,9 +231,8 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
 /* Tokens whose sources a CTA looks up at once (sequential dispatch). */
 #define PULL_ROWS 128
 
-/* Row blocks the overlapped dispatch scans at once: one row a thread. */
-#define OV_BLOCKS (COMM_THREADS / COMET_GEMM_TILE_M)
-static_assert(OV_BLOCKS * COMET_GEMM_TILE_M == COMM_THREADS, "one row a thread");
+/* The overlapped dispatch scans whole row blocks, one row a thread. */
+static_assert(COMM_THREADS % COMET_GEMM_TILE_M == 0, "a CTA's threads cover whole row blocks");
 
 /* Every rank's staged routing copied here by all CTAs, so that the plan
  * builder reads local memory instead of waiting on remote loads; and, in the
@@ -683,8 +682,9 @@ __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_pla
  * local tokens (by token, as the sequential dispatch) and exit: GEMM0, the
  * programmatic dependent launched right after on every SM, starts on their
  * SMs with the local-only row blocks (l0_order begins with them). CTAs
- * 0..n_comm-1 pull the remote tokens meanwhile, row block by row block in
- * l0_order (GEMM0's order), each token when its first row here is reached:
+ * 0..n_comm-1 pull the remote tokens meanwhile, blockDim.x / tile_m row
+ * blocks a pass in l0_order (GEMM0's order), each token when its first row
+ * in that order is reached:
  * read once, stored into all its rows; so blocks complete in the order
  * GEMM0 takes them, and every token crosses NVLink once. Each batch's rows
  * are counted into their blocks (dispatch_count). All these CTAs are
@@ -722,7 +722,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     }
     const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
     const size_t row_bytes = (size_t)c.d.hidden * 2;
-    /* one row a thread: blockDim.x / tile_m blocks a pass (OV_BLOCKS: tile_m is 128, comet_gemm_check) */
+    /* one row a thread: blockDim.x / tile_m blocks a pass (tile_m is 128: comet_gemm_check) */
     const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
     const int32_t per_pass = (int32_t)blockDim.x / tm;
     __shared__ int n;
