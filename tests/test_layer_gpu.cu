@@ -12,7 +12,8 @@
  * rows home (the default, COMET_PUSH=1 here; the other cases set
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
  * and the overlapped mode with its remote rows through the copy engine
- * (COMET_DISPATCH_CE=1) too; one layer
+ * (COMET_DISPATCH_CE=1) too, and both with partials sent home
+ * (COMET_PARTIALS=1) in place of rows; one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
@@ -48,7 +49,7 @@ static comet_status_t run_with_env(comet_problem_t *p, comet_world_t *world, com
 }
 
 static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
-    static const char *const push[] = {"COMET_PUSH", "1", NULL};
+    static const char *const push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
     return run_with_env(p, world, run, push);
 }
 
@@ -122,7 +123,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         CHECK(same, "%s: overlapped with push: %s, output %s", tag, comet_status_string(st),
               same ? "equal" : "differs from the sequential one");
         /* and the remote rows through the copy engine (COMET_DISPATCH_CE=1), with push and without */
-        static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_DISPATCH_CE", "1", NULL};
+        static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
         static const char *const ce_pull[] = {"COMET_PUSH", "0", "COMET_DISPATCH_CE", "1", NULL};
         for (int pass = 0; pass < 2; pass++) {
             const size_t private_bytes = run.memory.private_bytes;
@@ -135,14 +136,27 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
                   comet_status_string(st), same ? "equal" : "differs from the sequential one",
                   pass || run.memory.private_bytes > private_bytes ? "allocated" : "missing");
         }
+        /* partials (COMET_PARTIALS=1): each rank sends its fp32 partial of a
+         * remote token home, computed as the combine would: the same bits */
+        static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
+        for (int pass = 0; pass < 2; pass++) {
+            comet_problem_poison(p);
+            run.n_comm = pass ? 8 : COMET_SEQUENTIAL;
+            st = run_with_env(p, world, &run, partials);
+            same = st == COMET_SUCCESS;
+            for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+            CHECK(same, "%s: %s with partials: %s, output %s", tag, pass ? "overlapped" : "sequential",
+                  comet_status_string(st), same ? "equal" : "differs from the pull combine's");
+        }
     }
     for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);
     comet_problem_destroy(p);
 }
 
-/* For each of sequential, overlapped and (W > 1) both with push and the
- * overlapped mode with push and the copy-engine dispatch,
+/* For each of sequential, overlapped and (W > 1) both with push, the
+ * overlapped mode with push and the copy-engine dispatch, and the
+ * overlapped mode with partials,
  * launched directly and replayed from a CUDA graph (captured on a fresh
  * layer's first forward): a layer created for the run, 100 forwards (output
  * poisoned before each), every output bitwise equal to the first direct one. */
@@ -160,17 +174,19 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[5] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
-                                         "overlapped with push, copy-engine dispatch"};
-    static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_DISPATCH_CE", "1", NULL};
-    for (int mode = 0; mode < (w > 1 ? 10 : 4); mode++) {
+    static const char *const names[6] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
+                                         "overlapped with push, copy-engine dispatch", "overlapped with partials"};
+    static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
+    static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
+    for (int mode = 0; mode < (w > 1 ? 12 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
         run.n_comm = kind % 2 || kind == 4 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
         run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind == 4  ? run_with_env(p, world, &run, ce_push)
+        comet_status_t st = kind == 5  ? run_with_env(p, world, &run, partials)
+                            : kind == 4 ? run_with_env(p, world, &run, ce_push)
                             : kind >= 2 ? run_with_push(p, world, &run)
                                         : comet_problem_run(p, world, &run, 0);
         int differ = 0;

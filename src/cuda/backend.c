@@ -49,7 +49,9 @@ typedef struct {
     cudaStream_t last_stream;
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
-    int push;              /* at create, unless COMET_PUSH=0: GEMM1 pushes o rows home (both modes) */
+    int push;              /* at create, unless COMET_PUSH=0 or partials: GEMM1 pushes o rows home (both modes) */
+    int partial;           /* at create, where a token has more than two rows a rank (topk > 2 EP) or
+                            * COMET_PARTIALS=1: each remote token's partial is sent home (cuda_layer.h) */
     int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
                             * come through the copy engine (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
@@ -160,18 +162,18 @@ static void release_shared_id(cuda_shared_t *s) {
 }
 
 /* The rank's communicator, created on first use (local worlds), and checks
- * that every rank brought the same config and push choice (both size the
+ * that every rank brought the same config and combine choice (push, partials: both size the
  * symmetric buffer, which every rank must allocate alike). */
-static comet_status_t join_ranks(comet_layer_t *l, int push, comet_comm_t **comm) {
+static comet_status_t join_ranks(comet_layer_t *l, int combine, comet_comm_t **comm) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
     cuda_world_t *cw = l->world->backend_world;
     struct {
         comet_dims_t d;
-        int push;
+        int combine;
     } key;
     memset(&key, 0, sizeof key); /* padding hashed too */
-    key.d = *d, key.push = push;
+    key.d = *d, key.combine = combine;
     key.d.rank = key.d.tp_rank = key.d.ep_rank = 0;
     if (l->world->local_rank < 0) {
         cuda_shared_t *sh = NULL;
@@ -251,8 +253,8 @@ static comet_status_t barrier(cuda_layer_t *L, int rank) {
 }
 
 /* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned;
- * the receive buffer of pushed o rows only with push. */
-static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay) {
+ * the receive buffer of pushed o rows only with push, the part buffer only with partials. */
+static void sym_layout(const comet_dims_t *d, int push, int partial, comet_sym_layout_t *lay) {
     size_t off = 0;
 #define COMET_SYM_FIELD(field, bytes)                  \
     do {                                               \
@@ -266,6 +268,7 @@ static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay)
     COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
     COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
     COMET_SYM_FIELD(recv, push ? (size_t)(d->tp * d->max_tokens * d->topk * d->hidden) * 2 : 0);
+    COMET_SYM_FIELD(part, partial ? (size_t)((d->world_size - 1) * d->max_tokens * d->hidden) * 4 : 0);
 #undef COMET_SYM_FIELD
     lay->total = off;
 }
@@ -302,7 +305,7 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     }
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
-    /* pushed rows arrive in recv: poisoned (bf16 NaN) until they do, so a row never pushed shows */
+    /* pushed rows arrive in recv, partials in part: poisoned (NaN) until they do, so one never sent shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
     CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
     CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
@@ -410,7 +413,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
-    sym_layout(d, L->push, &c->lay);
+    sym_layout(d, L->push, L->partial, &c->lay);
     if (L->comm && l->world->local_rank >= 0) /* processes agree through NCCL (a failure here still hangs them) */
         CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int)));
     COMET_TRY(agree_ranks(l, L, alloc_private(l, L)));
@@ -432,6 +435,15 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     return agree_ranks(l, L, init_device_state(L, rank));
 }
 
+int comet_cuda_combine_partials(const comet_dims_t *d) {
+    const char *push_env = getenv("COMET_PUSH"), *part_env = getenv("COMET_PARTIALS");
+    if (d->world_size < 2) return 0;
+    if (part_env) return strcmp(part_env, "1") == 0;
+    /* where a token has more than two rows a rank, one fp32 partial crosses
+     * instead of its bf16 rows (dev/NOTES.md); COMET_PUSH=0 keeps the pull */
+    return !(push_env && strcmp(push_env, "0") == 0) && d->topk > 2 * d->ep;
+}
+
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     const int rank = l->rank;
     cuda_layer_t *L = calloc(1, sizeof *L);
@@ -444,10 +456,11 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
      * o row into its home rank too, so the combine reads local memory */
     const char *push_env = getenv("COMET_PUSH");
     const int w = l->dims.world_size;
-    L->push = !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
+    L->partial = L->ctx.partial = comet_cuda_combine_partials(&l->dims);
+    L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
-    const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push, &L->comm)) == COMET_SUCCESS;
+    const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
         char msg[1024]; /* the clean-up's own failures must not replace the reason */

@@ -17,6 +17,12 @@
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
+ *   part      (W-1, max_T, H) fp32 with partials (instead of push where a
+ *                                       token has more than two rows a rank:
+ *                                       topk > 2 EP; COMET_PARTIALS=0/1 forces):
+ *                                       [s-1][t] rank q's partial of my token t
+ *                                       (s = q's stage from me), the top-k
+ *                                       reduce over t's rows on q, stored by q
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
@@ -24,8 +30,8 @@
  *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
  *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
- *            with push, 3 overlapped with push, else the overlapped mode's
- *            chunk width), entry = e
+ *            with push, 3 overlapped with push, 5 and 7 the same with
+ *            partials, else the overlapped mode's chunk width), entry = e
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs), build my plan
@@ -34,12 +40,15 @@
  *            once, stored into every row of its slots here (the overlapped
  *            mode pulls by row block)
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
+ *   partials with partials: for each token of another rank with rows here,
+ *            its partial (as the combine computes one) into its home's part
  *   signal   o_ready[me] = e on every rank (my o is complete)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce
  *            (ascending slot, fmaf) over the o rows of its slots on q, pulled
  *            from q's o at the rows q's plan gives (row_of_slot), or with
- *            push read from my recv[tp of q][t][j] (my own rows: my o); y = the
+ *            push read from my recv[tp of q][t][j] (my own rows: my o), or
+ *            with partials q's partial read from my part; y = the
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
@@ -72,8 +81,8 @@ typedef struct {
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
     uint64_t mode;            /* this epoch's protocol (every rank must run the same): 0 sequential,
-                               * 1 sequential with push, 3 overlapped with push, else the
-                               * overlapped mode's chunk width */
+                               * 1 sequential with push, 3 overlapped with push, 5 and 7 the
+                               * same with partials, else the overlapped mode's chunk width */
     uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
                                                   column chunk c of rank q's o is complete */
@@ -89,7 +98,7 @@ typedef struct {
 } comet_cuda_overlap_t;
 
 typedef struct {
-    size_t flags, x, topk_idx, topk_w, plan, o, recv, total; /* byte offsets, total size */
+    size_t flags, x, topk_idx, topk_w, plan, o, recv, part, total; /* byte offsets, total size */
 } comet_sym_layout_t;
 
 /* Private device state of one rank's layer. */
@@ -142,11 +151,14 @@ typedef struct {
      * other SMs: comm CTA 0 flags each GEMM1 column chunk
      * on every rank as soon as its tiles are stored, and all comm CTAs
      * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
-     * rank has flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on
-     * every SM, pushes, and the sequential chain's signal and combine follow. */
+     * rank has flagged it. With push (or partials), layer 1 has no comm CTAs:
+     * GEMM1 runs on every SM, pushes (or the partials are sent after it), and
+     * the sequential chain's signal and combine follow. */
     int n_comm;                    /* 0: the sequential chain */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
                                     * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */
+    int partial;                   /* instead of push: after GEMM1, k_send_partials stores each remote
+                                    * token's partial into its home's part; the combine reads them there */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */

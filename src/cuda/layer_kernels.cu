@@ -98,7 +98,8 @@ __device__ static inline void wait_geq(const uint64_t *flag, uint64_t target, co
 /* This call's protocol, as every rank must run it (cuda_layer.h: mode). */
 __device__ static inline uint64_t comet_cuda_mode(const comet_cuda_ctx_t *c) {
     const int overlapped = c->gemm && c->n_comm > 0;
-    return c->push ? (overlapped ? 3u : 1u) : overlapped ? (uint64_t)c->chunk_cols : 0u;
+    if (c->push || c->partial) return (c->push ? 1u : 5u) + (overlapped ? 2u : 0u);
+    return overlapped ? (uint64_t)c->chunk_cols : 0u;
 }
 
 __device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
@@ -208,6 +209,28 @@ __device__ static inline uint4 ld8_bf16(const comet_bf16_t *p, int n, int vec) {
 __device__ static inline float bf16_at(uint4 r, int i) {
     const uint32_t w = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
     return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+}
+
+/* 8 fp32 (the n that exist; two 16-byte accesses when vec). */
+__device__ static inline void ld8_f32(const float *p, float v[8], int n, int vec) {
+    if (vec) {
+        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = i < n ? p[i] : 0.0f;
+}
+
+__device__ static inline void st8_f32(float *p, const float v[8], int n, int vec) {
+    if (vec) {
+        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (i < n) p[i] = v[i];
 }
 
 __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n, int vec) {
@@ -460,18 +483,27 @@ typedef struct {
 typedef struct {
     const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
     const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv */
-    int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j] */
+    int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j]
+                                                     * (with partials too: no row is looked up there) */
+    const float *part_of[COMET_CUDA_MAX_RANKS];     /* with partials, q != me: q's partials of my tokens, or NULL */
     const int32_t *idx;                       /* my staged topk_idx */
     const float *wts;                         /* my staged topk_w */
 } combine_src_t;
+
+/* My part buffer's region for the partials of rank q (q != me), (max_T, H) fp32. */
+__device__ static inline float *partials_from(const comet_cuda_ctx_t *c, int q) {
+    const size_t region = (size_t)(comet_stage_of(c->d.rank, q, c->d.world_size) - 1) * (size_t)c->d.max_tokens;
+    return (float *)(c->sym + c->lay.part) + region * (size_t)c->d.hidden;
+}
 
 __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t *src) {
     for (int q = threadIdx.x; q < c->d.world_size; q += blockDim.x) {
         comet_plan_t pq;
         comet_plan_carve(&c->d, c->peers[q] + c->lay.plan, &pq);
         src->ros[q] = pq.row_of_slot + (int64_t)c->d.rank * c->d.max_tokens * c->d.topk;
-        src->pushed[q] = c->push && q != c->d.rank;
+        src->pushed[q] = (c->push || c->partial) && q != c->d.rank;
         src->o_of[q] = (const comet_bf16_t *)(src->pushed[q] ? c->sym + c->lay.recv : c->peers[q] + c->lay.o);
+        src->part_of[q] = c->partial && q != c->d.rank ? partials_from(c, q) : NULL;
     }
     if (threadIdx.x == 0) {
         src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
@@ -515,23 +547,57 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
     x->row = slot_row(c, src, x->g * tp + lane % tp, lane % tp, x->t, lane / tp);
 }
 
+/* One batch of a top-k reduce, by every lane of a warp: part[gi * 8 + e] +=
+ * wj[u] * o[r[u]] (fmaf, u ascending; r[u] < 0: no row) for the lane's
+ * columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS) below c1, every row's
+ * loads issued before the first is used. */
+__device__ static inline void reduce_batch(const comet_bf16_t *o, int64_t hd, const int32_t r[SLOT_BATCH],
+                                           const float wj[SLOT_BATCH], int64_t g0, int64_t c1, float *part) {
+    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
+    uint4 v[SLOT_BATCH][COL_GROUPS];
+#pragma unroll
+    for (int u = 0; u < SLOT_BATCH; u++)
+#pragma unroll
+        for (int gi = 0; gi < COL_GROUPS; gi++) {
+            const int64_t col = g0 + gi * 256 + lane * 8;
+            const int cn = cols_below(col, c1);
+            if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+        }
+#pragma unroll
+    for (int u = 0; u < SLOT_BATCH; u++)
+#pragma unroll
+        for (int gi = 0; gi < COL_GROUPS; gi++) {
+            const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
+            if (r[u] >= 0 && cn)
+                for (int e = 0; e < 8; e++) part[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), part[gi * 8 + e]);
+        }
+}
+
 /* Rank q's partial of token x.t (q = group g, tp index tpi): the top-k reduce
  * (ascending slot, fmaf, from 0) over the token's slots in group g, with the
  * bf16 rows of q's o, for columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS,
- * below c1) into part[gi * 8 + e]. Slots whose lane is beyond the warp are
- * read directly. Every lane of the warp calls it (shuffles). */
+ * below c1) into part[gi * 8 + e]; with partials (q != me), q computed it
+ * (k_send_partials) and it is read from my part buffer. Slots whose lane is
+ * beyond the warp are read directly. Every lane of the warp calls it (shuffles). */
 __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src_t *src, const combine_lane_t *x,
                                     int32_t g, int tpi, int64_t g0, int64_t c1, float *part) {
     const int64_t hd = c->d.hidden, k = c->d.topk;
-    const int lane = threadIdx.x % 32, tp = c->d.tp, vec = hd % 8 == 0;
+    const int lane = threadIdx.x % 32, tp = c->d.tp;
     const int q = g * tp + tpi;
-    const comet_bf16_t *oq = src->o_of[q];
+    if (src->part_of[q]) {
+#pragma unroll
+        for (int gi = 0; gi < COL_GROUPS; gi++) {
+            const int64_t col = g0 + gi * 256 + lane * 8;
+            const int cn = cols_below(col, c1);
+            ld8_f32(src->part_of[q] + x->t * hd + col, part + gi * 8, cn, hd % 8 == 0 && cn == 8);
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < COL_GROUPS * 8; i++) part[i] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
         int32_t r[SLOT_BATCH];
         float wj[SLOT_BATCH];
-        uint4 v[SLOT_BATCH][COL_GROUPS];
 #pragma unroll
         for (int u = 0; u < SLOT_BATCH; u++) {
             const int64_t j = j0 + u, l = j * tp + tpi;
@@ -548,21 +614,57 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
                 if (gj == g) r[u] = slot_row(c, src, q, tpi, x->t, j);
             }
             if (j >= k || gj != g) r[u] = -1;
+        }
+        reduce_batch(src->o_of[q], hd, r, wj, g0, c1, part);
+    }
+}
+
+/* Partials (cuda_layer.h): for every token of another home rank with rows
+ * here (the plan's send lists), its partial over all columns -- the top-k
+ * reduce of rank_partial, the same fmaf order, weights from the plan rows
+ * -- stored fp32 into the home rank's part buffer (my region there). One
+ * warp a token; k_signal then tells the home ranks. */
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ctx_t c) {
+    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return;
+    const uint64_t t0 = TRACE_T0;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int w = c.d.world_size, me = c.d.rank, lane = threadIdx.x % 32;
+    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    for (int h = 0; h < w; h++) {
+        if (h == me) continue;
+        const int32_t n = p.send_count[h];
+        float *dst = (float *)(c.peers[h] + c.lay.part) + (size_t)(comet_stage_of(h, me, w) - 1) * (size_t)(mt * hd);
+        for (int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < n; i += warps) {
+            const int64_t t = p.send_tokens[h * mt + i];
+            const int32_t *ros = p.row_of_slot + (h * mt + t) * k;
+            for (int64_t g0 = 0; g0 < hd; g0 += 256 * COL_GROUPS) {
+                float part[COL_GROUPS * 8];
 #pragma unroll
-            for (int gi = 0; gi < COL_GROUPS; gi++) {
-                const int64_t col = g0 + gi * 256 + lane * 8;
-                const int cn = cols_below(col, c1);
-                if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(oq + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+                for (int e = 0; e < COL_GROUPS * 8; e++) part[e] = 0.0f;
+                for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
+                    int32_t r[SLOT_BATCH];
+                    float wj[SLOT_BATCH];
+#pragma unroll
+                    for (int u = 0; u < SLOT_BATCH; u++) {
+                        r[u] = j0 + u < k ? ros[j0 + u] : -1;
+                        wj[u] = r[u] >= 0 ? p.rows[r[u]].weight : 0.0f;
+                    }
+                    reduce_batch(c.o, hd, r, wj, g0, hd, part);
+                }
+#pragma unroll
+                for (int gi = 0; gi < COL_GROUPS; gi++) {
+                    const int64_t col = g0 + gi * 256 + lane * 8;
+                    const int cn = cols_below(col, hd);
+                    if (cn) st8_f32(dst + t * hd + col, part + gi * 8, cn, hd % 8 == 0 && cn == 8);
+                }
             }
         }
-#pragma unroll
-        for (int u = 0; u < SLOT_BATCH; u++)
-#pragma unroll
-            for (int gi = 0; gi < COL_GROUPS; gi++) {
-                const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
-                if (r[u] >= 0 && cn)
-                    for (int e = 0; e < 8; e++) part[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), part[gi * 8 + e]);
-            }
+    }
+    if (c.tr_events) {
+        __syncthreads();
+        if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, -1, t0);
     }
 }
 
@@ -607,7 +709,7 @@ __device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_
     }
 }
 
-/* My o (and plan) are complete: tell every rank. */
+/* My o (and plan, and with partials the partials I sent) are complete: tell every rank. */
 __global__ void k_signal(comet_cuda_ctx_t c) {
     __threadfence_system();
     for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->o_ready[c.d.rank], c.state->epoch);
@@ -841,7 +943,7 @@ extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_signal, (const void *)k_final, (const void *)k_exit,
+                         (const void *)k_signal, (const void *)k_send_partials, (const void *)k_final, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -940,11 +1042,12 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
         hooks.pdl = 0;
-        if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
+        if (c.push || c.partial) { /* layer 1 needs no comm CTAs: GEMM1 on every SM (pushing rows home, or
+                                     * then the partials sent home), a local combine follows */
             hooks.num_ctas = c.num_sms;
             /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
              * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
-            hooks.push = !(c.disable & COMET_DISABLE_COMM);
+            hooks.push = c.push && !(c.disable & COMET_DISABLE_COMM);
             ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
             if (ge != cudaSuccess) return ge;
         } else { /* comm CTAs on stream2 beside GEMM1 combine its column chunks as they come */
@@ -985,6 +1088,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
     }
     if (combine) {
+        if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);
         k_signal<<<1, 1, 0, stream>>>(c);
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     }
