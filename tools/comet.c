@@ -20,6 +20,7 @@
 
 #include "comet.h"
 #include "../src/core/bootstrap.h"
+#include "../src/core/runtime.h"
 #include "../src/core/validate.h"
 #include "../src/tuner/tuner.h"
 #include "../src/workload/workload.h"
@@ -438,11 +439,17 @@ static int run(const char *cmd, int argc, char **argv) {
                              world / (r.ms_median * 1e6);
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
-    char ncomm[16];
+    char ncomm[24];
     /* the copy-engine dispatch (COMET_DISPATCH_CE=1, read by the layer at create) shows as "<n>ce" */
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     const int ce = use_cuda && o.n_comm > 0 && world > 1 && ce_env && strcmp(ce_env, "1") == 0;
-    snprintf(ncomm, sizeof ncomm, o.n_comm > 0 ? (ce ? "%dce" : "%d") : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
+    /* and the combine by partials (COMET_PARTIALS=1) as a trailing "p" */
+    comet_dims_t dims;
+    const int partials = use_cuda && comet_dims_from_config(&cfg, world, 0, &dims) == COMET_SUCCESS &&
+                         comet_cuda_combine_partials(&dims);
+    char how[16];
+    snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
+    snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -452,8 +459,9 @@ static int run(const char *cmd, int argc, char **argv) {
         printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
-           use_cuda ? "once per token and rank; expert output rows sent home; \"ce\" rows (COMET_DISPATCH_CE=1, which "
-                      "the overlapped mode with the Hopper GEMM honours) copy whole stages, not counted"
+           use_cuda ? "once per token and rank; expert output rows sent home (\"p\" rows, COMET_PARTIALS=1: one fp32 "
+                      "partial per token and rank); \"ce\" rows (COMET_DISPATCH_CE=1, which the overlapped mode with "
+                      "the Hopper GEMM honours) copy whole stages, not counted"
                     : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
@@ -477,11 +485,11 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                ce, hidden, r.graph);
+                ce, partials, hidden, r.graph);
         fclose(f);
     }
     comet_problem_destroy(p);

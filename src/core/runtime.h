@@ -62,7 +62,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forwar
 comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
 void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 /* Whether a layer of dims d created now combines by partials (cuda_layer.h:
- * COMET_PARTIALS=0/1, else where topk > 2 EP unless COMET_PUSH=0). */
+ * COMET_PARTIALS=1 and W > 1). */
 int comet_cuda_combine_partials(const comet_dims_t *d);
 
 /* CPU backend (src/cpu/engine.c). */

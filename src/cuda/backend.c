@@ -50,8 +50,8 @@ typedef struct {
     int device;
     int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
     int push;              /* at create, unless COMET_PUSH=0 or partials: GEMM1 pushes o rows home (both modes) */
-    int partial;           /* at create, where a token has more than two rows a rank (topk > 2 EP) or
-                            * COMET_PARTIALS=1: each remote token's partial is sent home (cuda_layer.h) */
+    int partial;           /* at create, COMET_PARTIALS=1 and W > 1: each remote token's partial is
+                            * sent home in place of its rows (cuda_layer.h) */
     int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
                             * come through the copy engine (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
@@ -436,12 +436,10 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 }
 
 int comet_cuda_combine_partials(const comet_dims_t *d) {
-    const char *push_env = getenv("COMET_PUSH"), *part_env = getenv("COMET_PARTIALS");
-    if (d->world_size < 2) return 0;
-    if (part_env) return strcmp(part_env, "1") == 0;
-    /* where a token has more than two rows a rank, one fp32 partial crosses
-     * instead of its bf16 rows (dev/NOTES.md); COMET_PUSH=0 keeps the pull */
-    return !(push_env && strcmp(push_env, "0") == 0) && d->topk > 2 * d->ep;
+    /* off by default: sent after GEMM1 they take the link time that push
+     * hides inside GEMM1 (dev/NOTES.md) */
+    const char *part_env = getenv("COMET_PARTIALS");
+    return d->world_size > 1 && part_env && strcmp(part_env, "1") == 0;
 }
 
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {

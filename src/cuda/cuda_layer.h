@@ -17,9 +17,8 @@
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
- *   part      (W-1, max_T, H) fp32 with partials (instead of push where a
- *                                       token has more than two rows a rank:
- *                                       topk > 2 EP; COMET_PARTIALS=0/1 forces):
+ *   part      (W-1, max_T, H) fp32 with partials (COMET_PARTIALS=1 at create,
+ *                                       instead of push):
  *                                       [s-1][t] rank q's partial of my token t
  *                                       (s = q's stage from me), the top-k
  *                                       reduce over t's rows on q, stored by q
@@ -30,8 +29,8 @@
  *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
  *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
- *            with push, 3 overlapped with push, 5 and 7 the same with
- *            partials, else the overlapped mode's chunk width), entry = e
+ *            with push, 3 overlapped with push, 5 sequential with partials,
+ *            else the overlapped mode's chunk width, + 1 with partials), entry = e
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs), build my plan
@@ -42,6 +41,7 @@
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
  *   partials with partials: for each token of another rank with rows here,
  *            its partial (as the combine computes one) into its home's part
+ *            (overlapped: by the comm CTAs beside GEMM1, chunk by chunk)
  *   signal   o_ready[me] = e on every rank (my o is complete)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce
@@ -81,8 +81,8 @@ typedef struct {
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
     uint64_t mode;            /* this epoch's protocol (every rank must run the same): 0 sequential,
-                               * 1 sequential with push, 3 overlapped with push, 5 and 7 the
-                               * same with partials, else the overlapped mode's chunk width */
+                               * 1 sequential with push, 3 overlapped with push, 5 sequential with
+                               * partials, else the overlapped mode's chunk width (+ 1 with partials) */
     uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
                                                   column chunk c of rank q's o is complete */
@@ -91,8 +91,8 @@ typedef struct {
 /* Private device state of the overlapped mode: flags between the comm CTAs
  * and the GEMM CTAs of one rank (same GPU: release/acquire at gpu scope). */
 typedef struct {
-    uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk (cumulative, GEMM hook) */
-    uint64_t chunk_base[COMET_CUDA_MAX_CHUNKS]; /* chunk_done of all earlier calls (kept by comm CTA 0) */
+    uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk this call (GEMM hook; 0 from k_enter) */
+    uint32_t chunk_sent[COMET_CUDA_MAX_CHUNKS]; /* with partials: comm CTAs that sent their share of a chunk (0 from k_enter) */
     uint64_t ce_ready[COMET_CUDA_MAX_RANKS];    /* copy-engine dispatch: [q] = 1 once the stage of
                                                  * stage-q's rank is in ce_stage (0 from k_enter) */
 } comet_cuda_overlap_t;
@@ -157,8 +157,9 @@ typedef struct {
     int n_comm;                    /* 0: the sequential chain */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
                                     * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */
-    int partial;                   /* instead of push: after GEMM1, k_send_partials stores each remote
-                                    * token's partial into its home's part; the combine reads them there */
+    int partial;                   /* instead of push: each remote token's partial is stored into its
+                                    * home's part (sequential: k_send_partials after GEMM1; overlapped:
+                                    * k_combine_ov chunk by chunk beside it); the combine reads it there */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */

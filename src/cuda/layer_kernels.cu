@@ -98,8 +98,8 @@ __device__ static inline void wait_geq(const uint64_t *flag, uint64_t target, co
 /* This call's protocol, as every rank must run it (cuda_layer.h: mode). */
 __device__ static inline uint64_t comet_cuda_mode(const comet_cuda_ctx_t *c) {
     const int overlapped = c->gemm && c->n_comm > 0;
-    if (c->push || c->partial) return (c->push ? 1u : 5u) + (overlapped ? 2u : 0u);
-    return overlapped ? (uint64_t)c->chunk_cols : 0u;
+    if (overlapped && !c->push) return (uint64_t)c->chunk_cols + (c->partial ? 1u : 0u);
+    return c->push ? (overlapped ? 3u : 1u) : c->partial ? 5u : 0u;
 }
 
 __device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
@@ -134,6 +134,8 @@ __global__ void k_enter(comet_cuda_ctx_t c) {
     s->own_status = 0;
     if (c.ce_stage) /* the copy engine sets them to 1 after this call's copies (no epoch: its value is a constant) */
         for (int q = 0; q < c.d.world_size; q++) c.ov->ce_ready[q] = 0;
+    if (c.gemm && c.n_comm > 0) /* this call's GEMM1 tiles and partials' senders count from 0 */
+        for (int ch = 0; ch < COMET_CUDA_MAX_CHUNKS; ch++) c.ov->chunk_done[ch] = 0, c.ov->chunk_sent[ch] = 0;
     for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
 }
 
@@ -619,27 +621,27 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
     }
 }
 
-/* Partials (cuda_layer.h): for every token of another home rank with rows
- * here (the plan's send lists), its partial over all columns -- the top-k
- * reduce of rank_partial, the same fmaf order, weights from the plan rows
- * -- stored fp32 into the home rank's part buffer (my region there). One
- * warp a token; k_signal then tells the home ranks. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ctx_t c) {
-    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return;
-    const uint64_t t0 = TRACE_T0;
-    comet_plan_t p;
-    comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int w = c.d.world_size, me = c.d.rank, lane = threadIdx.x % 32;
-    const int64_t hd = c.d.hidden, k = c.d.topk, mt = c.d.max_tokens;
-    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+/* Partials (cuda_layer.h), columns [c0, c1): for every token of another
+ * home rank with rows here (the plan's send lists), its partial -- the top-k
+ * reduce of rank_partial, the same fmaf order, weights from the plan rows --
+ * stored fp32 into the home rank's part buffer (my region there). One warp a
+ * token, warps `warp` of `warps` calling. */
+__device__ static void send_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1,
+                                     int64_t warp, int64_t warps) {
+    const int w = c->d.world_size, me = c->d.rank, lane = threadIdx.x % 32;
+    const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
     for (int h = 0; h < w; h++) {
         if (h == me) continue;
-        const int32_t n = p.send_count[h];
-        float *dst = (float *)(c.peers[h] + c.lay.part) + (size_t)(comet_stage_of(h, me, w) - 1) * (size_t)(mt * hd);
-        for (int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < n; i += warps) {
-            const int64_t t = p.send_tokens[h * mt + i];
-            const int32_t *ros = p.row_of_slot + (h * mt + t) * k;
-            for (int64_t g0 = 0; g0 < hd; g0 += 256 * COL_GROUPS) {
+        const int32_t n = p->send_count[h];
+        float *dst = (float *)(c->peers[h] + c->lay.part) + (size_t)(comet_stage_of(h, me, w) - 1) * (size_t)(mt * hd);
+        for (int64_t i = warp; i < n; i += warps) {
+            const int64_t t = p->send_tokens[h * mt + i];
+            const int32_t *ros = p->row_of_slot + (h * mt + t) * k;
+            /* lane j < 32 holds slot j's row here and weight for every column group (no load
+             * chain before the rows' loads); slots beyond the warp are read directly */
+            const int32_t lane_r = lane < k ? ros[lane] : -1;
+            const float lane_w = lane_r >= 0 ? p->rows[lane_r].weight : 0.0f;
+            for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
                 float part[COL_GROUPS * 8];
 #pragma unroll
                 for (int e = 0; e < COL_GROUPS * 8; e++) part[e] = 0.0f;
@@ -648,20 +650,37 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
                     float wj[SLOT_BATCH];
 #pragma unroll
                     for (int u = 0; u < SLOT_BATCH; u++) {
-                        r[u] = j0 + u < k ? ros[j0 + u] : -1;
-                        wj[u] = r[u] >= 0 ? p.rows[r[u]].weight : 0.0f;
+                        const int64_t j = j0 + u;
+                        if (j < 32) {
+                            r[u] = __shfl_sync(0xffffffffu, lane_r, (int)j);
+                            wj[u] = __shfl_sync(0xffffffffu, lane_w, (int)j);
+                        } else {
+                            r[u] = j < k ? ros[j] : -1;
+                            wj[u] = r[u] >= 0 ? p->rows[r[u]].weight : 0.0f;
+                        }
                     }
-                    reduce_batch(c.o, hd, r, wj, g0, hd, part);
+                    reduce_batch(c->o, hd, r, wj, g0, c1, part);
                 }
 #pragma unroll
                 for (int gi = 0; gi < COL_GROUPS; gi++) {
                     const int64_t col = g0 + gi * 256 + lane * 8;
-                    const int cn = cols_below(col, hd);
+                    const int cn = cols_below(col, c1);
                     if (cn) st8_f32(dst + t * hd + col, part + gi * 8, cn, hd % 8 == 0 && cn == 8);
                 }
             }
         }
     }
+}
+
+/* The sequential chain's partials: all columns on every SM after GEMM1;
+ * k_signal then tells the home ranks. */
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ctx_t c) {
+    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return;
+    const uint64_t t0 = TRACE_T0;
+    comet_plan_t p;
+    comet_plan_carve(&c.d, c.plan_ws, &p);
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    send_partials(&c, &p, 0, c.d.hidden, (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, warps);
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, -1, t0);
@@ -887,9 +906,11 @@ __device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb,
 
 /* Layer 1, chunk by chunk: comm CTA 0 waits for GEMM1's tiles of the chunk
  * and flags the chunk on every rank (my o's columns of it are complete);
- * then every comm CTA waits for every rank's flag of the chunk and combines
- * its columns (pull_combine). CTA 0 flags chunk c+1 only after its share of
- * chunk c, which every rank can finish: no cycle. */
+ * with partials every comm CTA waits for them, sends its share of my
+ * partials of the chunk home, and the last to finish flags the chunk. Then
+ * every comm CTA waits for every rank's flag of the chunk and combines its
+ * columns (pull_combine). A CTA flags (or helps flag) chunk c+1 only after
+ * its share of chunk c, which every rank can finish: no cycle. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t c) {
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
@@ -911,11 +932,26 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
     for (int ch = 0; ch < n_chunks; ch++) {
         const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
         uint64_t t0 = TRACE_T0;
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
-            const uint64_t tiles = c.disable & COMET_DISABLE_GEMM ? 0 : chunk_tiles(&c, nb, ch); /* no GEMM, no tiles */
-            const uint64_t base = ov->chunk_base[ch];
-            wait_geq(&ov->chunk_done[ch], base + tiles, &c, "comm: GEMM1 tiles of chunk", ch);
-            ov->chunk_base[ch] = base + tiles;
+        const uint64_t tiles = c.disable & COMET_DISABLE_GEMM ? 0 : chunk_tiles(&c, nb, ch); /* no GEMM, no tiles */
+        if (c.partial) { /* every CTA: my tiles of the chunk, its share of my partials of it sent home */
+            if (threadIdx.x == 0) wait_geq(&ov->chunk_done[ch], tiles, &c, "comm: GEMM1 tiles of chunk", ch);
+            __syncthreads();
+            const int64_t wpc = blockDim.x / 32;
+            if (!(c.disable & COMET_DISABLE_COMM))
+                send_partials(&c, &p, c0, c1, (int64_t)blockIdx.x * wpc + threadIdx.x / 32, (int64_t)gridDim.x * wpc);
+            __threadfence_system(); /* my stores, before my count */
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                /* the last CTA to count: every CTA's partials of the chunk are sent */
+                if (atomicAdd(&ov->chunk_sent[ch], 1u) + 1u == gridDim.x) {
+                    __threadfence_system();
+                    for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
+                }
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
+            }
+            t0 = TRACE_T0;
+        } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+            wait_geq(&ov->chunk_done[ch], tiles, &c, "comm: GEMM1 tiles of chunk", ch);
             __threadfence_system();
             for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
             trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
@@ -1042,8 +1078,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
         hooks.pdl = 0;
-        if (c.push || c.partial) { /* layer 1 needs no comm CTAs: GEMM1 on every SM (pushing rows home, or
-                                     * then the partials sent home), a local combine follows */
+        if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
             hooks.num_ctas = c.num_sms;
             /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
              * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
