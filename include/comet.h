@@ -209,7 +209,8 @@ comet_status_t comet_layer_destroy(comet_layer_t *layer);
  * activations and expert outputs private (host memory). CUDA backend: staged
  * tokens, routing, flags, the plan, the expert outputs and, with push (the
  * default on 2-8 ranks), the receive buffer of expert output rows pushed home
- * symmetric (COMET_PUSH=0: home ranks pull the rows instead); gathered rows,
+ * symmetric (COMET_PUSH=0: home ranks pull the rows instead; COMET_PARTIALS=1:
+ * a buffer of fp32 partials sent home instead); gathered rows,
  * activations, a local copy of every rank's routing, the plan builder's and
  * the overlapped mode's state and, with COMET_DISPATCH_CE=1, the copy-engine
  * staging private (device memory). */
