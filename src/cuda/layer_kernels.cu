@@ -549,28 +549,36 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
     x->row = slot_row(c, src, x->g * tp + lane % tp, lane % tp, x->t, lane / tp);
 }
 
-/* One batch of a top-k reduce, by every lane of a warp: part[gi * 8 + e] +=
- * wj[u] * o[r[u]] (fmaf, u ascending; r[u] < 0: no row) for the lane's
- * columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS) below c1, every row's
- * loads issued before the first is used. */
-__device__ static inline void reduce_batch(const comet_bf16_t *o, int64_t hd, const int32_t r[SLOT_BATCH],
-                                           const float wj[SLOT_BATCH], int64_t g0, int64_t c1, float *part) {
+/* Slots whose rows the partials' sender keeps in flight at once (its only
+ * accumulators are one part; the combine's take the registers for more
+ * than SLOT_BATCH). */
+#define SEND_SLOTS 8
+
+/* One batch of n slots of a top-k reduce over ng 256-column groups (both
+ * constants at each call: SLOT_BATCH x COL_GROUPS for the combine,
+ * SEND_SLOTS x 1 for the sender), by every lane of a warp: part[gi * 8 + e]
+ * += wj[u] * o[r[u]] (fmaf, u ascending; r[u] < 0: no row) for the lane's
+ * columns g0 + gi*256 + lane*8 + e (gi < ng) below c1, every row's loads
+ * issued before the first is used. */
+__device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64_t hd, const int32_t r[SEND_SLOTS],
+                                                    const float wj[SEND_SLOTS], int n, int ng, int64_t g0,
+                                                    int64_t c1, float *part) {
     const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
-    uint4 v[SLOT_BATCH][COL_GROUPS];
+    uint4 v[SEND_SLOTS][COL_GROUPS];
 #pragma unroll
-    for (int u = 0; u < SLOT_BATCH; u++)
+    for (int u = 0; u < SEND_SLOTS; u++)
 #pragma unroll
         for (int gi = 0; gi < COL_GROUPS; gi++) {
             const int64_t col = g0 + gi * 256 + lane * 8;
             const int cn = cols_below(col, c1);
-            if (r[u] >= 0 && cn) v[u][gi] = ld8_bf16(o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
+            if (u < n && gi < ng && r[u] >= 0 && cn) v[u][gi] = ld8_bf16(o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
         }
 #pragma unroll
-    for (int u = 0; u < SLOT_BATCH; u++)
+    for (int u = 0; u < SEND_SLOTS; u++)
 #pragma unroll
         for (int gi = 0; gi < COL_GROUPS; gi++) {
             const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
-            if (r[u] >= 0 && cn)
+            if (u < n && gi < ng && r[u] >= 0 && cn)
                 for (int e = 0; e < 8; e++) part[gi * 8 + e] = fmaf(wj[u], bf16_at(v[u][gi], e), part[gi * 8 + e]);
         }
 }
@@ -598,8 +606,8 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
 #pragma unroll
     for (int i = 0; i < COL_GROUPS * 8; i++) part[i] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
-        int32_t r[SLOT_BATCH];
-        float wj[SLOT_BATCH];
+        int32_t r[SEND_SLOTS];
+        float wj[SEND_SLOTS];
 #pragma unroll
         for (int u = 0; u < SLOT_BATCH; u++) {
             const int64_t j = j0 + u, l = j * tp + tpi;
@@ -617,57 +625,82 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
             }
             if (j >= k || gj != g) r[u] = -1;
         }
-        reduce_batch(src->o_of[q], hd, r, wj, g0, c1, part);
+        reduce_batch(src->o_of[q], hd, r, wj, SLOT_BATCH, COL_GROUPS, g0, c1, part);
     }
+}
+
+/* What a lane of the partials' sender holds of one token of home rank h:
+ * the token (t, -1 past the list) and, lane j < min(topk, 32), slot j's row
+ * here (r, -1 if none) and weight (w). */
+typedef struct {
+    int64_t t;
+    int32_t r;
+    float w;
+} send_lane_t;
+
+/* Item i of home rank h's send list: its token, loaded two items ahead. */
+__device__ static inline int64_t send_token(const comet_plan_t *p, int h, int64_t mt, int64_t i, int32_t n) {
+    return i < n ? p->send_tokens[h * mt + i] : -1;
+}
+
+/* Its slots' rows (one item ahead) and weights (in the item's turn: they
+ * are used after the rows' loads are issued). */
+__device__ static inline send_lane_t send_rows(const comet_plan_t *p, int h, int64_t mt, int64_t k, int64_t t) {
+    const int lane = threadIdx.x % 32;
+    send_lane_t x = {t, -1, 0.0f};
+    if (t >= 0 && lane < k) x.r = p->row_of_slot[(h * mt + t) * k + lane];
+    return x;
 }
 
 /* Partials (cuda_layer.h), columns [c0, c1): for every token of another
  * home rank with rows here (the plan's send lists), its partial -- the top-k
  * reduce of rank_partial, the same fmaf order, weights from the plan rows --
  * stored fp32 into the home rank's part buffer (my region there). One warp a
- * token, warps `warp` of `warps` calling. */
-__device__ static void send_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0, int64_t c1,
-                                     int64_t warp, int64_t warps) {
+ * token, warps `warp` of `warps` calling, 256 columns a pass; each lane
+ * keeps `slots` (a constant at each call, <= SEND_SLOTS) rows' 16-byte
+ * loads in flight, and the next tokens' list entries and rows are fetched
+ * while this one reduces. */
+__device__ static __forceinline__ void send_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0,
+                                                     int64_t c1, int64_t warp, int64_t warps, int slots) {
     const int w = c->d.world_size, me = c->d.rank, lane = threadIdx.x % 32;
     const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
     for (int h = 0; h < w; h++) {
         if (h == me) continue;
         const int32_t n = p->send_count[h];
         float *dst = (float *)(c->peers[h] + c->lay.part) + (size_t)(comet_stage_of(h, me, w) - 1) * (size_t)(mt * hd);
+        send_lane_t x = send_rows(p, h, mt, k, send_token(p, h, mt, warp, n));
+        int64_t t1 = send_token(p, h, mt, warp + warps, n);
         for (int64_t i = warp; i < n; i += warps) {
-            const int64_t t = p->send_tokens[h * mt + i];
-            const int32_t *ros = p->row_of_slot + (h * mt + t) * k;
-            /* lane j < 32 holds slot j's row here and weight for every column group (no load
-             * chain before the rows' loads); slots beyond the warp are read directly */
-            const int32_t lane_r = lane < k ? ros[lane] : -1;
-            const float lane_w = lane_r >= 0 ? p->rows[lane_r].weight : 0.0f;
-            for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
-                float part[COL_GROUPS * 8];
+            const int64_t t2 = send_token(p, h, mt, i + 2 * warps, n);
+            const send_lane_t x1 = send_rows(p, h, mt, k, t1);
+            x.w = x.r >= 0 ? p->rows[x.r].weight : 0.0f;
+            const int32_t *ros = p->row_of_slot + (h * mt + x.t) * k; /* slots beyond the warp */
+            for (int64_t g0 = c0; g0 < c1; g0 += 256) {
+                float part[8];
 #pragma unroll
-                for (int e = 0; e < COL_GROUPS * 8; e++) part[e] = 0.0f;
-                for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
-                    int32_t r[SLOT_BATCH];
-                    float wj[SLOT_BATCH];
+                for (int e = 0; e < 8; e++) part[e] = 0.0f;
+                for (int64_t j0 = 0; j0 < k; j0 += slots) {
+                    int32_t r[SEND_SLOTS];
+                    float wj[SEND_SLOTS];
 #pragma unroll
-                    for (int u = 0; u < SLOT_BATCH; u++) {
+                    for (int u = 0; u < SEND_SLOTS; u++) {
+                        if (u >= slots) break;
                         const int64_t j = j0 + u;
                         if (j < 32) {
-                            r[u] = __shfl_sync(0xffffffffu, lane_r, (int)j);
-                            wj[u] = __shfl_sync(0xffffffffu, lane_w, (int)j);
+                            r[u] = __shfl_sync(0xffffffffu, x.r, (int)j);
+                            wj[u] = __shfl_sync(0xffffffffu, x.w, (int)j);
                         } else {
                             r[u] = j < k ? ros[j] : -1;
                             wj[u] = r[u] >= 0 ? p->rows[r[u]].weight : 0.0f;
                         }
                     }
-                    reduce_batch(c->o, hd, r, wj, g0, c1, part);
+                    reduce_batch(c->o, hd, r, wj, slots, 1, g0, c1, part);
                 }
-#pragma unroll
-                for (int gi = 0; gi < COL_GROUPS; gi++) {
-                    const int64_t col = g0 + gi * 256 + lane * 8;
-                    const int cn = cols_below(col, c1);
-                    if (cn) st8_f32(dst + t * hd + col, part + gi * 8, cn, hd % 8 == 0 && cn == 8);
-                }
+                const int64_t col = g0 + lane * 8;
+                const int cn = cols_below(col, c1);
+                if (cn) st8_f32(dst + x.t * hd + col, part, cn, hd % 8 == 0 && cn == 8);
             }
+            x = x1, t1 = t2;
         }
     }
 }
@@ -680,7 +713,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-    send_partials(&c, &p, 0, c.d.hidden, (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, warps);
+    send_partials(&c, &p, 0, c.d.hidden, (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, warps, SEND_SLOTS);
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, -1, t0);
@@ -938,7 +971,8 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
             __syncthreads();
             const int64_t wpc = blockDim.x / 32;
             if (!(c.disable & COMET_DISABLE_COMM))
-                send_partials(&c, &p, c0, c1, (int64_t)blockIdx.x * wpc + threadIdx.x / 32, (int64_t)gridDim.x * wpc);
+                send_partials(&c, &p, c0, c1, (int64_t)blockIdx.x * wpc + threadIdx.x / 32, (int64_t)gridDim.x * wpc,
+                              SLOT_BATCH); /* the combine's registers are live here too */
             __threadfence_system(); /* my stores, before my count */
             __syncthreads();
             if (threadIdx.x == 0) {
