@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests sanitize gemm cluster link bench ce push trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="test|gputests sanitize gemm cluster link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -78,6 +78,18 @@ for step in $STEPS; do
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             line=$(COMET_DISPATCH_CE=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench CE $layout: ${line:-FAILED (see bench.log)}")
+        done; done; done
+        ;;
+    ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
+        # drift under sustained load hits every variant alike; one summary line per run
+        IFS=';' read -ra variants <<<"${AB:-COMET_PARTIALS=0;COMET_PARTIALS=1}"
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
+        for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
+            for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
+                line=$(env $v timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                    --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+                summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
+            done; done
         done; done; done
         ;;
     trace) # the overlap as a picture: sequential and overlapped, 2 GPUs (Mixtral, TRACE_TOKENS)
