@@ -202,7 +202,8 @@ static comet_status_t join_ranks(comet_layer_t *l, int combine, comet_comm_t **c
         if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
         if (host[0] != ~host[1])
             return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                              "rank %d: ranks passed different configs to comet_layer_create (or COMET_PUSH differs)",
+                              "rank %d: ranks passed different configs to comet_layer_create (or COMET_PUSH or "
+                              "COMET_PARTIALS differs)",
                               rank);
     }
     *comm = cw->comm[rank];

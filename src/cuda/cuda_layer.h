@@ -13,7 +13,8 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
- *   recv      (TP, max_T, topk, H) bf16 with push (default on 2-8 ranks; not with COMET_PUSH=0): [tp][t][j] the o row
+ *   recv      (TP, max_T, topk, H) bf16 with push (default on 2-8 ranks; not with COMET_PUSH=0
+ *                                       or COMET_PARTIALS=1): [tp][t][j] the o row
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
@@ -85,7 +86,8 @@ typedef struct {
                                * partials, else the overlapped mode's chunk width (+ 1 with partials) */
     uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
     uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
-                                                  column chunk c of rank q's o is complete */
+                                                  column chunk c of rank q's o is complete (with
+                                                  partials: once q's partials of it are in my part) */
 } comet_sym_flags_t;
 
 /* Private device state of the overlapped mode: flags between the comm CTAs
@@ -149,11 +151,12 @@ typedef struct {
      * pulls are done). Without push, in
      * layer 1 n_comm comm CTAs on a second stream run beside GEMM1 on the
      * other SMs: comm CTA 0 flags each GEMM1 column chunk
-     * on every rank as soon as its tiles are stored, and all comm CTAs
-     * combine a chunk (pull the o rows of my tokens, reduce, sum) once every
-     * rank has flagged it. With push (or partials), layer 1 has no comm CTAs:
-     * GEMM1 runs on every SM, pushes (or the partials are sent after it), and
-     * the sequential chain's signal and combine follow. */
+     * on every rank as soon as its tiles are stored (with partials: every
+     * comm CTA sends its share of the chunk's partials home, and the last to
+     * finish flags it), and all comm CTAs combine a chunk (pull the o rows of
+     * my tokens, or read the partials sent, reduce, sum) once every rank has
+     * flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on every SM,
+     * pushes, and the sequential chain's signal and combine follow. */
     int n_comm;                    /* 0: the sequential chain */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
                                     * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */

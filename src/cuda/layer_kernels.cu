@@ -484,7 +484,8 @@ typedef struct {
  * tokens (their plans lie in their symmetric buffers) and my staged routing. */
 typedef struct {
     const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
-    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv */
+    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv
+                                                     * (with partials, q != me: not read) */
     int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j]
                                                      * (with partials too: no row is looked up there) */
     const float *part_of[COMET_CUDA_MAX_RANKS];     /* with partials, q != me: q's partials of my tokens, or NULL */
@@ -515,8 +516,8 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
 }
 
 /* Where rank q (tp index tpi) has slot j of my token t: with push my recv
- * row [tpi][t][j] (computed), else the row q's plan gives (a load, remote for
- * other ranks). */
+ * row [tpi][t][j] (computed; with partials the same, never read), else the
+ * row q's plan gives (a load, remote for other ranks). */
 __device__ static inline int32_t slot_row(const comet_cuda_ctx_t *c, const combine_src_t *src, int q, int tpi,
                                           int64_t t, int64_t j) {
     const int64_t k = c->d.topk;
@@ -556,7 +557,8 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
 
 /* One batch of n slots of a top-k reduce over ng 256-column groups (both
  * constants at each call: SLOT_BATCH x COL_GROUPS for the combine,
- * SEND_SLOTS x 1 for the sender), by every lane of a warp: part[gi * 8 + e]
+ * SEND_SLOTS x 1 for the sender after GEMM1, SLOT_BATCH x 1 beside the
+ * combine in k_combine_ov), by every lane of a warp: part[gi * 8 + e]
  * += wj[u] * o[r[u]] (fmaf, u ascending; r[u] < 0: no row) for the lane's
  * columns g0 + gi*256 + lane*8 + e (gi < ng) below c1, every row's loads
  * issued before the first is used. */
@@ -587,7 +589,7 @@ __device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64
  * (ascending slot, fmaf, from 0) over the token's slots in group g, with the
  * bf16 rows of q's o, for columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS,
  * below c1) into part[gi * 8 + e]; with partials (q != me), q computed it
- * (k_send_partials) and it is read from my part buffer. Slots whose lane is
+ * (send_partials) and it is read from my part buffer. Slots whose lane is
  * beyond the warp are read directly. Every lane of the warp calls it (shuffles). */
 __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src_t *src, const combine_lane_t *x,
                                     int32_t g, int tpi, int64_t g0, int64_t c1, float *part) {
@@ -721,7 +723,8 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
 }
 
 /* Columns [c0, c1) of y for every local token: each contributing rank's
- * partial (rank_partial, from the o rows pulled from that rank) summed in
+ * partial (rank_partial: from that rank's o rows, pulled or pushed here, or
+ * the partial it sent) summed in
  * ascending rank order (fp32, from 0), stored bf16. One warp a token, 8
  * columns a lane; a token's routing is fetched over the two tokens before it
  * (local loads two ahead, the rows on the slots' ranks one ahead), so no load
@@ -973,9 +976,9 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
             if (!(c.disable & COMET_DISABLE_COMM))
                 send_partials(&c, &p, c0, c1, (int64_t)blockIdx.x * wpc + threadIdx.x / 32, (int64_t)gridDim.x * wpc,
                               SLOT_BATCH); /* the combine's registers are live here too */
-            __threadfence_system(); /* my stores, before my count */
             __syncthreads();
             if (threadIdx.x == 0) {
+                __threadfence_system(); /* the CTA's stores (the barrier made them this thread's), before its count */
                 /* the last CTA to count: every CTA's partials of the chunk are sent */
                 if (atomicAdd(&ov->chunk_sent[ch], 1u) + 1u == gridDim.x) {
                     __threadfence_system();
@@ -1116,7 +1119,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
             hooks.num_ctas = c.num_sms;
             /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
              * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
-            hooks.push = c.push && !(c.disable & COMET_DISABLE_COMM);
+            hooks.push = !(c.disable & COMET_DISABLE_COMM);
             ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
             if (ge != cudaSuccess) return ge;
         } else { /* comm CTAs on stream2 beside GEMM1 combine its column chunks as they come */
