@@ -1,0 +1,256 @@
+/*
+ * gather_probe.cu - can GEMM0 read its A tiles straight from the token rows
+ * (a gather by the plan's row -> token map) instead of from the rows the
+ * dispatch copies? That copy writes topk x every token here (DeepSeek TP2
+ * M=16384: 1.9 GB a rank, 0.59 ms; Qwen2 TP2: 0.12 ms of 1.42), and with a
+ * gather it would vanish: local tokens read from the stage, remote ones from
+ * the copy engine's staging. Two questions, one GPU, seconds:
+ *
+ * 1. Layout. A GEMM0 A stage is 128 rows x 64 bf16 (16 KiB), 128B-swizzled,
+ *    1024-byte aligned, as wgmma reads it. Do 128 one-row TMA loads (box 64
+ *    x 1, SWIZZLE_128B) into stage + 128 r give the same bytes as one
+ *    128-row box load of the same rows stored contiguously (i.e. is the
+ *    swizzle a function of the shared-memory address)? And do 16-byte
+ *    cp.async stores with the swizzle done by hand (16-byte chunk c of row r
+ *    at r*128 + ((c ^ (r % 8)) * 16))?
+ * 2. Rate. A stages per second, one CTA per SM, a 4-stage ring (the
+ *    producer waits for a free stage, the consumer only waits and frees):
+ *    box TMA of contiguous rows, 128 row-TMAs, cp.async by 128 threads;
+ *    rows random from a 16384 x 7168 matrix (L2-cold) and from 256 rows
+ *    (L2-hot, as GEMM0's reuse of an A tile across the N tiles).
+ *    GEMM0 needs one A stage per 128x256x64 MMA step: at 600 TFLOP/s that is
+ *    ~2.3 TB/s of A over 132 SMs (~17.5 GB/s an SM, mostly L2 hits).
+ *
+ * Build and run: dev/gather/run.sh (prints a table; `gather_probe layout`
+ * exits 1 if a layout differs, `gather_probe rate 0|1|2` times one way).
+ * Not part of the library; its results go to dev/NOTES.md.
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(2);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+#define STAGE_BYTES 16384
+#define RING 4
+#define K_COLS 7168 /* DeepSeek hidden: the reduction length of GEMM0 */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(uint64_t *b, int n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t *b, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t *b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t *b, int parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(b)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* TMA 2D load, coordinates (column, row). */
+__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *m, int col, int row, uint64_t *b) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+                     "r"(smem_u32(dst)), "l"((uint64_t)m), "r"(col), "r"(row), "r"(smem_u32(b))
+                 : "memory");
+}
+/* 16 bytes global -> shared, asynchronously; its completion arrives on b (no count change). */
+__device__ __forceinline__ void cp16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_arrive(uint64_t *b) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+
+/* Row r of a stage by 16-byte cp.async with the 128B swizzle by hand (threads 0..127, one row each). */
+__device__ __forceinline__ void cp_row(unsigned char *stage, const uint16_t *x, int r, int64_t row, int col) {
+    const uint16_t *src = x + row * K_COLS + col;
+#pragma unroll
+    for (int c = 0; c < 8; c++) cp16(stage + r * 128 + ((c ^ (r & 7)) * 16), src + c * 8);
+}
+
+/* Question 1: the same 128 rows (idx) at column block col, three ways, into out[0..2]. */
+__global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const __grid_constant__ CUtensorMap row_map,
+                              const uint16_t *x, const int32_t *idx, int col, unsigned char *out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char *s = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    __shared__ uint64_t bar[2];
+    const int t = threadIdx.x;
+    if (t == 0) {
+        bar_init(&bar[0], 1), bar_init(&bar[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (t == 0) {
+        bar_expect(&bar[0], STAGE_BYTES);
+        tma_load(s, &box_map, col, 0, &bar[0]); /* the gathered rows, stored contiguously */
+        bar_expect(&bar[1], STAGE_BYTES);
+        for (int r = 0; r < 128; r++) tma_load(s + STAGE_BYTES + r * 128, &row_map, col, idx[r], &bar[1]);
+    }
+    cp_row(s + 2 * STAGE_BYTES, x, t, idx[t], col);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    bar_wait(&bar[0], 0), bar_wait(&bar[1], 0);
+    __syncthreads();
+    for (int i = t; i < 3 * STAGE_BYTES; i += blockDim.x) out[i] = s[i];
+}
+
+/* Question 2: `steps` A stages per CTA through a RING-stage ring. mode 0: one
+ * box TMA of 128 contiguous rows; 1: 128 row-TMAs of rows idx; 2: cp.async by
+ * threads 0..127 (rows idx). Warp 4 (threads 128..159) consumes. */
+__global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CUtensorMap box_map,
+                                                      const __grid_constant__ CUtensorMap row_map, const uint16_t *x,
+                                                      const int32_t *idx, int64_t n_idx, int64_t rows, int steps,
+                                                      int mode) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char *s = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    __shared__ uint64_t full[RING], empty[RING];
+    const int t = threadIdx.x;
+    if (t == 0) {
+        for (int i = 0; i < RING; i++) bar_init(&full[i], mode == 2 ? 128 : 1), bar_init(&empty[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int kb = K_COLS / 64;
+    if (t < 128) { /* producer */
+        for (int i = 0; i < steps; i++) {
+            const int st = i % RING, lap = i / RING;
+            if (lap > 0) bar_wait(&empty[st], (lap - 1) & 1);
+            unsigned char *dst = s + st * STAGE_BYTES;
+            const int64_t step = (int64_t)blockIdx.x * steps + i;
+            const int col = (int)(step % kb) * 64;
+            const int64_t base = (step / kb * 128) % n_idx; /* 128 rows of idx, a new set every kb steps */
+            if (mode == 2) {
+                cp_row(dst, x, t, idx[base + t], col);
+                cp_arrive(&full[st]);
+            } else if (t == 0) {
+                bar_expect(&full[st], STAGE_BYTES);
+                if (mode == 0)
+                    tma_load(dst, &box_map, col, (int)((base / 128 * 128) % (rows - 127)), &full[st]);
+                else
+                    for (int r = 0; r < 128; r++) tma_load(dst + r * 128, &row_map, col, idx[base + r], &full[st]);
+            }
+        }
+    } else if (t == 128) { /* consumer: waits, frees */
+        for (int i = 0; i < steps; i++) {
+            const int st = i % RING;
+            bar_wait(&full[st], (i / RING) & 1);
+            bar_arrive(&empty[st]);
+        }
+    }
+}
+
+typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                              const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* Map over (rows, K_COLS) bf16, box 64 x box_rows, 128B swizzle. */
+static CUtensorMap make_map(encode_fn enc, const void *p, int64_t rows, int box_rows) {
+    CUtensorMap m;
+    cuuint64_t dims[2] = {K_COLS, (cuuint64_t)rows}, strides[1] = {K_COLS * 2};
+    cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, es[2] = {1, 1};
+    if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) !=
+        CUDA_SUCCESS) {
+        fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+        exit(2);
+    }
+    return m;
+}
+
+int main(int argc, char **argv) {
+    /* one part a process: a fault (a row-TMA the hardware refuses, say) leaves the others to run */
+    const int layout = argc > 1 && strcmp(argv[1], "layout") == 0, rate_mode = argc > 2 ? atoi(argv[2]) : -1;
+    if (!layout && !(argc > 2 && strcmp(argv[1], "rate") == 0 && rate_mode >= 0 && rate_mode <= 2))
+        return fprintf(stderr, "usage: gather_probe layout | gather_probe rate 0|1|2\n"), 2;
+    encode_fn enc = NULL;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void **)&enc, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || !enc) return fprintf(stderr, "no cuTensorMapEncodeTiled\n"), 2;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int64_t rows = 16384, n_idx = 1 << 16;
+    const size_t xbytes = (size_t)rows * K_COLS * 2;
+    uint16_t *hx = (uint16_t *)malloc(xbytes);
+    int32_t *hidx = (int32_t *)malloc(sizeof(int32_t) * n_idx), *hhot = (int32_t *)malloc(sizeof(int32_t) * n_idx);
+    uint64_t z = 88172645463325252ull;
+    for (size_t i = 0; i < xbytes / 2; i++) z ^= z << 13, z ^= z >> 7, z ^= z << 17, hx[i] = (uint16_t)(z >> 20);
+    for (int64_t i = 0; i < n_idx; i++) {
+        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+        hidx[i] = (int32_t)(z % rows), hhot[i] = (int32_t)(z % 256);
+    }
+    uint16_t *x, *g;
+    int32_t *idx, *hot;
+    unsigned char *out;
+    CK(cudaMalloc(&x, xbytes));
+    CK(cudaMalloc(&g, 128 * K_COLS * 2));
+    CK(cudaMalloc(&idx, sizeof(int32_t) * n_idx));
+    CK(cudaMalloc(&hot, sizeof(int32_t) * n_idx));
+    CK(cudaMalloc(&out, 3 * STAGE_BYTES));
+    CK(cudaMemcpy(x, hx, xbytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(idx, hidx, sizeof(int32_t) * n_idx, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(hot, hhot, sizeof(int32_t) * n_idx, cudaMemcpyHostToDevice));
+    for (int r = 0; r < 128; r++) /* the first 128 rows of idx, stored contiguously */
+        CK(cudaMemcpy(g + (size_t)r * K_COLS, x + (size_t)hidx[r] * K_COLS, K_COLS * 2, cudaMemcpyDeviceToDevice));
+    const CUtensorMap gmap = make_map(enc, g, 128, 128), xbox = make_map(enc, x, rows, 128),
+                      xrow = make_map(enc, x, rows, 1);
+
+    /* 1. layout */
+    int bad = 0;
+    const size_t lsmem = 3 * STAGE_BYTES + 1024;
+    CK(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)lsmem));
+    unsigned char *h = (unsigned char *)malloc(3 * STAGE_BYTES);
+    for (int col = 0; layout && col < K_COLS; col += 64 * 37) {
+        CK(cudaMemset(out, 0xa5, 3 * STAGE_BYTES));
+        layout_kernel<<<1, 128, lsmem>>>(gmap, xrow, x, idx, col, out);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(h, out, 3 * STAGE_BYTES, cudaMemcpyDeviceToHost));
+        const int row_tma = memcmp(h, h + STAGE_BYTES, STAGE_BYTES) == 0, cp = memcmp(h, h + 2 * STAGE_BYTES, STAGE_BYTES) == 0;
+        printf("layout, column %5d: row-TMA %s, cp.async with the swizzle by hand %s\n", col,
+               row_tma ? "same bytes as the box" : "DIFFERS", cp ? "same bytes" : "DIFFERS");
+        bad |= !row_tma || !cp;
+    }
+
+    /* 2. rate */
+    const size_t rsmem = RING * STAGE_BYTES + 1024;
+    CK(cudaFuncSetAttribute(rate_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rsmem));
+    const int steps = 2048;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    static const char *const modes[3] = {"box TMA (contiguous rows)", "128 row-TMAs", "cp.async, 128 threads"};
+    if (layout) return bad;
+    for (int m = rate_mode; m == rate_mode; m++)
+        for (int hotset = 0; hotset < 2; hotset++) {
+            if (m == 0 && hotset) continue; /* the box reads contiguous rows: no row set */
+            for (int ctas = 1; ctas <= prop.multiProcessorCount; ctas = ctas == 1 ? prop.multiProcessorCount : ctas + 1) {
+                rate_kernel<<<ctas, 160, rsmem>>>(xbox, xrow, x, hotset ? hot : idx, n_idx, rows, 64, m); /* warm */
+                CK(cudaEventRecord(e0));
+                rate_kernel<<<ctas, 160, rsmem>>>(xbox, xrow, x, hotset ? hot : idx, n_idx, rows, steps, m);
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                CK(cudaGetLastError());
+                float ms = 0;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                const double gbs = (double)ctas * steps * STAGE_BYTES / (ms * 1e6);
+                printf("%-28s %-6s %6d %12.1f %14.1f\n", modes[m], m == 0 ? "-" : hotset ? "hot" : "cold", ctas, gbs,
+                       gbs / ctas);
+            }
+        }
+    return 0;
+}
