@@ -13,7 +13,8 @@
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
  * and the overlapped mode with its remote rows through the copy engine
  * (COMET_DISPATCH_CE=1) too, and both with partials sent home
- * (COMET_PARTIALS=1) in place of rows; one layer
+ * (COMET_PARTIALS=1) in place of rows, and GEMM0 reading its rows where the
+ * tokens lie instead of the dispatch's copies (COMET_GEMM_GATHER=1); one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
@@ -103,6 +104,17 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
           same ? "equal" : "differs from the sequential one");
 
+    /* GEMM0 by gather (COMET_GEMM_GATHER=1): no dispatch, the rows read where
+     * the tokens lie (the others' through the copy engine): the same bits */
+    static const char *const gather[] = {"COMET_GEMM_GATHER", "1", NULL};
+    comet_problem_poison(p);
+    run.n_comm = COMET_SEQUENTIAL;
+    st = run_with_env(p, world, &run, gather);
+    same = st == COMET_SUCCESS;
+    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+    CHECK(same, "%s: GEMM0 by gather: %s, output %s", tag, comet_status_string(st),
+          same ? "equal" : "differs from the dispatch's");
+
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into
      * their home ranks and the combine reads them there: the same bits */
     if (w > 1) {
@@ -158,7 +170,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 
 /* For each of sequential, overlapped and (W > 1) both with push, the
  * overlapped mode with push and the copy-engine dispatch, and the
- * overlapped mode with partials,
+ * overlapped mode with partials, and the sequential chain with GEMM0 by gather,
  * launched directly and replayed from a CUDA graph (captured on a fresh
  * layer's first forward): a layer created for the run, 100 forwards (output
  * poisoned before each), every output bitwise equal to the first direct one. */
@@ -176,18 +188,21 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[6] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
-                                         "overlapped with push, copy-engine dispatch", "overlapped with partials"};
+    static const char *const names[7] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
+                                         "overlapped with push, copy-engine dispatch", "overlapped with partials",
+                                         "sequential with push, GEMM0 by gather"};
     static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
     static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
-    for (int mode = 0; mode < (w > 1 ? 12 : 4); mode++) {
+    static const char *const gather[] = {"COMET_PUSH", "1", "COMET_GEMM_GATHER", "1", NULL};
+    for (int mode = 0; mode < (w > 1 ? 14 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
         run.n_comm = kind % 2 || kind == 4 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
         run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind == 5  ? run_with_env(p, world, &run, partials)
+        comet_status_t st = kind == 6  ? run_with_env(p, world, &run, gather)
+                            : kind == 5 ? run_with_env(p, world, &run, partials)
                             : kind == 4 ? run_with_env(p, world, &run, ce_push)
                             : kind >= 2 ? run_with_push(p, world, &run)
                                         : comet_problem_run(p, world, &run, 0);

@@ -91,7 +91,11 @@ typedef struct {
     uint64_t *chunk_done;
     const uint32_t *skip;
     comet_bf16_t *push[COMET_GEMM_MAX_PUSH]; /* GEMM1 with push: destination of rows homed on rank q, or NULL */
-    const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push */
+    const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push and the gather */
+    int gather;                              /* GEMM0: A by rows (comet_gemm_hooks_t.gather) */
+    const uint64_t *ce_ready;                /* gather: [q] >= 1 once stage q is in x_remote */
+    int world;
+    int64_t max_tokens;
     int push_on;
     int64_t push_tp_rows;                    /* d.tp_rank * d.max_tokens: this rank's rows of a receive buffer */
     int push_topk;
@@ -105,6 +109,8 @@ struct comet_gemm {
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
+    CUtensorMap ax, ar;     /* gather: x_local and x_remote with one-row boxes (ar = ax without x_remote) */
+    int gather_ok;          /* args.x_local was set: the gather maps exist */
     int num_sms;
     int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters (the default until measured) */
@@ -449,6 +455,84 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
     }
 }
 
+/* A producer's last act: a stage with tile -1 and no bytes marks the end for
+ * the consumers, and the last claimer past the end resets the tile counters
+ * for the next launch (with clusters CTA 0 of each pair claims). */
+__device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *full, uint64_t *empty,
+                                               volatile int32_t *stage_tile, int it, int cl, unsigned rank) {
+    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+    gm_mbar_wait(&empty[s], ph ^ 1);
+    stage_tile[s] = -1;
+    gm_mbar_arrive(&full[s]);
+    if (!cl || rank == 0) {
+        __threadfence();
+        if (atomicAdd(&p.sched[1], 1u) == (cl ? gridDim.x / 2 : gridDim.x) - 1) {
+            atomicExch(&p.sched[0], 0u);
+            atomicExch(&p.sched[1], 0u);
+        }
+    }
+}
+
+/* The producer of GEMM0 by gather (comet_gemm_hooks_t.gather; no clusters),
+ * the whole producer warpgroup, one A row a thread: thread 0 claims each
+ * tile and hands it over through slot[2] (the clusters' ring, unused here;
+ * named barrier 4), loads B and sets each stage's bytes; every thread waits
+ * until the stages its row comes from are copied and loads its row of the
+ * block with a one-row TMA load from where its token lies (tmx: x_local,
+ * tmr: x_remote) to 128 bytes a row of the stage: the 128B swizzle follows
+ * the shared address, so the stage is laid out as one 128-row box load
+ * would. (A stage's tx-count may go below zero while rows land before
+ * thread 0's expect_tx: the phase also waits for that arrival.) */
+__device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmx, const CUtensorMap &tmr,
+                                                  const CUtensorMap &tmb, const gm_params_t &p, const int mode,
+                                                  unsigned char *base, uint64_t *full, uint64_t *empty,
+                                                  volatile int32_t *stage_tile, volatile int32_t *slot, int nb,
+                                                  int ntiles, int nk) {
+    const int tid = threadIdx.x & 127;
+    int it = 0, ready = 0; /* stages 1..ready are copied */
+    for (int i = 0;; i++) {
+        if (tid == 0) {
+            const int c = (int)atomicAdd(&p.sched[0], 1u);
+            slot[i & 1] = c >= ntiles ? -1 : c; /* two slots: the other is still being read */
+        }
+        gm_named_bar(4, 128);
+        const int t = slot[i & 1];
+        if (t < 0) break;
+        const gm_tile_t tl = gm_tile(p, nb, t, 0, 0u);
+        const comet_plan_block_t blk = p.blocks[tl.b];
+        if (blk.stage > ready) {
+            const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
+            for (; ready < blk.stage; ready++) {
+                uint64_t v;
+                while ((v = gm_ld_acquire_gpu(&p.ce_ready[ready + 1])) < 1) {
+                    if (gm_globaltimer() - start > limit) gm_timeout(p, t, -(ready + 1), v, 1);
+                    __nanosleep(128);
+                }
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory"); /* the copies, before my TMA reads */
+        }
+        /* my row: padding rows load the block's first */
+        const comet_plan_row_t pr = p.rows[blk.row_start + (tid < blk.num_rows ? tid : 0)];
+        const int q = (pr.src_rank - p.rank + p.world) % p.world; /* comet_stage_of */
+        const int row = q ? (int)((int64_t)(q - 1) * p.max_tokens + pr.src_token) : pr.src_token;
+        const int brow = blk.expert * p.b_rows + tl.col0;
+        for (int k = 0; k < nk; k++, it++) {
+            const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+            gm_mbar_wait(&empty[s], ph ^ 1);
+            unsigned char *st = base + s * GM_STAGE_BYTES;
+            gm_tma_load(st + tid * 128, q ? &tmr : &tmx, k * GM_BK, row, &full[s]);
+            if (tid == 0) {
+                if (k == 0) stage_tile[s] = t; /* published by the arrive below (release.cta) */
+                gm_mbar_expect_tx(&full[s], GM_STAGE_BYTES);
+                gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
+                if (mode == GM_MODE_GATED)
+                    gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
+            }
+        }
+    }
+    if (tid == 0) gm_produce_end(p, full, empty, stage_tile, it, 0, 0u);
+}
+
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
  * so each holds only its own epilogue (one kernel with a run-time mode held
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
@@ -461,7 +545,8 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
  * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes. */
 __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
-                                        const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
+                                        const CUtensorMap &tmc, const CUtensorMap &tmx, const CUtensorMap &tmr,
+                                        const gm_params_t &p, const int mode, const int cl) {
     if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
     extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
@@ -496,7 +581,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 0) {
+        if (mode != GM_MODE_GEMM1 && !cl && p.gather) {
+            gm_produce_gather(tmx, tmr, tmb, p, mode, base, full, empty, stage_tile, ring, nb, ntiles, nk);
+        } else if (tid == 0) {
             const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
             for (int i = 0;; i++) {
@@ -544,19 +631,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     }
                 }
             }
-            /* end marker for the consumers: a stage with tile -1 and no bytes */
-            const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-            gm_mbar_wait(&empty[s], ph ^ 1);
-            stage_tile[s] = -1;
-            gm_mbar_arrive(&full[s]);
-            /* the last claimer past the end resets the counters for the next launch */
-            if (!cl || rank == 0) {
-                __threadfence();
-                if (atomicAdd(&p.sched[1], 1u) == (cl ? gridDim.x / 2 : gridDim.x) - 1) {
-                    atomicExch(&p.sched[0], 0u);
-                    atomicExch(&p.sched[1], 0u);
-                }
-            }
+            gm_produce_end(p, full, empty, stage_tile, it, cl, rank);
         }
     } else {
         if (cl)
@@ -641,8 +716,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     __global__ void __launch_bounds__(384, 1)                                                                 \
         name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
              const __grid_constant__ CUtensorMap tmbh, const __grid_constant__ CUtensorMap tmc,              \
+             const __grid_constant__ CUtensorMap tmx, const __grid_constant__ CUtensorMap tmr,               \
              const __grid_constant__ gm_params_t p) {                                                         \
-        gm_body(tma, tmb, tmbh, tmc, p, mode, cl);                                                            \
+        gm_body(tma, tmb, tmbh, tmc, tmx, tmr, p, mode, cl);                                                  \
     }
 GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0)
 GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0)
@@ -741,6 +817,14 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
     bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
+    g->ax = g->a0, g->ar = g->a0; /* unused without the gather */
+    if (args->x_local) {
+        bad |= gm_map(&g->ax, args->x_local, d->max_tokens, hd, 1, 1);
+        g->ar = g->ax;
+        if (args->x_remote && d->world_size > 1)
+            bad |= gm_map(&g->ar, args->x_remote, (int64_t)(d->world_size - 1) * d->max_tokens, hd, 1, 1);
+        g->gather_ok = 1;
+    }
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -802,7 +886,14 @@ extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
 
 extern "C" int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len) {
     if (!report || report[0] != 1) return 0;
-    snprintf(buf, len,
+    if ((int64_t)report[4] < 0) /* the gather's wait for a copied stage (gm_produce_gather) */
+        snprintf(buf, len,
+                 "comet: rank %llu gemm0 producer cta %llu tile %llu: timed out waiting for the copy of stage %lld "
+                 "(copy-engine flag %llu)",
+                 (unsigned long long)report[1], (unsigned long long)report[7], (unsigned long long)report[3],
+                 -(long long)report[4], (unsigned long long)report[5]);
+    else
+        snprintf(buf, len,
              "comet: rank %llu gemm%llu producer cta %llu tile %llu: timed out waiting for block_ready[%llu] "
              "(%llu < epoch %llu)",
              (unsigned long long)report[1], (unsigned long long)report[2], (unsigned long long)report[7],
@@ -835,6 +926,14 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.push_topk = (int)d->topk;
         for (int q = 0; q < COMET_GEMM_MAX_PUSH; q++) p.push[q] = a->push[q];
     }
+    if (!gemm1 && hk.gather) { /* A by rows from where the tokens lie (args.x_local, x_remote) */
+        if (!g->gather_ok || !hk.ce_ready) return (int)cudaErrorInvalidValue;
+        p.gather = 1;
+        p.rows = plan.rows;
+        p.ce_ready = hk.ce_ready;
+        p.world = d->world_size;
+        p.max_tokens = d->max_tokens;
+    }
     p.timeout_ns = hk.timeout_ns;
     p.timeout_report = hk.timeout_report;
     p.sched = g->sched + (gemm1 ? 2 : 0);
@@ -862,7 +961,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.c = a->o;
     }
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
-    const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
+    const int cl = g->cluster_ctas > 0 && grid >= 2 && !p.gather; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
@@ -884,13 +983,14 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     cfg.attrs = attr, cfg.numAttrs = (unsigned)na;
     cudaError_t e;
     if (gemm1)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1,
+                               g->a1, g->a1, p);
     else if (p.mode == GM_MODE_GATED)
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0,
-                               g->c0, p);
+                               g->c0, g->ax, g->ar, p);
     else
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,
-                               g->c0, p);
+                               g->c0, g->ax, g->ar, p);
     return (int)e;
 }
 
