@@ -539,7 +539,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
             c.disable = args->disable;
-            c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
+            if (L->ce) c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one; /* (allocated for the gather too) */
         } else if (c.gemm && L->gather) { /* sequential: GEMM0 reads the rows where they lie */
             c.gather = 1;
             c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;

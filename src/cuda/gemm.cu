@@ -505,7 +505,8 @@ __device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmx, const 
             for (; ready < blk.stage; ready++) {
                 uint64_t v;
                 while ((v = gm_ld_acquire_gpu(&p.ce_ready[ready + 1])) < 1) {
-                    if (gm_globaltimer() - start > limit) gm_timeout(p, t, -(ready + 1), v, 1);
+                    /* thread 0 reports (one writer); the trap ends the others' wait */
+                    if (tid == 0 && gm_globaltimer() - start > limit) gm_timeout(p, t, -(ready + 1), v, 1);
                     __nanosleep(128);
                 }
             }

@@ -98,9 +98,9 @@ typedef struct {
     int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
                                 * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
     int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
-    /* gather (GEMM0, args.x_local set, no clusters): A by rows (args), four
-     * one-row TMA loads a lane of the producer's first warp; before a tile of
-     * a block whose rows come from stage q > 0 the producer waits until
+    /* gather (GEMM0, args.x_local set, no clusters): A by rows (args), one
+     * one-row TMA load a thread of the producer warpgroup; before a tile of a
+     * block whose rows come from stage q > 0 the producer waits until
      * ld.acquire.gpu(ce_ready[1..q]) >= 1 (the copy of those stages is
      * complete; timeout as block_ready's, reported with block -q). */
     int gather;
