@@ -242,10 +242,10 @@ typedef struct {
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;
 
-/* For "communication hidden" (bench): run the overlapped protocol with one
- * side's work left out (its flags still go up, so the other side runs as in
- * the real call). Only the CPU engine and the CUDA overlapped mode honour
- * them; every rank must pass the same bits. */
+/* For "communication hidden" (bench): run the protocol with one side's work
+ * left out (its flags still go up, so the other side runs as in the real
+ * call). The CPU engine and the CUDA layer with the Hopper GEMM (sequential
+ * and overlapped) honour them; every rank must pass the same bits. */
 #define COMET_DISABLE_COMM 1 /* no rows copied, no partials reduced, sent or summed */
 #define COMET_DISABLE_GEMM 2 /* no GEMM arithmetic (CUDA: the GEMM kernels are not launched) */
 

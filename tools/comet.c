@@ -87,7 +87,7 @@ static void command_usage(const char *cmd, FILE *f) {
                    "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n"
                    "  --comm-hidden      also time the same protocol with the GEMMs left out and with the\n"
                    "                     communication left out, and report the communication hidden:\n"
-                   "                     (t_gemm_only + t_comm_only - t) / t_comm_only (GPUs: with --n-comm)\n"
+                   "                     (t_gemm_only + t_comm_only - t) / t_comm_only (GPUs: the Hopper GEMM)\n"
                    "  --graph            GPUs: capture one forward in a CUDA graph and time its replays (no\n"
                    "                     launch overhead, as a graph-captured training step sees it)\n",
                 flag_help);

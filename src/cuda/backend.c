@@ -538,13 +538,13 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
                                                                      COMET_CUDA_MAX_CHUNKS;
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
-            c.disable = args->disable;
             if (L->ce) c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one; /* (allocated for the gather too) */
         } else if (c.gemm && L->gather) { /* sequential: GEMM0 reads the rows where they lie */
             c.gather = 1;
             c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
         }
         c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
+        if (c.gemm) c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
     }
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;

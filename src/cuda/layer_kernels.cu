@@ -1140,8 +1140,9 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
             if (e != cudaSuccess) return (int)e;
             combine = 0;
         }
-    } else if (c.gemm) { /* sequential, Hopper grouped GEMM */
-        if (!c.gather) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+    } else if (c.gemm) { /* sequential, Hopper grouped GEMM (measurements: one side left out, c.disable) */
+        const int gemm_on = !(c.disable & COMET_DISABLE_GEMM), comm_on = !(c.disable & COMET_DISABLE_COMM);
+        if (!c.gather && comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
         hooks.skip = &c.state->skip;
@@ -1150,11 +1151,11 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.ce_ready = c.ov->ce_ready;
         hooks.timeout_ns = c.timeout_ns;
         hooks.timeout_report = c.gemm_report;
-        int ge = launch_gemm(&c, 0, &hooks, stream);
+        int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
         hooks.gather = 0;
-        hooks.push = c.push; /* o rows to their home ranks too: the combine then reads local memory */
-        ge = launch_gemm(&c, 1, &hooks, stream);
+        hooks.push = c.push && comm_on; /* o rows to their home ranks too: the combine then reads local memory */
+        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
     } else { /* sequential, SIMT tiles */
         k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
