@@ -256,6 +256,14 @@ static void test_link_bytes(void) {
     /* CUDA: rank 1's token 0 is pulled once for its two slots (2H), rank 0's
      * token 0 once (2H); the three slot rows come back as expert outputs (2H each) */
     CHECK(cuda == 10 * 8, "EP=2 link bytes (CUDA) %lld, want %d", (long long)cuda, 10 * 8);
+#ifdef COMET_WITH_CUDA
+    /* with partials (COMET_PARTIALS=1): the rows still cross once each way in
+     * (2H), one fp32 partial per token and rank comes back (4H): 2 x 6H */
+    setenv("COMET_PARTIALS", "1", 1);
+    const int64_t part = comet_problem_link_bytes(p, COMET_BACKEND_CUDA);
+    unsetenv("COMET_PARTIALS");
+    CHECK(part == 12 * 8, "EP=2 link bytes (CUDA, partials) %lld, want %d", (long long)part, 12 * 8);
+#endif
     comet_problem_destroy(p);
     cfg.tp = 2, cfg.ep = 1; /* TP: the other rank pulls every slot's row and returns every token's partial */
     if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) return;
