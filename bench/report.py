@@ -65,6 +65,7 @@ def main(paths):
             mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
             mode += " ce" if r.get("ce") else ""  # the copy-engine dispatch
             mode += " partials" if r.get("partials") else ""  # the combine by partials
+            mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
             mode += ", graph" if r.get("graph") else ""
             hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) >= 0 else "-"
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "

@@ -20,7 +20,6 @@
 
 #include "comet.h"
 #include "../src/core/bootstrap.h"
-#include "../src/core/runtime.h"
 #include "../src/core/validate.h"
 #include "../src/tuner/tuner.h"
 #include "../src/workload/workload.h"
@@ -291,6 +290,19 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     return 0;
 }
 
+/* Whether the comma-separated words of modes (comet_run_t.modes) include word. */
+static int has_mode(const char *modes, const char *word) {
+    const size_t n = strlen(word);
+    for (const char *s = modes; *s;) {
+        const char *e = strchr(s, ',');
+        const size_t len = e ? (size_t)(e - s) : strlen(s);
+        if (len == n && strncmp(s, word, n) == 0) return 1;
+        if (!e) break;
+        s = e + 1;
+    }
+    return 0;
+}
+
 static int run(const char *cmd, int argc, char **argv) {
     int is_bench = strcmp(cmd, "bench") == 0;
     options_t o;
@@ -435,21 +447,18 @@ static int run(const char *cmd, int argc, char **argv) {
         flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden * (double)cfg.ffn *
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
-    const double link_gbps = (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU) /
-                             world / (r.ms_median * 1e6);
+    /* the layer's create-time knobs (CUDA): the copy-engine dispatch shows as "<n>ce" (overlapped calls),
+     * the combine by partials as a trailing "p", GEMM0 by gather as "g" (sequential calls) */
+    const int ce = has_mode(r.modes, "ce") && o.n_comm > 0, partials = has_mode(r.modes, "partials"),
+              gather = has_mode(r.modes, "gather") && o.n_comm <= 0;
+    const double link_gbps =
+        (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /
+        (r.ms_median * 1e6);
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
-    char ncomm[24];
-    /* the copy-engine dispatch (COMET_DISPATCH_CE=1, read by the layer at create) shows as "<n>ce" */
-    const char *ce_env = getenv("COMET_DISPATCH_CE");
-    const int ce = use_cuda && o.n_comm > 0 && world > 1 && ce_env && strcmp(ce_env, "1") == 0;
-    /* and the combine by partials (COMET_PARTIALS=1) as a trailing "p" */
-    comet_dims_t dims;
-    const int partials = use_cuda && comet_dims_from_config(&cfg, world, 0, &dims) == COMET_SUCCESS &&
-                         comet_cuda_combine_partials(&dims);
-    char how[16];
+    char ncomm[24], how[16];
     snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
-    snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
+    snprintf(ncomm, sizeof ncomm, "%s%s%s%s", how, ce ? "ce" : "", partials ? "p" : "", gather ? "g" : "");
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -460,8 +469,8 @@ static int run(const char *cmd, int argc, char **argv) {
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
            use_cuda ? "once per token and rank; expert output rows sent home (\"p\" rows, COMET_PARTIALS=1: one fp32 "
-                      "partial per token and rank); \"ce\" rows (COMET_DISPATCH_CE=1, which the overlapped mode with "
-                      "the Hopper GEMM honours) copy whole stages, not counted"
+                      "partial per token and rank); \"ce\" and \"g\" rows (COMET_DISPATCH_CE=1, COMET_GEMM_GATHER=1: the "
+                      "overlapped and the sequential chain with the Hopper GEMM) copy whole stages, not counted"
                     : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
@@ -485,11 +494,12 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"gather\": %d, \"comm_hidden\": %.4f, "
+                "\"graph\": %d}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                ce, partials, hidden, r.graph);
+                ce, partials, gather, hidden, r.graph);
         fclose(f);
     }
     comet_problem_destroy(p);

@@ -21,7 +21,10 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
 }
 comet_status_t comet_cuda_layer_sync(comet_layer_t *l) { return comet_cuda_layer_forward(l, NULL); }
 void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) { (void)l, memset(out, 0, sizeof *out); }
-int comet_cuda_combine_partials(const comet_dims_t *d) { return (void)d, 0; }
+void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
+    (void)l;
+    if (len) buf[0] = 0;
+}
 comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
     (void)t;
     return comet_cuda_layer_forward(l, NULL);

@@ -61,9 +61,11 @@ void comet_cuda_layer_destroy(comet_layer_t *layer);
 comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
 comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
 void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
-/* Whether a layer of dims d created now combines by partials (cuda_layer.h:
- * COMET_PARTIALS=1 and W > 1). */
-int comet_cuda_combine_partials(const comet_dims_t *d);
+/* The create-time knobs a layer runs with (cuda_layer.h), as comma-separated
+ * words into buf: "push", "partials", "ce" (the overlapped mode's
+ * copy-engine dispatch), "gather" (the sequential chain's GEMM0 by gather);
+ * "" if none. */
+void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
 
 /* CPU backend (src/cpu/engine.c). */
 comet_status_t comet_cpu_layer_create(comet_layer_t *layer);

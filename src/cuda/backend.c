@@ -438,11 +438,12 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     return agree_ranks(l, L, init_device_state(L, rank));
 }
 
-int comet_cuda_combine_partials(const comet_dims_t *d) {
-    /* off by default: sent after GEMM1 they take the link time that push
-     * hides inside GEMM1 (dev/NOTES.md) */
-    const char *part_env = getenv("COMET_PARTIALS");
-    return d->world_size > 1 && part_env && strcmp(part_env, "1") == 0;
+void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
+    const cuda_layer_t *L = l->backend_state;
+    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
+             L->gather ? "gather," : "");
+    const size_t n = strlen(buf);
+    if (n) buf[n - 1] = 0; /* the last comma */
 }
 
 comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
@@ -457,7 +458,10 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
      * o row into its home rank too, so the combine reads local memory */
     const char *push_env = getenv("COMET_PUSH");
     const int w = l->dims.world_size;
-    L->partial = L->ctx.partial = comet_cuda_combine_partials(&l->dims);
+    /* partials: off by default (sent after GEMM1 they take the link time that
+     * push hides inside GEMM1, dev/NOTES.md) */
+    const char *part_env = getenv("COMET_PARTIALS");
+    L->partial = L->ctx.partial = w > 1 && part_env && strcmp(part_env, "1") == 0;
     L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;

@@ -368,12 +368,10 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
     return st;
 }
 
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend) {
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials) {
     const int64_t hd = p->cfg.hidden, k = p->cfg.topk, el = p->cfg.num_experts / p->cfg.ep;
     const int tp = p->cfg.tp, ep = p->cfg.ep, cuda = backend == COMET_BACKEND_CUDA;
-    comet_dims_t d;
-    const int partials = cuda && comet_dims_from_config(&p->cfg, p->world_size, 0, &d) == COMET_SUCCESS &&
-                         comet_cuda_combine_partials(&d);
+    partials = partials && cuda;
     int64_t bytes = 0;
     char *used = calloc((size_t)ep, 1);
     if (!used) return -1;
@@ -548,7 +546,11 @@ static void *rank_main(void *arg) {
     comet_run_t *run = job->run;
     comet_layer_t *layer = NULL;
     comet_status_t st = comet_layer_create(&layer, job->world, job->rank, &job->p->cfg);
-    if (st == COMET_SUCCESS && job->rank == 0) comet_layer_memory(layer, &run->memory);
+    if (st == COMET_SUCCESS && job->rank == 0) {
+        comet_layer_memory(layer, &run->memory);
+        if (comet_world_backend(job->world) == COMET_BACKEND_CUDA)
+            comet_cuda_layer_modes(layer, run->modes, sizeof run->modes);
+    }
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (job->rank < 64 && run->n_comm_of_rank[job->rank]) a.n_comm = run->n_comm_of_rank[job->rank];

@@ -102,9 +102,9 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
  * fp32 partial (H) it stores into another token's home rank. CUDA backend:
  * each token row a rank pulls once for all its slots there (H bf16), and each
  * expert output row (H bf16) that goes to the token's home rank from another
- * (pushed by GEMM1, or pulled with COMET_PUSH=0), or where the layer combines
- * by partials (comet_cuda_combine_partials), each fp32 partial (H) instead. */
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend);
+ * (pushed by GEMM1, or pulled with COMET_PUSH=0), or with partials (the
+ * layer's "partials" mode, comet_run_t.modes) each fp32 partial (H) instead. */
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials);
 
 /* ---- running every rank -------------------------------------------------- */
 typedef struct {
@@ -123,6 +123,8 @@ typedef struct {
     char message[64][256];
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
+    char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
+                             * "ce", "gather", comma-separated; comet_cuda_layer_modes), else "" */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
