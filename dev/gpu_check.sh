@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="test|gputests sanitize gemm cluster link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm cluster link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -23,6 +23,14 @@ for step in $STEPS; do
         COMET_TEST_GPU=1 tests/run.sh build > "$OUT/test.log" 2>&1
         grep -E "FAIL|skipped|test_layer_gpu: " "$OUT/test.log" | head -60
         summary+=("tests: $(tail -n 1 "$OUT/test.log")")
+        ;;
+    probe) # one GPU: dev/gather/run.sh (one-row TMA layout, row-load rates); a failed layout check
+           # leaves GEMM0 by gather out of the GPU tests after it (COMET_TEST_GATHER=0)
+        OUT="$OUT" timeout 200 dev/gather/run.sh > "$OUT/probe.log" 2>&1
+        rc=$?
+        [ $rc -eq 0 ] || export COMET_TEST_GATHER=0
+        summary+=("gather probe: exit $rc$([ $rc -eq 0 ] || echo ': the gather is left out of the tests')")
+        cat "$OUT/probe.log"
         ;;
     gputests) # only the GPU test binaries (the CPU suite runs in CI), one log
         for t in build/tests/test_*_gpu; do
