@@ -38,7 +38,8 @@
  *            from it (three launches, plan_kernel.cu)
  *   dispatch pull my experts' token rows from the peers' stages: each token
  *            once, stored into every row of its slots here (the overlapped
- *            mode pulls by row block)
+ *            mode pulls by row block; with gather there is none: the copy
+ *            engine copies the peers' stages and GEMM0 reads the rows)
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
  *   partials with partials: for each token of another rank with rows here,
  *            its partial (as the combine computes one) into its home's part
