@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../src/cuda/tma.h" /* the GEMM's own mbarrier and TMA helpers and tensor maps */
+
 #define CK(x)                                                                                  \
     do {                                                                                       \
         cudaError_t e_ = (x);                                                                  \
@@ -45,37 +47,12 @@
 #define RING 4
 #define K_COLS 7168 /* DeepSeek hidden: the reduction length of GEMM0 */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(uint64_t *b, int n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint64_t *b, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t *b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t *b, int parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(smem_u32(b)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-/* TMA 2D load, coordinates (column, row). */
-__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *m, int col, int row, uint64_t *b) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-                     "r"(smem_u32(dst)), "l"((uint64_t)m), "r"(col), "r"(row), "r"(smem_u32(b))
-                 : "memory");
-}
 /* 16 bytes global -> shared, asynchronously; its completion arrives on b (no count change). */
 __device__ __forceinline__ void cp16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(gm_smem(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_arrive(uint64_t *b) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(gm_smem(b)) : "memory");
 }
 
 /* Row r of a stage by 16-byte cp.async with the 128B swizzle by hand (threads 0..127, one row each). */
@@ -93,19 +70,19 @@ __global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const
     __shared__ uint64_t bar[2];
     const int t = threadIdx.x;
     if (t == 0) {
-        bar_init(&bar[0], 1), bar_init(&bar[1], 1);
+        gm_mbar_init(&bar[0], 1), gm_mbar_init(&bar[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (t == 0) {
-        bar_expect(&bar[0], STAGE_BYTES);
-        tma_load(s, &box_map, col, 0, &bar[0]); /* the gathered rows, stored contiguously */
-        bar_expect(&bar[1], STAGE_BYTES);
-        for (int r = 0; r < 128; r++) tma_load(s + STAGE_BYTES + r * 128, &row_map, col, idx[r], &bar[1]);
+        gm_mbar_expect_tx(&bar[0], STAGE_BYTES);
+        gm_tma_load(s, &box_map, col, 0, &bar[0]); /* the gathered rows, stored contiguously */
+        gm_mbar_expect_tx(&bar[1], STAGE_BYTES);
+        for (int r = 0; r < 128; r++) gm_tma_load(s + STAGE_BYTES + r * 128, &row_map, col, idx[r], &bar[1]);
     }
     cp_row(s + 2 * STAGE_BYTES, x, t, idx[t], col);
     asm volatile("cp.async.wait_all;" ::: "memory");
-    bar_wait(&bar[0], 0), bar_wait(&bar[1], 0);
+    gm_mbar_wait(&bar[0], 0), gm_mbar_wait(&bar[1], 0);
     __syncthreads();
     for (int i = t; i < 3 * STAGE_BYTES; i += blockDim.x) out[i] = s[i];
 }
@@ -122,7 +99,7 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
     __shared__ uint64_t full[RING], empty[RING];
     const int t = threadIdx.x;
     if (t == 0) {
-        for (int i = 0; i < RING; i++) bar_init(&full[i], mode == 2 ? 128 : 1), bar_init(&empty[i], 1);
+        for (int i = 0; i < RING; i++) gm_mbar_init(&full[i], mode == 2 ? 128 : 1), gm_mbar_init(&empty[i], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -131,7 +108,7 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
         if (mode != 2 && t >= 32) return; /* idle producers must not trail the ring: a lap behind, parity aliasing hangs them at the end */
         for (int i = 0; i < steps; i++) {
             const int st = i % RING, lap = i / RING;
-            if (lap > 0) bar_wait(&empty[st], (lap - 1) & 1);
+            if (lap > 0) gm_mbar_wait(&empty[st], (lap - 1) & 1);
             unsigned char *dst = s + st * STAGE_BYTES;
             const int64_t step = offset + (int64_t)blockIdx.x * steps + i;
             const int col = (int)(step % kb) * 64;
@@ -141,43 +118,35 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
                 cp_arrive(&full[st]);
             } else if (mode == 0) {
                 if (t == 0) {
-                    bar_expect(&full[st], STAGE_BYTES);
+                    gm_mbar_expect_tx(&full[st], STAGE_BYTES);
                     /* hot: within the first 256 rows, as the row ways' hot set */
-                    tma_load(dst, &box_map, col, (int)(hot ? base % 129 : base % (rows - 127)), &full[st]);
+                    gm_tma_load(dst, &box_map, col, (int)(hot ? base % 129 : base % (rows - 127)), &full[st]);
                 }
             } else if (t < 32) { /* mode 1: warp 0; one coalesced int4 of row ids a lane, before any TMA */
                 const int4 r4 = reinterpret_cast<const int4 *>(idx + base)[t];
-                if (t == 0) bar_expect(&full[st], STAGE_BYTES);
+                if (t == 0) gm_mbar_expect_tx(&full[st], STAGE_BYTES);
                 __syncwarp();
                 unsigned char *d = dst + t * 4 * 128;
-                tma_load(d, &row_map, col, r4.x, &full[st]);
-                tma_load(d + 128, &row_map, col, r4.y, &full[st]);
-                tma_load(d + 256, &row_map, col, r4.z, &full[st]);
-                tma_load(d + 384, &row_map, col, r4.w, &full[st]);
+                gm_tma_load(d, &row_map, col, r4.x, &full[st]);
+                gm_tma_load(d + 128, &row_map, col, r4.y, &full[st]);
+                gm_tma_load(d + 256, &row_map, col, r4.z, &full[st]);
+                gm_tma_load(d + 384, &row_map, col, r4.w, &full[st]);
             }
         }
     } else if (t == 128) { /* consumer: waits, frees */
         for (int i = 0; i < steps; i++) {
             const int st = i % RING;
-            bar_wait(&full[st], (i / RING) & 1);
-            bar_arrive(&empty[st]);
+            gm_mbar_wait(&full[st], (i / RING) & 1);
+            gm_mbar_arrive(&empty[st]);
         }
     }
 }
 
-typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                              const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* Map over (rows, K_COLS) bf16, box 64 x box_rows, 128B swizzle. */
-static CUtensorMap make_map(encode_fn enc, const void *p, int64_t rows, int box_rows) {
+/* Map over (rows, K_COLS) bf16, box 64 x box_rows, 128B swizzle (the GEMM's gm_map). */
+static CUtensorMap make_map(const void *p, int64_t rows, int box_rows) {
     CUtensorMap m;
-    cuuint64_t dims[2] = {K_COLS, (cuuint64_t)rows}, strides[1] = {K_COLS * 2};
-    cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, es[2] = {1, 1};
-    if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) !=
-        CUDA_SUCCESS) {
-        fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+    if (gm_map(&m, p, rows, K_COLS, box_rows, 1)) {
+        fprintf(stderr, "cuTensorMapEncodeTiled failed (or is not available from the driver)\n");
         exit(2);
     }
     return m;
@@ -189,10 +158,6 @@ int main(int argc, char **argv) {
     const int layout = argc > 1 && strcmp(argv[1], "layout") == 0, rate_mode = argc > 2 ? atoi(argv[2]) : -1;
     if (!layout && !(argc > 2 && strcmp(argv[1], "rate") == 0 && rate_mode >= 0 && rate_mode <= 2))
         return fprintf(stderr, "usage: gather_probe layout | gather_probe rate 0|1|2\n"), 2;
-    encode_fn enc = NULL;
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void **)&enc, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || !enc) return fprintf(stderr, "no cuTensorMapEncodeTiled\n"), 2;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int64_t rows = 16384, n_idx = 1 << 19;
@@ -218,8 +183,8 @@ int main(int argc, char **argv) {
     CK(cudaMemcpy(hot, hhot, sizeof(int32_t) * n_idx, cudaMemcpyHostToDevice));
     for (int r = 0; r < 128; r++) /* the first 128 rows of idx, stored contiguously */
         CK(cudaMemcpy(g + (size_t)r * K_COLS, x + (size_t)hidx[r] * K_COLS, K_COLS * 2, cudaMemcpyDeviceToDevice));
-    const CUtensorMap gmap = make_map(enc, g, 128, 128), xbox = make_map(enc, x, rows, 128),
-                      xrow = make_map(enc, x, rows, 1);
+    const CUtensorMap gmap = make_map(g, 128, 128), xbox = make_map(x, rows, 128),
+                      xrow = make_map(x, rows, 1);
 
     /* 1. layout */
     int bad = 0;

@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "tma.h"
 
 #define GM_BM 128
 #define GM_BN 256
@@ -123,34 +124,6 @@ struct comet_gemm {
  * Device helpers
  * ------------------------------------------------------------------------- */
 
-__device__ __forceinline__ uint32_t gm_smem(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void gm_mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gm_smem(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gm_mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gm_smem(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gm_mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gm_smem(bar)) : "memory");
-}
-__device__ __forceinline__ void gm_mbar_wait(uint64_t *bar, int parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(gm_smem(bar)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-/* 2D tile load, coordinates innermost first (k, row). */
-__device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-            gm_smem(dst)),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar))
-        : "memory");
-}
 __device__ __forceinline__ void gm_tma_store(const CUtensorMap *map, const void *src, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map),
                  "r"(c0), "r"(c1), "r"(gm_smem(src))
@@ -225,6 +198,19 @@ __device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, u
         __threadfence_system();
     }
     __trap();
+}
+
+/* A producer's wait for a readiness flag: spin until ld.acquire.gpu(*flag) >=
+ * target; a wait past the timeout (p.timeout_ns, 0: 10 s, counted from start)
+ * is recorded by the reporting thread (gm_timeout: tile t, block b) and traps. */
+__device__ __forceinline__ void gm_wait_ready(const gm_params_t &p, const uint64_t *flag, uint64_t target,
+                                              uint64_t start, int t, int b, int reporter) {
+    const uint64_t limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
+    uint64_t v;
+    while ((v = gm_ld_acquire_gpu(flag)) < target) {
+        if (reporter && gm_globaltimer() - start > limit) gm_timeout(p, t, b, v, target);
+        __nanosleep(128);
+    }
 }
 
 /* Tile t -> (position in the block list, first output column, chunk). Both
@@ -501,15 +487,9 @@ __device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmx, const 
         const gm_tile_t tl = gm_tile(p, nb, t, 0, 0u);
         const comet_plan_block_t blk = p.blocks[tl.b];
         if (blk.stage > ready) {
-            const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
-            for (; ready < blk.stage; ready++) {
-                uint64_t v;
-                while ((v = gm_ld_acquire_gpu(&p.ce_ready[ready + 1])) < 1) {
-                    /* thread 0 reports (one writer); the trap ends the others' wait */
-                    if (tid == 0 && gm_globaltimer() - start > limit) gm_timeout(p, t, -(ready + 1), v, 1);
-                    __nanosleep(128);
-                }
-            }
+            const uint64_t start = gm_globaltimer();
+            for (; ready < blk.stage; ready++) /* thread 0 reports (one writer); the trap ends the others' wait */
+                gm_wait_ready(p, &p.ce_ready[ready + 1], 1, start, t, -(ready + 1), tid == 0);
             asm volatile("fence.proxy.async.global;" ::: "memory"); /* the copies, before my TMA reads */
         }
         /* my row: padding rows load the block's first */
@@ -603,12 +583,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 const comet_plan_block_t blk = tl.b >= 0 ? p.blocks[tl.b] : p.blocks[tl.pb];
                 const int same = cl && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
                 if (p.block_ready && tl.b >= 0) {
-                    const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
-                    uint64_t v;
-                    while ((v = gm_ld_acquire_gpu(&p.block_ready[tl.b])) < epoch) {
-                        if (gm_globaltimer() - start > limit) gm_timeout(p, t, tl.b, v, epoch);
-                        __nanosleep(128);
-                    }
+                    gm_wait_ready(p, &p.block_ready[tl.b], epoch, gm_globaltimer(), t, tl.b, 1);
                     asm volatile("fence.proxy.async.global;" ::: "memory");
                 }
                 const int brow = blk.expert * p.b_rows + tl.col0;
@@ -738,38 +713,6 @@ static const void *const gm_kernels[6] = {
 /* ---------------------------------------------------------------------------
  * Host side
  * ------------------------------------------------------------------------- */
-
-typedef CUresult (*gm_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static gm_encode_fn gm_get_encode(void) {
-    static gm_encode_fn fn = NULL;
-    if (!fn) {
-        cudaDriverEntryPointQueryResult q;
-        void *f = NULL;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (gm_encode_fn)f;
-    }
-    return fn;
-}
-
-/* Map over a (rows, cols) row-major bf16 matrix, box box_rows x 64 columns,
- * 128B swizzle, out-of-bounds reads zero. */
-static int gm_map(CUtensorMap *m, const void *ptr, int64_t rows, int64_t cols, int box_rows, int l2_promote) {
-    gm_encode_fn enc = gm_get_encode();
-    if (!enc) return -1;
-    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-    cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
-    cuuint32_t es[2] = {1, 1};
-    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims, strides, box, es,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                     l2_promote ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return r == CUDA_SUCCESS ? 0 : -1;
-}
 
 extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
     if (!d) return "no dims";
