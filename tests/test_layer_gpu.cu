@@ -63,6 +63,13 @@ static int gather_on(void) {
     return !(e && strcmp(e, "0") == 0);
 }
 
+/* st succeeded and every rank's y equals first[rank] bitwise. */
+static int same_output(const comet_problem_t *p, uint16_t *const *first, int w, int64_t hidden, comet_status_t st) {
+    int same = st == COMET_SUCCESS;
+    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * hidden) * 2) == 0;
+    return same;
+}
+
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro,
                      const char *tag) {
     const int w = cfg->tp * cfg->ep;
@@ -99,8 +106,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     }
     comet_problem_poison(p);
     st = comet_problem_run(p, world, &run, 0);
-    int same = st == COMET_SUCCESS;
-    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+    int same = same_output(p, first, w, cfg->hidden, st);
     CHECK(same, "%s: a second run differs bitwise", tag);
 
     /* overlapped mode (n_comm communication CTAs beside the GEMM; the
@@ -108,8 +114,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_problem_poison(p);
     run.n_comm = 8;
     st = comet_problem_run(p, world, &run, 0);
-    same = st == COMET_SUCCESS;
-    for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+    same = same_output(p, first, w, cfg->hidden, st);
     CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
           same ? "equal" : "differs from the sequential one");
 
@@ -122,8 +127,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         comet_problem_poison(p);
         run.n_comm = COMET_SEQUENTIAL;
         st = run_with_env(p, world, &run, gather);
-        same = st == COMET_SUCCESS;
-        for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+        same = same_output(p, first, w, cfg->hidden, st);
         CHECK(same && (w == 1 || run.memory.private_bytes > private_bytes), "%s: GEMM0 by gather: %s, output %s, staging %s",
               tag, comet_status_string(st), same ? "equal" : "differs from the dispatch's",
               w == 1 || run.memory.private_bytes > private_bytes ? "allocated" : "missing");
@@ -136,16 +140,14 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         comet_problem_poison(p);
         run.n_comm = COMET_SEQUENTIAL;
         st = run_with_push(p, world, &run);
-        same = st == COMET_SUCCESS;
-        for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+        same = same_output(p, first, w, cfg->hidden, st);
         CHECK(same && run.memory.symmetric_bytes > pull_bytes, "%s: push: %s, output %s, receive buffers %s", tag,
               comet_status_string(st), same ? "equal" : "differs from the pull combine's",
               run.memory.symmetric_bytes > pull_bytes ? "allocated" : "missing");
         comet_problem_poison(p); /* and overlapped: comm CTAs beside GEMM0 only */
         run.n_comm = 8;
         st = run_with_push(p, world, &run);
-        same = st == COMET_SUCCESS;
-        for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+        same = same_output(p, first, w, cfg->hidden, st);
         CHECK(same, "%s: overlapped with push: %s, output %s", tag, comet_status_string(st),
               same ? "equal" : "differs from the sequential one");
         /* and the remote rows through the copy engine (COMET_DISPATCH_CE=1), with push and without */
@@ -155,8 +157,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
             const size_t private_bytes = run.memory.private_bytes;
             comet_problem_poison(p);
             st = run_with_env(p, world, &run, pass ? ce_pull : ce_push);
-            same = st == COMET_SUCCESS;
-            for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+            same = same_output(p, first, w, cfg->hidden, st);
             CHECK(same && (pass || run.memory.private_bytes > private_bytes),
                   "%s: overlapped, copy-engine dispatch, %s: %s, output %s, staging %s", tag, pass ? "pull" : "push",
                   comet_status_string(st), same ? "equal" : "differs from the sequential one",
@@ -169,8 +170,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
             comet_problem_poison(p);
             run.n_comm = pass ? 8 : COMET_SEQUENTIAL;
             st = run_with_env(p, world, &run, partials);
-            same = st == COMET_SUCCESS;
-            for (int s = 0; s < w; s++) same &= memcmp(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2) == 0;
+            same = same_output(p, first, w, cfg->hidden, st);
             CHECK(same && run.memory.symmetric_bytes > pull_bytes, "%s: %s with partials: %s, output %s, part buffer %s",
                   tag, pass ? "overlapped" : "sequential", comet_status_string(st),
                   same ? "equal" : "differs from the pull combine's",
