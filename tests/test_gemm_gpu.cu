@@ -337,7 +337,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     free(o2);
 
     /* GEMM0 by gather (hooks.gather; COMET_TEST_GATHER=0 leaves it out): the A
-     * rows read from x by the plan's rows, one-row TMA loads: the same h bits */
+     * rows read from x by the plan's rows, by cp.async: the same h bits */
     const char *tg = getenv("COMET_TEST_GATHER");
     if (!(tg && strcmp(tg, "0") == 0)) {
         uint16_t *d_x;

@@ -55,9 +55,9 @@ static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, co
     return run_with_env(p, world, run, push);
 }
 
-/* The gather passes run unless COMET_TEST_GATHER=0 (a GPU whose TMA refuses
- * one-row loads into a swizzled stage would trap and poison every later case:
- * dev/gather/run.sh's layout check decides first). */
+/* The gather passes run unless COMET_TEST_GATHER=0 (dev/gather/run.sh's
+ * layout check sets it when by-hand swizzled rows differ from a box load's:
+ * the gather would then fail every case, hiding the other passes' results). */
 static int gather_on(void) {
     const char *e = getenv("COMET_TEST_GATHER");
     return !(e && strcmp(e, "0") == 0);

@@ -47,21 +47,6 @@
 #define RING 4
 #define K_COLS 7168 /* DeepSeek hidden: the reduction length of GEMM0 */
 
-/* 16 bytes global -> shared, asynchronously; its completion arrives on b (no count change). */
-__device__ __forceinline__ void cp16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(gm_smem(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_arrive(uint64_t *b) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(gm_smem(b)) : "memory");
-}
-
-/* Row r of a stage by 16-byte cp.async with the 128B swizzle by hand (threads 0..127, one row each). */
-__device__ __forceinline__ void cp_row(unsigned char *stage, const uint16_t *x, int r, int64_t row, int col) {
-    const uint16_t *src = x + row * K_COLS + col;
-#pragma unroll
-    for (int c = 0; c < 8; c++) cp16(stage + r * 128 + ((c ^ (r & 7)) * 16), src + c * 8);
-}
-
 /* Question 1: the same 128 rows (idx) at column block col, three ways, into out[0..2]. */
 __global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const __grid_constant__ CUtensorMap row_map,
                               const uint16_t *x, const int32_t *idx, int col, unsigned char *out) {
@@ -80,7 +65,8 @@ __global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const
         gm_mbar_expect_tx(&bar[1], STAGE_BYTES);
         for (int r = 0; r < 128; r++) gm_tma_load(s + STAGE_BYTES + r * 128, &row_map, col, idx[r], &bar[1]);
     }
-    cp_row(s + 2 * STAGE_BYTES, x, t, idx[t], col);
+    gm_cp_row(s + 2 * STAGE_BYTES, x + (int64_t)idx[t] * K_COLS + col, t, 64);
+    gm_cp_commit();
     asm volatile("cp.async.wait_all;" ::: "memory");
     gm_mbar_wait(&bar[0], 0), gm_mbar_wait(&bar[1], 0);
     __syncthreads();
@@ -89,7 +75,9 @@ __global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const
 
 /* Question 2: `steps` A stages per CTA through a RING-stage ring. mode 0: one
  * box TMA of 128 contiguous rows; 1: 128 row-TMAs of rows idx; 2: cp.async by
- * threads 0..127 (rows idx). Warp 4 (threads 128..159) consumes. */
+ * threads 0..127 (rows idx), as GEMM0's gather producer does it (each row
+ * looked up once a row set, arrivals deferred until a group has landed,
+ * up to RING - 1 groups in flight). Warp 4 (threads 128..159) consumes. */
 __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CUtensorMap box_map,
                                                       const __grid_constant__ CUtensorMap row_map, const uint16_t *x,
                                                       const int32_t *idx, int64_t n_idx, int64_t rows, int steps,
@@ -106,6 +94,8 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
     const int kb = K_COLS / 64;
     if (t < 128) { /* producer */
         if (mode != 2 && t >= 32) return; /* idle producers must not trail the ring: a lap behind, parity aliasing hangs them at the end */
+        const uint16_t *src = x;
+        int pend = 0;
         for (int i = 0; i < steps; i++) {
             const int st = i % RING, lap = i / RING;
             if (lap > 0) gm_mbar_wait(&empty[st], (lap - 1) & 1);
@@ -114,8 +104,14 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
             const int col = (int)(step % kb) * 64;
             const int64_t base = (step / kb * 128) % n_idx; /* 128 rows of idx, a new set every kb steps */
             if (mode == 2) {
-                cp_row(dst, x, t, idx[base + t], col);
-                cp_arrive(&full[st]);
+                if (i == 0 || col == 0) src = x + (int64_t)idx[base + t] * K_COLS;
+                gm_cp_row(dst, src + col, t, 64);
+                gm_cp_commit();
+                if (++pend == RING - 1) { /* gemm.cu's gm_gather_arrive */
+                    gm_cp_wait(RING - 2);
+                    gm_fence_smem();
+                    gm_mbar_arrive(&full[(i + 1 - pend--) % RING]);
+                }
             } else if (mode == 0) {
                 if (t == 0) {
                     gm_mbar_expect_tx(&full[st], STAGE_BYTES);
@@ -132,6 +128,11 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
                 gm_tma_load(d + 256, &row_map, col, r4.z, &full[st]);
                 gm_tma_load(d + 384, &row_map, col, r4.w, &full[st]);
             }
+        }
+        if (mode == 2) {
+            gm_cp_wait(0);
+            gm_fence_smem();
+            for (; pend > 0; pend--) gm_mbar_arrive(&full[(steps - pend) % RING]);
         }
     } else if (t == 128) { /* consumer: waits, frees */
         for (int i = 0; i < steps; i++) {

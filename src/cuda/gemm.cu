@@ -95,6 +95,7 @@ typedef struct {
     const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push and the gather */
     int gather;                              /* GEMM0: A by rows (comet_gemm_hooks_t.gather) */
     const uint64_t *ce_ready;                /* gather: [q] >= 1 once stage q is in x_remote */
+    const comet_bf16_t *x_local, *x_remote;  /* gather: where the tokens lie (comet_gemm_args_t) */
     int world;
     int64_t max_tokens;
     int push_on;
@@ -110,8 +111,7 @@ struct comet_gemm {
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
-    CUtensorMap ax, ar;     /* gather: x_local and x_remote with one-row boxes (ar = ax without x_remote) */
-    int gather_ok;          /* args.x_local was set: the gather maps exist */
+    int gather_ok;          /* args.x_local was set: the gather can run */
     int num_sms;
     int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters (the default until measured) */
@@ -441,15 +441,9 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
     }
 }
 
-/* A producer's last act: a stage with tile -1 and no bytes marks the end for
- * the consumers, and the last claimer past the end resets the tile counters
- * for the next launch (with clusters CTA 0 of each pair claims). */
-__device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *full, uint64_t *empty,
-                                               volatile int32_t *stage_tile, int it, int cl, unsigned rank) {
-    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-    gm_mbar_wait(&empty[s], ph ^ 1);
-    stage_tile[s] = -1;
-    gm_mbar_arrive(&full[s]);
+/* The last claimer past the end resets the tile counters for the next launch
+ * (with clusters CTA 0 of each pair claims). One thread a CTA. */
+__device__ __forceinline__ void gm_sched_done(const gm_params_t &p, int cl, unsigned rank) {
     if (!cl || rank == 0) {
         __threadfence();
         if (atomicAdd(&p.sched[1], 1u) == (cl ? gridDim.x / 2 : gridDim.x) - 1) {
@@ -459,59 +453,95 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
     }
 }
 
+/* A producer's last act (one thread): a stage with tile -1 and no bytes marks
+ * the end for the consumers, then gm_sched_done. */
+__device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *full, uint64_t *empty,
+                                               volatile int32_t *stage_tile, int it, int cl, unsigned rank) {
+    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+    gm_mbar_wait(&empty[s], ph ^ 1);
+    stage_tile[s] = -1;
+    gm_mbar_arrive(&full[s]);
+    gm_sched_done(p, cl, rank);
+}
+
 /* The producer of GEMM0 by gather (comet_gemm_hooks_t.gather; no clusters),
  * the whole producer warpgroup, one A row a thread: thread 0 claims each
- * tile and hands it over through slot[2] (the clusters' ring, unused here;
- * named barrier 4), loads B and sets each stage's bytes; every thread waits
- * until the stages its row comes from are copied and loads its row of the
- * block with a one-row TMA load from where its token lies (tmx: x_local,
- * tmr: x_remote) to 128 bytes a row of the stage: the 128B swizzle follows
- * the shared address, so the stage is laid out as one 128-row box load
- * would. (A stage's tx-count may go below zero while rows land before
- * thread 0's expect_tx: the phase also waits for that arrival.) */
-__device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmx, const CUtensorMap &tmr,
-                                                  const CUtensorMap &tmb, const gm_params_t &p, const int mode,
+ * tile and hands it over through slot[0] (the clusters' ring, unused here;
+ * named barrier 4) and loads B by TMA (expect_tx without an arrival); every
+ * thread waits until the stages its row comes from are copied, then copies
+ * its row of each k-slice from where its token lies (x_local or x_remote) by
+ * cp.async (gm_cp_row: the stage as a box load lays it out). A stage's full
+ * barrier takes the 128 threads' arrivals, each deferred until the thread's
+ * cp.async group of that stage has landed and been fenced for wgmma
+ * (gm_gather_arrive); a thread keeps up to GM_STAGES - 1 groups in flight (one
+ * more would deadlock: the empty wait for slice i needs the arrival of slice
+ * i - GM_STAGES + 1, the slice the consumers hold while they release i -
+ * GM_STAGES) and drains them before it waits for the copy engine. (One-row
+ * TMA loads did this first: dev/gather's probe measured them at 4.4 GB/s an
+ * SM, a quarter of what GEMM0 eats; cp.async 18-22.) */
+__device__ __forceinline__ int gm_gather_arrive(uint64_t *full, int it, int pend, int keep) {
+    if (keep)
+        gm_cp_wait(GM_STAGES - 2);
+    else
+        gm_cp_wait(0);
+    gm_fence_smem();
+#pragma unroll
+    for (int j = GM_STAGES - 1; j > 0; j--) /* oldest first; pend < GM_STAGES */
+        if (j <= pend && j > keep) gm_mbar_arrive(&full[(it - j) % GM_STAGES]);
+    return pend < keep ? pend : keep;
+}
+__device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmb, const gm_params_t &p, const int mode,
                                                   unsigned char *base, uint64_t *full, uint64_t *empty,
                                                   volatile int32_t *stage_tile, volatile int32_t *slot, int nb,
                                                   int ntiles, int nk) {
     const int tid = threadIdx.x & 127;
-    int it = 0, ready = 0; /* stages 1..ready are copied */
-    for (int i = 0;; i++) {
+    int it = 0, pend = 0, ready = 0; /* pend: my groups not yet arrived; stages 1..ready are copied */
+    for (;;) {
         if (tid == 0) {
             const int c = (int)atomicAdd(&p.sched[0], 1u);
-            slot[i & 1] = c >= ntiles ? -1 : c; /* two slots: the other is still being read */
+            slot[0] = c >= ntiles ? -1 : c;
         }
         gm_named_bar(4, 128);
-        const int t = slot[i & 1];
+        const int t = slot[0];
+        gm_named_bar(4, 128); /* read by all before the next claim (one slot: a counter fewer, 40 registers) */
         if (t < 0) break;
         const gm_tile_t tl = gm_tile(p, nb, t, 0, 0u);
         const comet_plan_block_t blk = p.blocks[tl.b];
+        /* my row: padding rows copy the block's first */
+        const comet_plan_row_t pr = p.rows[blk.row_start + (tid < blk.num_rows ? tid : 0)];
+        const int q = (pr.src_rank - p.rank + p.world) % p.world; /* comet_stage_of */
+        const uint16_t *src = (const uint16_t *)(q ? p.x_remote + ((int64_t)(q - 1) * p.max_tokens + pr.src_token) * p.k
+                                                   : p.x_local + (int64_t)pr.src_token * p.k);
         if (blk.stage > ready) {
+            pend = gm_gather_arrive(full, it, pend, 0);
             const uint64_t start = gm_globaltimer();
             for (; ready < blk.stage; ready++) /* thread 0 reports (one writer); the trap ends the others' wait */
                 gm_wait_ready(p, &p.ce_ready[ready + 1], 1, start, t, -(ready + 1), tid == 0);
-            asm volatile("fence.proxy.async.global;" ::: "memory"); /* the copies, before my TMA reads */
         }
-        /* my row: padding rows load the block's first */
-        const comet_plan_row_t pr = p.rows[blk.row_start + (tid < blk.num_rows ? tid : 0)];
-        const int q = (pr.src_rank - p.rank + p.world) % p.world; /* comet_stage_of */
-        const int row = q ? (int)((int64_t)(q - 1) * p.max_tokens + pr.src_token) : pr.src_token;
         const int brow = blk.expert * p.b_rows + tl.col0;
         for (int k = 0; k < nk; k++, it++) {
             const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
             gm_mbar_wait(&empty[s], ph ^ 1);
             unsigned char *st = base + s * GM_STAGE_BYTES;
-            gm_tma_load(st + tid * 128, q ? &tmr : &tmx, k * GM_BK, row, &full[s]);
             if (tid == 0) {
-                if (k == 0) stage_tile[s] = t; /* published by the arrive below (release.cta) */
-                gm_mbar_expect_tx(&full[s], GM_STAGE_BYTES);
+                if (k == 0) stage_tile[s] = t; /* published by my arrive on full[s] (release.cta) */
+                gm_mbar_tx_only(&full[s], GM_B_BYTES);
                 gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
                 if (mode == GM_MODE_GATED)
                     gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
             }
+            gm_cp_row(st, src + k * GM_BK, tid, p.k - k * GM_BK);
+            gm_cp_commit();
+            if (++pend == GM_STAGES - 1) pend = gm_gather_arrive(full, it + 1, pend, GM_STAGES - 2); /* the oldest */
         }
     }
-    if (tid == 0) gm_produce_end(p, full, empty, stage_tile, it, 0, 0u);
+    gm_gather_arrive(full, it, pend, 0);
+    /* the end marker (gm_produce_end's, with the 128 arrivals) */
+    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+    gm_mbar_wait(&empty[s], ph ^ 1);
+    if (tid == 0) stage_tile[s] = -1;
+    gm_mbar_arrive(&full[s]);
+    if (tid == 0) gm_sched_done(p, 0, 0u);
 }
 
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
@@ -526,8 +556,7 @@ __device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmx, const 
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
  * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes. */
 __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
-                                        const CUtensorMap &tmc, const CUtensorMap &tmx, const CUtensorMap &tmr,
-                                        const gm_params_t &p, const int mode, const int cl) {
+                                        const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
     if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
     extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
@@ -544,8 +573,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     const int nk = (p.k + GM_BK - 1) / GM_BK;
 
     if (threadIdx.x == 0) {
+        const int gather = mode != GM_MODE_GEMM1 && !cl && p.gather; /* gm_produce_gather: 128 arrivals */
         for (int s = 0; s < GM_STAGES; s++) {
-            gm_mbar_init(&full[s], 1);
+            gm_mbar_init(&full[s], gather ? 128 : 1);
             gm_mbar_init(&empty[s], cl ? 16 : 8);
         }
         for (int s = 0; cl && s < GM_RING; s++) gm_mbar_init(&ring_full[s], 1);
@@ -563,7 +593,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (mode != GM_MODE_GEMM1 && !cl && p.gather) {
-            gm_produce_gather(tmx, tmr, tmb, p, mode, base, full, empty, stage_tile, ring, nb, ntiles, nk);
+            gm_produce_gather(tmb, p, mode, base, full, empty, stage_tile, ring, nb, ntiles, nk);
         } else if (tid == 0) {
             const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
@@ -692,9 +722,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     __global__ void __launch_bounds__(384, 1)                                                                 \
         name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
              const __grid_constant__ CUtensorMap tmbh, const __grid_constant__ CUtensorMap tmc,              \
-             const __grid_constant__ CUtensorMap tmx, const __grid_constant__ CUtensorMap tmr,               \
              const __grid_constant__ gm_params_t p) {                                                         \
-        gm_body(tma, tmb, tmbh, tmc, tmx, tmr, p, mode, cl);                                                  \
+        gm_body(tma, tmb, tmbh, tmc, p, mode, cl);                                                            \
     }
 GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0)
 GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0)
@@ -761,14 +790,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
     bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
-    g->ax = g->a0, g->ar = g->a0; /* unused without the gather */
-    if (args->x_local) {
-        bad |= gm_map(&g->ax, args->x_local, d->max_tokens, hd, 1, 1);
-        g->ar = g->ax;
-        if (args->x_remote && d->world_size > 1)
-            bad |= gm_map(&g->ar, args->x_remote, (int64_t)(d->world_size - 1) * d->max_tokens, hd, 1, 1);
-        g->gather_ok = 1;
-    }
+    g->gather_ok = args->x_local != NULL;
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -877,6 +899,8 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.ce_ready = hk.ce_ready;
         p.world = d->world_size;
         p.max_tokens = d->max_tokens;
+        p.x_local = a->x_local;
+        p.x_remote = a->x_remote;
     }
     p.timeout_ns = hk.timeout_ns;
     p.timeout_report = hk.timeout_report;
@@ -927,14 +951,13 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     cfg.attrs = attr, cfg.numAttrs = (unsigned)na;
     cudaError_t e;
     if (gemm1)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1,
-                               g->a1, g->a1, p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
     else if (p.mode == GM_MODE_GATED)
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0,
-                               g->c0, g->ax, g->ar, p);
+                               g->c0, p);
     else
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,
-                               g->c0, g->ax, g->ar, p);
+                               g->c0, p);
     return (int)e;
 }
 
