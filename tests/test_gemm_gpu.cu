@@ -7,8 +7,7 @@
  * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
  * counts, block_ready released late by another kernel (on fewer CTAs), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
- * report). GEMM0 by gather (the rows read from x through the plan, not from
- * the gathered rows) must give the same h bits (not with COMET_TEST_GATHER=0). Every case runs twice: without and with 2-CTA clusters sharing B
+ * report). Every case runs twice: without and with 2-CTA clusters sharing B
  * tiles (COMET_GEMM_CLUSTER=1). Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
@@ -335,40 +334,6 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CUDA_OK(cudaMemcpy(o2, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
     CHECK(memcmp(o, o2, 2 * (size_t)(MR * H)) == 0, "%s: second GEMM1 differs from the first", c->tag);
     free(o2);
-
-    /* GEMM0 by gather (hooks.gather; COMET_TEST_GATHER=0 leaves it out): the A
-     * rows read from x by the plan's rows, by cp.async: the same h bits */
-    const char *tg = getenv("COMET_TEST_GATHER");
-    if (!(tg && strcmp(tg, "0") == 0)) {
-        uint16_t *d_x;
-        uint64_t *d_one;
-        const uint64_t one = 1; /* ce_ready: no stage to wait for (one rank) */
-        CUDA_OK(cudaMalloc(&d_x, 2 * (size_t)(T * H)));
-        CUDA_OK(cudaMalloc(&d_one, sizeof one));
-        CUDA_OK(cudaMemcpy(d_x, x, 2 * (size_t)(T * H), cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(d_one, &one, sizeof one, cudaMemcpyHostToDevice));
-        comet_gemm_args_t gg = ga;
-        gg.x_local = d_x, gg.sched = NULL; /* its own tile counters */
-        comet_gemm_t *gx = NULL;
-        rc = comet_gemm_prepare(&gg, &gx, err, sizeof err);
-        CHECK(rc == 0, "%s: prepare (gather): %s", c->tag, err);
-        if (rc == 0) {
-            CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
-            memset(&hk, 0, sizeof hk);
-            hk.gather = 1, hk.ce_ready = d_one, hk.timeout_ns = 5000000000ull;
-            CHECK(comet_gemm0_launch(gx, 0, &hk) == 0, "%s: gemm0 launch (gather)", c->tag);
-            CUDA_OK(cudaDeviceSynchronize());
-            uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
-            CUDA_OK(cudaMemcpy(h2, d_h, 2 * (size_t)(MR * F), cudaMemcpyDeviceToHost));
-            int64_t differ = 0;
-            for (int64_t i = 0; i < MR * F; i++) differ += h2[i] != h[i];
-            CHECK(differ == 0, "%s: GEMM0 by gather: %lld elements of h differ from the gathered rows'", c->tag,
-                  (long long)differ);
-            free(h2);
-            comet_gemm_destroy(gx);
-        }
-        cudaFree(d_x), cudaFree(d_one);
-    }
 
     comet_gemm_destroy(g);
     cudaStreamDestroy(s1), cudaStreamDestroy(s2);

@@ -13,9 +13,7 @@
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
  * and the overlapped mode with its remote rows through the copy engine
  * (COMET_DISPATCH_CE=1) too, and both with partials sent home
- * (COMET_PARTIALS=1) in place of rows, and GEMM0 reading its rows where the
- * tokens lie instead of the dispatch's copies (COMET_GEMM_GATHER=1; not with
- * COMET_TEST_GATHER=0); one layer
+ * (COMET_PARTIALS=1) in place of rows; one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
  * bits every time. Ranks asking for different protocols get an error and
@@ -53,14 +51,6 @@ static comet_status_t run_with_env(comet_problem_t *p, comet_world_t *world, com
 static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
     static const char *const push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
     return run_with_env(p, world, run, push);
-}
-
-/* The gather passes run unless COMET_TEST_GATHER=0 (dev/gather/run.sh's
- * layout check sets it when by-hand swizzled rows differ from a box load's:
- * the gather would then fail every case, hiding the other passes' results). */
-static int gather_on(void) {
-    const char *e = getenv("COMET_TEST_GATHER");
-    return !(e && strcmp(e, "0") == 0);
 }
 
 /* st succeeded and every rank's y equals first[rank] bitwise. */
@@ -118,21 +108,6 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
           same ? "equal" : "differs from the sequential one");
 
-    /* GEMM0 by gather (COMET_GEMM_GATHER=1; COMET_TEST_GATHER=0 leaves it
-     * out): no dispatch, the rows read where the tokens lie (the others'
-     * through the copy engine, whose buffer W > 1 allocates): the same bits */
-    if (gather_on()) {
-        static const char *const gather[] = {"COMET_GEMM_GATHER", "1", NULL};
-        const size_t private_bytes = run.memory.private_bytes;
-        comet_problem_poison(p);
-        run.n_comm = COMET_SEQUENTIAL;
-        st = run_with_env(p, world, &run, gather);
-        same = same_output(p, first, w, cfg->hidden, st);
-        CHECK(same && (w == 1 || run.memory.private_bytes > private_bytes), "%s: GEMM0 by gather: %s, output %s, staging %s",
-              tag, comet_status_string(st), same ? "equal" : "differs from the dispatch's",
-              w == 1 || run.memory.private_bytes > private_bytes ? "allocated" : "missing");
-    }
-
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into
      * their home ranks and the combine reads them there: the same bits */
     if (w > 1) {
@@ -184,7 +159,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 
 /* For each of sequential, overlapped and (W > 1) both with push, the
  * overlapped mode with push and the copy-engine dispatch, and the
- * overlapped mode with partials, and the sequential chain with GEMM0 by gather,
+ * overlapped mode with partials,
  * launched directly and replayed from a CUDA graph (captured on a fresh
  * layer's first forward): a layer created for the run, 100 forwards (output
  * poisoned before each), every output bitwise equal to the first direct one. */
@@ -202,21 +177,18 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[7] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
-                                         "overlapped with push, copy-engine dispatch", "overlapped with partials",
-                                         "sequential with push, GEMM0 by gather"};
+    static const char *const names[6] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
+                                         "overlapped with push, copy-engine dispatch", "overlapped with partials"};
     static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
     static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
-    static const char *const gather[] = {"COMET_PUSH", "1", "COMET_GEMM_GATHER", "1", NULL};
-    for (int mode = 0; mode < (w > 1 ? (gather_on() ? 14 : 12) : 4); mode++) {
+    for (int mode = 0; mode < (w > 1 ? 12 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
         run.n_comm = kind % 2 || kind == 4 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
         run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind == 6  ? run_with_env(p, world, &run, gather)
-                            : kind == 5 ? run_with_env(p, world, &run, partials)
+        comet_status_t st = kind == 5  ? run_with_env(p, world, &run, partials)
                             : kind == 4 ? run_with_env(p, world, &run, ce_push)
                             : kind >= 2 ? run_with_push(p, world, &run)
                                         : comet_problem_run(p, world, &run, 0);

@@ -448,9 +448,8 @@ static int run(const char *cmd, int argc, char **argv) {
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
     /* the layer's create-time knobs (CUDA): the copy-engine dispatch shows as "<n>ce" (overlapped calls),
-     * the combine by partials as a trailing "p", GEMM0 by gather as "g" (sequential calls) */
-    const int ce = has_mode(r.modes, "ce") && o.n_comm > 0, partials = has_mode(r.modes, "partials"),
-              gather = has_mode(r.modes, "gather") && o.n_comm <= 0;
+     * the combine by partials as a trailing "p" */
+    const int ce = has_mode(r.modes, "ce") && o.n_comm > 0, partials = has_mode(r.modes, "partials");
     const double link_gbps =
         (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /
         (r.ms_median * 1e6);
@@ -458,7 +457,7 @@ static int run(const char *cmd, int argc, char **argv) {
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[24], how[16];
     snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
-    snprintf(ncomm, sizeof ncomm, "%s%s%s%s", how, ce ? "ce" : "", partials ? "p" : "", gather ? "g" : "");
+    snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -469,8 +468,8 @@ static int run(const char *cmd, int argc, char **argv) {
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
            use_cuda ? "once per token and rank; expert output rows sent home (\"p\" rows, COMET_PARTIALS=1: one fp32 "
-                      "partial per token and rank); \"ce\" and \"g\" rows (COMET_DISPATCH_CE=1, COMET_GEMM_GATHER=1: the "
-                      "overlapped and the sequential chain with the Hopper GEMM) copy whole stages, not counted"
+                      "partial per token and rank); \"ce\" rows (COMET_DISPATCH_CE=1, which the overlapped mode with "
+                      "the Hopper GEMM honours) copy whole stages, not counted"
                     : "fp32 partials stored");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
@@ -494,12 +493,11 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"gather\": %d, \"comm_hidden\": %.4f, "
-                "\"graph\": %d}\n",
+                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, \"graph\": %d}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                ce, partials, gather, hidden, r.graph);
+                ce, partials, hidden, r.graph);
         fclose(f);
     }
     comet_problem_destroy(p);

@@ -34,6 +34,27 @@
 
 #include "../../src/cuda/tma.h" /* the GEMM's own mbarrier and TMA helpers and tensor maps */
 
+/* Row r (0..127) of a 128-row x 64-column bf16 stage, 128B-swizzled as a box
+ * TMA load lays it out (16-byte chunk c at r * 128 + (c ^ (r % 8)) * 16;
+ * layout_kernel checks the bytes), from src (the row's first of those 64
+ * columns) by eight 16-byte cp.async; chunks at or past `left` columns read
+ * nothing and store zeros (left: a multiple of 8). Completion: gm_cp_commit,
+ * then gm_cp_wait; the bytes reach wgmma only after gm_fence_smem by the
+ * thread that waited (cp.async writes through the generic proxy, wgmma reads
+ * through the async one). (These four were in src/cuda/tma.h for GEMM0 by
+ * gather until it was removed; its last version is commit 0e55400.) */
+__device__ __forceinline__ void gm_cp_row(unsigned char *stage, const uint16_t *src, int r, int left) {
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(gm_smem(stage + r * 128 + ((c ^ (r & 7)) * 16))),
+                     "l"(src + c * 8), "r"(c * 8 < left ? 16 : 0)
+                     : "memory");
+}
+__device__ __forceinline__ void gm_cp_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
+/* All but the n most recent groups of this thread have landed (n: a literal). */
+#define gm_cp_wait(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
+__device__ __forceinline__ void gm_fence_smem(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 #define CK(x)                                                                                  \
     do {                                                                                       \
         cudaError_t e_ = (x);                                                                  \
@@ -75,7 +96,7 @@ __global__ void layout_kernel(const __grid_constant__ CUtensorMap box_map, const
 
 /* Question 2: `steps` A stages per CTA through a RING-stage ring. mode 0: one
  * box TMA of 128 contiguous rows; 1: 128 row-TMAs of rows idx; 2: cp.async by
- * threads 0..127 (rows idx), as GEMM0's gather producer does it (each row
+ * threads 0..127 (rows idx), as GEMM0's gather producer did it (each row
  * looked up once a row set, arrivals deferred until a group has landed,
  * up to RING - 1 groups in flight). Warp 4 (threads 128..159) consumes. */
 __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CUtensorMap box_map,
@@ -107,7 +128,7 @@ __global__ void __launch_bounds__(160, 1) rate_kernel(const __grid_constant__ CU
                 if (i == 0 || col == 0) src = x + (int64_t)idx[base + t] * K_COLS;
                 gm_cp_row(dst, src + col, t, 64);
                 gm_cp_commit();
-                if (++pend == RING - 1) { /* gemm.cu's gm_gather_arrive */
+                if (++pend == RING - 1) { /* the oldest group landed: its arrival */
                     gm_cp_wait(RING - 2);
                     gm_fence_smem();
                     gm_mbar_arrive(&full[(i + 1 - pend--) % RING]);

@@ -63,8 +63,7 @@ comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
 void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 /* The create-time knobs a layer runs with (cuda_layer.h), as comma-separated
  * words into buf: "push", "partials", "ce" (the overlapped mode's
- * copy-engine dispatch), "gather" (the sequential chain's GEMM0 by gather);
- * "" if none. */
+ * copy-engine dispatch); "" if none. */
 void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
 
 /* CPU backend (src/cpu/engine.c). */

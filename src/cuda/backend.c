@@ -54,8 +54,6 @@ typedef struct {
                             * sent home in place of its rows (cuda_layer.h) */
     int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
                             * come through the copy engine (measurement knob, cuda_layer.h) */
-    int gather;            /* at create, COMET_GEMM_GATHER=1: the sequential chain's GEMM0 reads its rows
-                            * where the tokens lie, no dispatch (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -383,7 +381,7 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_ce, cudaEventDisableTiming));
     c->stream2 = L->stream2, c->ev_gemm0 = L->ev_gemm0, c->ev_comm = L->ev_comm;
     c->ev_plan = L->ev_plan, c->ev_ce = L->ev_ce;
-    if (L->ce || (L->gather && w > 1)) { /* every peer's whole stage, one region per stage 1..W-1 */
+    if (L->ce) { /* every peer's whole stage, one region per stage 1..W-1 */
         const size_t ce_bytes = (size_t)(w - 1) * (size_t)d->max_tokens * (size_t)d->hidden * 2;
         cudaError_t e = cudaMalloc(&L->ce_stage, ce_bytes);
         if (e != cudaSuccess)
@@ -440,8 +438,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->gather ? "gather," : "");
+    snprintf(buf, len, "%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }
@@ -465,8 +462,6 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
-    const char *gather_env = getenv("COMET_GEMM_GATHER");
-    L->gather = gather_env && strcmp(gather_env, "1") == 0;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
@@ -517,10 +512,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, NULL, NULL,
-                                    (uint32_t *)L->priv[3] + 16};
-            if (L->gather) /* my stage, and the copies of the others' */
-                ga.x_local = (const comet_bf16_t *)(c.sym + c.lay.x), ga.x_remote = (const comet_bf16_t *)L->ce_stage;
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16};
             for (int q = 0; L->push && q < l->dims.world_size; q++) /* rank q's receive buffer */
                 if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
             char err[256];
@@ -542,9 +534,6 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
                                                                      COMET_CUDA_MAX_CHUNKS;
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
-            if (L->ce) c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one; /* (allocated for the gather too) */
-        } else if (c.gemm && L->gather) { /* sequential: GEMM0 reads the rows where they lie */
-            c.gather = 1;
             c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
         }
         c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */

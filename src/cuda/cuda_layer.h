@@ -38,8 +38,7 @@
  *            from it (three launches, plan_kernel.cu)
  *   dispatch pull my experts' token rows from the peers' stages: each token
  *            once, stored into every row of its slots here (the overlapped
- *            mode pulls by row block; with gather there is none: the copy
- *            engine copies the peers' stages and GEMM0 reads the rows)
+ *            mode pulls by row block)
  *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
  *   partials with partials: for each token of another rank with rows here,
  *            its partial (as the combine computes one) into its home's part
@@ -179,12 +178,6 @@ typedef struct {
      * the stages their blocks need and copy the remote rows from there
      * (local reads) instead of over NVLink. NULL: they pull over NVLink. */
     char *ce_stage;                /* device, (W - 1, max_tokens, H) bf16, or NULL */
-    /* gather (sequential chain, Hopper GEMM, COMET_GEMM_GATHER=1 at layer
-     * create): no dispatch; GEMM0 loads each row block's rows where their
-     * tokens lie, my stage (x) or, for the other ranks', ce_stage, which the
-     * copy engine fills as above; the producer waits for ce_ready of the
-     * stages a block needs (gemm.h: hooks.gather). */
-    int gather;
     uint64_t *gemm_report;         /* host-mapped (device address): GEMM0's readiness-wait timeout report */
     const uint64_t *ce_one;        /* pinned host memory holding 1 */
     void *ev_plan, *ev_ce;         /* cudaEvent_t: every rank has staged; the copies are done */

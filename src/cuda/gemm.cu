@@ -92,12 +92,7 @@ typedef struct {
     uint64_t *chunk_done;
     const uint32_t *skip;
     comet_bf16_t *push[COMET_GEMM_MAX_PUSH]; /* GEMM1 with push: destination of rows homed on rank q, or NULL */
-    const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push and the gather */
-    int gather;                              /* GEMM0: A by rows (comet_gemm_hooks_t.gather) */
-    const uint64_t *ce_ready;                /* gather: [q] >= 1 once stage q is in x_remote */
-    const comet_bf16_t *x_local, *x_remote;  /* gather: where the tokens lie (comet_gemm_args_t) */
-    int world;
-    int64_t max_tokens;
+    const comet_plan_row_t *rows;            /* plan rows (their home: src_rank), for the push */
     int push_on;
     int64_t push_tp_rows;                    /* d.tp_rank * d.max_tokens: this rank's rows of a receive buffer */
     int push_topk;
@@ -111,7 +106,6 @@ struct comet_gemm {
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
-    int gather_ok;          /* args.x_local was set: the gather can run */
     int num_sms;
     int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters (the default until measured) */
@@ -201,14 +195,13 @@ __device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, u
 }
 
 /* A producer's wait for a readiness flag: spin until ld.acquire.gpu(*flag) >=
- * target; a wait past the timeout (p.timeout_ns, 0: 10 s, counted from start)
- * is recorded by the reporting thread (gm_timeout: tile t, block b) and traps. */
-__device__ __forceinline__ void gm_wait_ready(const gm_params_t &p, const uint64_t *flag, uint64_t target,
-                                              uint64_t start, int t, int b, int reporter) {
-    const uint64_t limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
+ * target; a wait past the timeout (p.timeout_ns, 0: 10 s) is recorded
+ * (gm_timeout: tile t, block b) and traps. */
+__device__ __forceinline__ void gm_wait_ready(const gm_params_t &p, const uint64_t *flag, uint64_t target, int t, int b) {
+    const uint64_t start = gm_globaltimer(), limit = p.timeout_ns ? p.timeout_ns : 10000000000ull;
     uint64_t v;
     while ((v = gm_ld_acquire_gpu(flag)) < target) {
-        if (reporter && gm_globaltimer() - start > limit) gm_timeout(p, t, b, v, target);
+        if (gm_globaltimer() - start > limit) gm_timeout(p, t, b, v, target);
         __nanosleep(128);
     }
 }
@@ -464,86 +457,6 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
     gm_sched_done(p, cl, rank);
 }
 
-/* The producer of GEMM0 by gather (comet_gemm_hooks_t.gather; no clusters),
- * the whole producer warpgroup, one A row a thread: thread 0 claims each
- * tile and hands it over through slot[0] (the clusters' ring, unused here;
- * named barrier 4) and loads B by TMA (expect_tx without an arrival); every
- * thread waits until the stages its row comes from are copied, then copies
- * its row of each k-slice from where its token lies (x_local or x_remote) by
- * cp.async (gm_cp_row: the stage as a box load lays it out). A stage's full
- * barrier takes the 128 threads' arrivals, each deferred until the thread's
- * cp.async group of that stage has landed and been fenced for wgmma
- * (gm_gather_arrive); a thread keeps up to GM_STAGES - 1 groups in flight (one
- * more would deadlock: the empty wait for slice i needs the arrival of slice
- * i - GM_STAGES + 1, the slice the consumers hold while they release i -
- * GM_STAGES) and drains them before it waits for the copy engine. (One-row
- * TMA loads did this first: dev/gather's probe measured them at 4.4 GB/s an
- * SM, a quarter of what GEMM0 eats; cp.async 18-22.) */
-__device__ __forceinline__ int gm_gather_arrive(uint64_t *full, int it, int pend, int keep) {
-    if (keep)
-        gm_cp_wait(GM_STAGES - 2);
-    else
-        gm_cp_wait(0);
-    gm_fence_smem();
-#pragma unroll
-    for (int j = GM_STAGES - 1; j > 0; j--) /* oldest first; pend < GM_STAGES */
-        if (j <= pend && j > keep) gm_mbar_arrive(&full[(it - j) % GM_STAGES]);
-    return pend < keep ? pend : keep;
-}
-__device__ __forceinline__ void gm_produce_gather(const CUtensorMap &tmb, const gm_params_t &p, const int mode,
-                                                  unsigned char *base, uint64_t *full, uint64_t *empty,
-                                                  volatile int32_t *stage_tile, volatile int32_t *slot, int nb,
-                                                  int ntiles, int nk) {
-    const int tid = threadIdx.x & 127;
-    int it = 0, pend = 0, ready = 0; /* pend: my groups not yet arrived; stages 1..ready are copied */
-    for (;;) {
-        if (tid == 0) {
-            const int c = (int)atomicAdd(&p.sched[0], 1u);
-            slot[0] = c >= ntiles ? -1 : c;
-        }
-        gm_named_bar(4, 128);
-        const int t = slot[0];
-        gm_named_bar(4, 128); /* read by all before the next claim (one slot: a counter fewer, 40 registers) */
-        if (t < 0) break;
-        const gm_tile_t tl = gm_tile(p, nb, t, 0, 0u);
-        const comet_plan_block_t blk = p.blocks[tl.b];
-        /* my row: padding rows copy the block's first */
-        const comet_plan_row_t pr = p.rows[blk.row_start + (tid < blk.num_rows ? tid : 0)];
-        const int q = (pr.src_rank - p.rank + p.world) % p.world; /* comet_stage_of */
-        const uint16_t *src = (const uint16_t *)(q ? p.x_remote + ((int64_t)(q - 1) * p.max_tokens + pr.src_token) * p.k
-                                                   : p.x_local + (int64_t)pr.src_token * p.k);
-        if (blk.stage > ready) {
-            pend = gm_gather_arrive(full, it, pend, 0);
-            const uint64_t start = gm_globaltimer();
-            for (; ready < blk.stage; ready++) /* thread 0 reports (one writer); the trap ends the others' wait */
-                gm_wait_ready(p, &p.ce_ready[ready + 1], 1, start, t, -(ready + 1), tid == 0);
-        }
-        const int brow = blk.expert * p.b_rows + tl.col0;
-        for (int k = 0; k < nk; k++, it++) {
-            const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-            gm_mbar_wait(&empty[s], ph ^ 1);
-            unsigned char *st = base + s * GM_STAGE_BYTES;
-            if (tid == 0) {
-                if (k == 0) stage_tile[s] = t; /* published by my arrive on full[s] (release.cta) */
-                gm_mbar_tx_only(&full[s], GM_B_BYTES);
-                gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
-                if (mode == GM_MODE_GATED)
-                    gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
-            }
-            gm_cp_row(st, src + k * GM_BK, tid, p.k - k * GM_BK);
-            gm_cp_commit();
-            if (++pend == GM_STAGES - 1) pend = gm_gather_arrive(full, it + 1, pend, GM_STAGES - 2); /* the oldest */
-        }
-    }
-    gm_gather_arrive(full, it, pend, 0);
-    /* the end marker (gm_produce_end's, with the 128 arrivals) */
-    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-    gm_mbar_wait(&empty[s], ph ^ 1);
-    if (tid == 0) stage_tile[s] = -1;
-    gm_mbar_arrive(&full[s]);
-    if (tid == 0) gm_sched_done(p, 0, 0u);
-}
-
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
  * so each holds only its own epilogue (one kernel with a run-time mode held
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
@@ -573,9 +486,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     const int nk = (p.k + GM_BK - 1) / GM_BK;
 
     if (threadIdx.x == 0) {
-        const int gather = mode != GM_MODE_GEMM1 && !cl && p.gather; /* gm_produce_gather: 128 arrivals */
         for (int s = 0; s < GM_STAGES; s++) {
-            gm_mbar_init(&full[s], gather ? 128 : 1);
+            gm_mbar_init(&full[s], 1);
             gm_mbar_init(&empty[s], cl ? 16 : 8);
         }
         for (int s = 0; cl && s < GM_RING; s++) gm_mbar_init(&ring_full[s], 1);
@@ -592,9 +504,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (mode != GM_MODE_GEMM1 && !cl && p.gather) {
-            gm_produce_gather(tmb, p, mode, base, full, empty, stage_tile, ring, nb, ntiles, nk);
-        } else if (tid == 0) {
+        if (tid == 0) {
             const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
             for (int i = 0;; i++) {
@@ -613,7 +523,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 const comet_plan_block_t blk = tl.b >= 0 ? p.blocks[tl.b] : p.blocks[tl.pb];
                 const int same = cl && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
                 if (p.block_ready && tl.b >= 0) {
-                    gm_wait_ready(p, &p.block_ready[tl.b], epoch, gm_globaltimer(), t, tl.b, 1);
+                    gm_wait_ready(p, &p.block_ready[tl.b], epoch, t, tl.b);
                     asm volatile("fence.proxy.async.global;" ::: "memory");
                 }
                 const int brow = blk.expert * p.b_rows + tl.col0;
@@ -790,7 +700,6 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
     bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
-    g->gather_ok = args->x_local != NULL;
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -852,14 +761,7 @@ extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
 
 extern "C" int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len) {
     if (!report || report[0] != 1) return 0;
-    if ((int64_t)report[4] < 0) /* the gather's wait for a copied stage (gm_produce_gather) */
-        snprintf(buf, len,
-                 "comet: rank %llu gemm0 producer cta %llu tile %llu: timed out waiting for the copy of stage %lld "
-                 "(copy-engine flag %llu)",
-                 (unsigned long long)report[1], (unsigned long long)report[7], (unsigned long long)report[3],
-                 -(long long)report[4], (unsigned long long)report[5]);
-    else
-        snprintf(buf, len,
+    snprintf(buf, len,
              "comet: rank %llu gemm%llu producer cta %llu tile %llu: timed out waiting for block_ready[%llu] "
              "(%llu < epoch %llu)",
              (unsigned long long)report[1], (unsigned long long)report[2], (unsigned long long)report[7],
@@ -892,16 +794,6 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.push_topk = (int)d->topk;
         for (int q = 0; q < COMET_GEMM_MAX_PUSH; q++) p.push[q] = a->push[q];
     }
-    if (!gemm1 && hk.gather) { /* A by rows from where the tokens lie (args.x_local, x_remote) */
-        if (!g->gather_ok || !hk.ce_ready) return (int)cudaErrorInvalidValue;
-        p.gather = 1;
-        p.rows = plan.rows;
-        p.ce_ready = hk.ce_ready;
-        p.world = d->world_size;
-        p.max_tokens = d->max_tokens;
-        p.x_local = a->x_local;
-        p.x_remote = a->x_remote;
-    }
     p.timeout_ns = hk.timeout_ns;
     p.timeout_report = hk.timeout_report;
     p.sched = g->sched + (gemm1 ? 2 : 0);
@@ -929,7 +821,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.c = a->o;
     }
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
-    const int cl = g->cluster_ctas > 0 && grid >= 2 && !p.gather; /* 2-CTA clusters: an even grid, at most what fits */
+    const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */

@@ -58,15 +58,6 @@ typedef struct {
      * (d.tp_rank * d.max_tokens + t) * d.topk + j. Used by launches whose
      * hooks say push; NULL for this rank itself. */
     comet_bf16_t *push[COMET_GEMM_MAX_PUSH];
-    /* GEMM0 by gather (hooks.gather): a's rows are not read; each padded
-     * row's token row is loaded where it lies (plan row: src_rank s,
-     * src_token t): row t of x_local (max_tokens rows: this rank's staged
-     * tokens) when s is this rank, else row (stage of s - 1) * max_tokens +
-     * t of x_remote ((W-1) * max_tokens rows: the other ranks' stages,
-     * copied here). Padding rows load the block's first row. NULL: no
-     * gather (x_remote may be NULL on one rank). Row starts 16-byte aligned
-     * (H a multiple of 8). */
-    const comet_bf16_t *x_local, *x_remote;
     uint32_t *sched;           /* device, 4 words zeroed once, kept as long as the GEMM (the tile
                                 * counters; every launch leaves them 0), or NULL: prepare allocates
                                 * and zeroes its own (synchronous calls: not inside a stream capture) */
@@ -99,13 +90,6 @@ typedef struct {
     int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
                                 * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
     int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
-    /* gather (GEMM0, args.x_local set, no clusters): A by rows (args), each
-     * thread of the producer warpgroup copying one row by cp.async; before a tile of a
-     * block whose rows come from stage q > 0 the producer waits until
-     * ld.acquire.gpu(ce_ready[1..q]) >= 1 (the copy of those stages is
-     * complete; timeout as block_ready's, reported with block -q). */
-    int gather;
-    const uint64_t *ce_ready;
     uint64_t timeout_ns;
     /* 8 words of host-mapped memory (cudaHostAlloc(..., cudaHostAllocMapped),
      * device pointer here), zeroed by the caller; filled on a timeout and

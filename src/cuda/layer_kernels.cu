@@ -1071,8 +1071,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
-    /* every peer's stage is complete (k_plan waited for it): the copies may start */
-    const int ce = c.gemm && (c.n_comm > 0 || c.gather) && c.ce_stage;
+    const int ce = c.gemm && c.n_comm > 0 && c.ce_stage; /* every peer's stage is complete (k_plan waited for it) */
     int e = ce ? ce_copies(&c, stream) : cudaSuccess;
     if (e == cudaSuccess) e = forward_chain(&c, stream);
     if (ce) { /* stream2 joins, on errors too (a capture needs it): peers may restage only after my copies */
@@ -1142,18 +1141,13 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         }
     } else if (c.gemm) { /* sequential, Hopper grouped GEMM (measurements: one side left out, c.disable) */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM), comm_on = !(c.disable & COMET_DISABLE_COMM);
-        if (!c.gather && comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+        if (comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
         hooks.skip = &c.state->skip;
         hooks.num_ctas = c.num_sms;
-        hooks.gather = c.gather; /* the rows where they lie: my stage, the copy engine's copies */
-        hooks.ce_ready = c.ov->ce_ready;
-        hooks.timeout_ns = c.timeout_ns;
-        hooks.timeout_report = c.gemm_report;
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
-        hooks.gather = 0;
         hooks.push = c.push && comm_on; /* o rows to their home ranks too: the combine then reads local memory */
         ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;

@@ -1,9 +1,8 @@
 /*
  * tma.h - the Hopper (sm_90a) pieces that load tiles into shared memory:
- * mbarrier init / arrive / expect_tx / parity wait, the 2D TMA load, one
- * 128-byte row of a 128B-swizzled stage by 16-byte cp.async (the gather), and
- * the host-side tensor map of a row-major bf16 matrix (box of 64 columns,
- * 128B swizzle). Used by the grouped GEMM (gemm.cu) and by dev/gather's probe, so
+ * mbarrier init / arrive / expect_tx / parity wait, the 2D TMA load, and the
+ * host-side tensor map of a row-major bf16 matrix (box of 64 columns, 128B
+ * swizzle). Used by the grouped GEMM (gemm.cu) and by dev/gather's probe, so
  * the probe measures the loads the GEMM issues. CUDA C++ only (inline
  * device code, CUtensorMap from cuda.h; the encoder comes from the driver
  * through the runtime, no -lcuda).
@@ -35,10 +34,6 @@ __device__ __forceinline__ void gm_mbar_wait(uint64_t *bar, int parity) {
                      : "memory");
     } while (!done);
 }
-/* expect_tx without an arrival (the arrivals come from elsewhere: the gather's threads). */
-__device__ __forceinline__ void gm_mbar_tx_only(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(gm_smem(bar)), "r"(bytes) : "memory");
-}
 /* 2D tile load, coordinates innermost first (k, row). */
 __device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
     asm volatile(
@@ -47,26 +42,6 @@ __device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, i
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar))
         : "memory");
 }
-
-/* Row r (0..127) of a 128-row x 64-column bf16 stage, 128B-swizzled as a box
- * TMA load lays it out (16-byte chunk c at r * 128 + (c ^ (r % 8)) * 16;
- * dev/gather's probe checks the bytes), from src (the row's first of those 64
- * columns) by eight 16-byte cp.async; chunks at or past `left` columns read
- * nothing and store zeros (left: a multiple of 8). Completion: gm_cp_commit,
- * then gm_cp_wait; the bytes reach wgmma only after gm_fence_smem by the
- * thread that waited (cp.async writes through the generic proxy, wgmma reads
- * through the async one). */
-__device__ __forceinline__ void gm_cp_row(unsigned char *stage, const uint16_t *src, int r, int left) {
-#pragma unroll
-    for (int c = 0; c < 8; c++)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(gm_smem(stage + r * 128 + ((c ^ (r & 7)) * 16))),
-                     "l"(src + c * 8), "r"(c * 8 < left ? 16 : 0)
-                     : "memory");
-}
-__device__ __forceinline__ void gm_cp_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
-/* All but the n most recent groups of this thread have landed (n: a literal). */
-#define gm_cp_wait(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
-__device__ __forceinline__ void gm_fence_smem(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 typedef CUresult (*gm_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
                                  const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,

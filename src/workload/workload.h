@@ -124,7 +124,7 @@ typedef struct {
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
-                             * "ce", "gather", comma-separated; comet_cuda_layer_modes), else "" */
+                             * "ce", comma-separated; comet_cuda_layer_modes), else "" */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
