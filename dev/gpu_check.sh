@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm cluster link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -51,10 +51,12 @@ for step in $STEPS; do
             >> "$OUT/gemm.log" 2>&1
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
-    cluster) # one GPU: the GEMMs without and with 2-CTA clusters (COMET_GEMM_CLUSTER=1), interleaved
-        for round in 1 2; do for cl in 0 1; do
-            COMET_GEMM_CLUSTER=$cl OUT="$OUT" timeout 200 build/bench/gemm_bench "${TOKENS%% *}" >> "$OUT/cluster.log" 2>&1
-            summary+=("gemm_bench COMET_GEMM_CLUSTER=$cl round $round: $(grep -E '^(mixtral|phi|qwen|deepseek)' "$OUT/cluster.log" | tail -n 8 | awk '{printf "%s/%s %s  ", substr($1,1,4), $4, $6}')")
+    gemmab) # one GPU: gemm_bench under environment variants, interleaved over ROUNDS (GEMM_AB="A;B",
+            # default clusters off/on; e.g. "COMET_GEMM_HALF=0;COMET_GEMM_HALF=1")
+        IFS=';' read -ra variants <<<"${GEMM_AB:-COMET_GEMM_CLUSTER=0;COMET_GEMM_CLUSTER=1}"
+        for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
+            env $v OUT="$OUT" timeout 200 build/bench/gemm_bench "${TOKENS%% *}" >> "$OUT/gemmab.log" 2>&1
+            summary+=("gemm_bench [$v] round $round: $(grep -E '^(mixtral|phi|qwen|deepseek)' "$OUT/gemmab.log" | tail -n 8 | awk '{printf "%s/%s %s  ", substr($1,1,4), $4, $6}')")
         done; done
         ;;
     link) # two GPUs: NVLink transport rates (pull, push, TMA bulk, copy engine), idle and beside a GEMM

@@ -7,8 +7,9 @@
  * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
  * counts, block_ready released late by another kernel (on fewer CTAs), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
- * report). Every case runs twice: without and with 2-CTA clusters sharing B
- * tiles (COMET_GEMM_CLUSTER=1). Also the device GELU against the exact one.
+ * report). Every case runs three times: plain, in 2-CTA clusters sharing B
+ * tiles (COMET_GEMM_CLUSTER=1), and with blocks of <= 64 rows computed by one
+ * consumer warpgroup (COMET_GEMM_HALF=1). Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
  */
@@ -445,15 +446,19 @@ int main(void) {
     check_gelu_device();
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
-    /* every case also as 2-CTA clusters sharing B tiles (COMET_GEMM_CLUSTER=1, read at prepare) */
-    for (int cl = 0; cl < 2; cl++) {
-        if (cl) setenv("COMET_GEMM_CLUSTER", "1", 1);
+    /* every case also as 2-CTA clusters sharing B tiles (COMET_GEMM_CLUSTER=1), and with blocks of
+     * <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
+    static const char *const pass[3] = {"without clusters", "in 2-CTA clusters (COMET_GEMM_CLUSTER=1)",
+                                        "with half blocks on one consumer (COMET_GEMM_HALF=1)"};
+    for (int cl = 0; cl < 3; cl++) {
+        if (cl == 1) setenv("COMET_GEMM_CLUSTER", "1", 1);
         else unsetenv("COMET_GEMM_CLUSTER");
-        printf("test_gemm_gpu: the cases %s\n", cl ? "in 2-CTA clusters (COMET_GEMM_CLUSTER=1)" : "without clusters");
+        if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
+        printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
-    unsetenv("COMET_GEMM_CLUSTER");
+    unsetenv("COMET_GEMM_HALF");
 
     /* shape checks (need no GPU, run here anyway) */
     comet_dims_t d;

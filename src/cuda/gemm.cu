@@ -15,6 +15,10 @@
  * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
  * TMA store (overlaps the next tile); a consumer whose 64 rows are not all
  * valid stores from registers, masked, so padding rows are never written.
+ * COMET_GEMM_HALF=1 (read at prepare; off until measured): a block of <= 64
+ * rows (an expert's last, ~half of them) runs on consumer 0 alone, which then
+ * has the tensor cores to itself, and consumer 1 only waits for and releases
+ * the stages (the producer marks the tile's first stage with GM_HALF).
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
@@ -55,6 +59,8 @@
  * last held a claim already read. A slot's reuse is ordered only by that
  * chain (release.cta arrives plus the data dependency): 3 slots of slack. */
 #define GM_RING 8
+/* A stage's tile id (stage_tile) with this bit: its block has <= 64 rows (gm_body). */
+#define GM_HALF (1 << 30)
 #define GM_SMEM_BYTES \
     (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
@@ -81,6 +87,7 @@ typedef struct {
     int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
+    int half;       /* blocks of <= 64 rows on consumer 0 alone (GM_HALF; COMET_GEMM_HALF=1) */
     int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
     const comet_plan_totals_t *totals;
@@ -110,6 +117,7 @@ struct comet_gemm {
     int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters (the default until measured) */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
+    int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; off until measured) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -531,7 +539,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
-                    if (k == 0) stage_tile[s] = t; /* published by the arrive below (release.cta) */
+                    if (k == 0) /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
+                        stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0);
                     gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_STAGE_BYTES : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
@@ -561,20 +570,25 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
         int it = 0;
         for (;;) {
             gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
-            const int t = stage_tile[it % GM_STAGES];
-            if (t < 0) break;
+            const int tv = stage_tile[it % GM_STAGES];
+            if (tv < 0) break;
+            /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
+             * gets the tensor cores alone, so the tile takes about half the time */
+            const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
             for (int k = 0; k < nk; k++, it++) { /* no block (cl): the pair's rhythm on stale data, no store */
                 const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                 if (k > 0) gm_mbar_wait(&full[s], ph);
-                unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
-                unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
-                gm_wgmma_fence();
+                if (mma) {
+                    unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
+                    unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
+                    gm_wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++)
-                    gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
-                gm_wgmma_commit();
-                GM_WGMMA_WAIT(1);
-                gm_reg_fence(d);
+                    for (int kk = 0; kk < 4; kk++)
+                        gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                    gm_wgmma_commit();
+                    GM_WGMMA_WAIT(1);
+                    gm_reg_fence(d);
+                }
                 if (k > 0 && lane == 0) {
                     gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
                     if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
@@ -586,7 +600,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
                 if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
             }
-            /* the tile decoded only now: nothing but t stays live across the main loop */
+            /* the tile decoded only now: nothing but tv (and mma) stays live across the main loop */
+            const int t = tv & ~GM_HALF;
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
             const comet_plan_block_t blk = p.blocks[tl.b];
@@ -667,6 +682,9 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
     if (d->max_rows_padded >= lim || d->experts_local * d->w1_rows >= lim || d->experts_local * d->hidden >= lim ||
         d->max_rows_padded * d->hidden >= ((int64_t)1 << 40))
         return "the Hopper grouped GEMM needs row counts below 2^31";
+    const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_HALF */
+    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_HALF)
+        return "the Hopper grouped GEMM needs fewer than 2^30 tiles (max_rows_padded / 128 x H / 128)";
     return NULL;
 }
 
@@ -709,6 +727,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     g->num_sms = sms > 0 ? sms : 132;
+    const char *half = getenv("COMET_GEMM_HALF");
+    g->half = half && strcmp(half, "1") == 0;
     const char *grp = getenv("COMET_GEMM_GROUP");
     g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
     cudaError_t e = cudaSuccess;
@@ -824,6 +844,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
+    p.half = g->half && !cl;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;
     cudaLaunchConfig_t cfg;
