@@ -119,6 +119,10 @@ for step in $STEPS; do
         summary+=("torch baseline: exit $? (table in torch.log)")
         tail -n 40 "$OUT/torch.log"
         ;;
+    *)
+        echo "gpu_check.sh: no step '$step' (see the STEPS line at the top)" >&2
+        summary+=("step $step: unknown, skipped")
+        ;;
     esac
 done
 printf '%s\n' "${summary[@]}"

@@ -454,6 +454,7 @@ int main(void) {
         if (cl == 1) setenv("COMET_GEMM_CLUSTER", "1", 1);
         else unsetenv("COMET_GEMM_CLUSTER");
         if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
+        else unsetenv("COMET_GEMM_HALF");
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);

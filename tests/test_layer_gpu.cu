@@ -102,14 +102,18 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     CHECK(same, "%s: a second run differs bitwise", tag);
 
     /* the Hopper GEMM's variants (read at layer create): 2-CTA clusters sharing
-     * B tiles, and blocks of <= 64 rows on one consumer: the same bits */
-    static const char *const gemm_env[2][3] = {{"COMET_GEMM_CLUSTER", "1", NULL}, {"COMET_GEMM_HALF", "1", NULL}};
-    for (int v = 0; v < 2; v++) {
+     * B tiles, blocks of <= 64 rows on one consumer, and that with GEMM1
+     * pushing its rows home (W > 1): the same bits */
+    static const char *const gemm_env[3][9] = {
+        {"COMET_GEMM_CLUSTER", "1", "COMET_GEMM_HALF", "0", NULL},
+        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", NULL},
+        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL}};
+    for (int v = 0; v < (w > 1 ? 3 : 2); v++) {
         comet_problem_poison(p);
         st = run_with_env(p, world, &run, gemm_env[v]);
         same = same_output(p, first, w, cfg->hidden, st);
-        CHECK(same, "%s: %s=1: %s, output %s", tag, gemm_env[v][0], comet_status_string(st),
-              same ? "equal" : "differs from the default GEMM's");
+        CHECK(same, "%s: %s=1%s: %s, output %s", tag, gemm_env[v][0], v == 2 ? " with push" : "",
+              comet_status_string(st), same ? "equal" : "differs from the default GEMM's");
     }
 
     /* overlapped mode (n_comm communication CTAs beside the GEMM; the

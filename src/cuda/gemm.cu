@@ -573,7 +573,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             const int tv = stage_tile[it % GM_STAGES];
             if (tv < 0) break;
             /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
-             * gets the tensor cores alone, so the tile takes about half the time */
+             * gets the tensor cores alone (so the tile should take about half the time; unmeasured) */
             const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
             for (int k = 0; k < nk; k++, it++) { /* no block (cl): the pair's rhythm on stale data, no store */
                 const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
@@ -684,7 +684,7 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
         return "the Hopper grouped GEMM needs row counts below 2^31";
     const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_HALF */
     if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_HALF)
-        return "the Hopper grouped GEMM needs fewer than 2^30 tiles (max_rows_padded / 128 x H / 128)";
+        return "the Hopper grouped GEMM needs fewer than 2^30 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
     return NULL;
 }
 

@@ -102,7 +102,8 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
 /* NULL when the Hopper kernels support dims d, else a sentence saying why not
  * (the layer then falls back to the SIMT kernels). Requirements: tile_m == 128;
  * H % 64 == 0; F_local % 8 == 0; row counts and
- * E_local * rows of the stacked weights below 2^31. Needs no GPU. */
+ * E_local * rows of the stacked weights below 2^31; fewer than 2^30 tiles
+ * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
 /* Build the tensor maps once per layer (host, no kernel launch; the tile
@@ -113,6 +114,8 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * COMET_GEMM_CLUSTER=1 (read here; off by default: on H200 only DeepSeek's GEMM0 gains): run as
  * 2-CTA clusters whose pairs of blocks of one expert share each B tile
  * (multicast); grids then even, at most what fits as clusters.
+ * COMET_GEMM_HALF=1 (read here; off until measured; not with clusters): a
+ * row block of <= 64 rows runs on one consumer warpgroup alone.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
