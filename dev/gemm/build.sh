@@ -1,7 +1,7 @@
 #!/bin/bash
 # build.sh: builds dev/gemm/gemm for sm_90a and fails on ptxas warnings that mean setmaxnreg was ignored
 # (C7508) or wgmma was serialised (C7510/C7511/C7515), or on register spills. Writes ptxas.log and gemm.sass.
-set -e
+set -eo pipefail
 cd "$(dirname "$0")"
 NVCC=${NVCC:-nvcc}
 $NVCC -gencode arch=compute_90a,code=sm_90a -O3 -Xptxas -v -lineinfo -o gemm gemm.cu -lcublas 2>&1 | tee ptxas.log

@@ -11,8 +11,10 @@
 //   6: v4 + stream-K for the last partial wave (fp32 workspace fixup, deterministic order).
 //   7: v4 + epilogue via stmatrix into swizzled smem + TMA store (overlaps the store with the next tile).
 //   8: MoE grouped (v5 layout) with 2-CTA clusters (B multicast when a pair shares the expert) + TMA-store epilogue.
+//   9: v3 with ping-pong consumers: each consumer warpgroup owns whole 128x128 tiles, alternating, so one runs wgmma
+//      while the other runs its epilogue (v7's TMA store); 6-stage ring of 32 KiB stages.
 // Usage: ./gemm [version|0=all dense] [M N K]   (no shape: the built-in shape list); ./gemm 5 (or 8): MoE cases.
-// Needs N%8==0, K%8==0. Best dense: v7; best MoE: v8.
+// Needs N%8==0, K%8==0. Best dense: v7 (v9 not yet measured); best MoE: v8.
 // Every version is checked against cuBLAS (elementwise, bf16 tolerance) and against a CPU double
 // reference on random sampled entries, with fresh random non-zero inputs and a NaN-poisoned output.
 #include <cuda_runtime.h>
@@ -672,14 +674,17 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                  :: "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(src)) : "memory");
 }
 
-// consumer warpgroup c's 64x256 accumulator -> C via smem + TMA store (tid: 0..127 within the warpgroup)
-__device__ __forceinline__ void epilogue_tma(const float* d, unsigned char* cbuf, const CUtensorMap* tmC, int row0, int col0, int tid, int c) {
+// consumer warpgroup c's 64 x (128 nh) accumulator -> C via smem + TMA store (tid: 0..127 within the warpgroup;
+// nh = 2 for v7's 64x256, 1 for each 64-row half of v9's 128x128)
+__device__ __forceinline__ void epilogue_tma(const float* d, unsigned char* cbuf, const CUtensorMap* tmC, int row0, int col0, int tid, int c,
+                                             int nh) {
     int lane = tid & 31, wi = tid >> 5;
     int mi = lane >> 3;
     int row = wi * 16 + (mi & 1) * 8 + (lane & 7);  // row (0..63) whose 16-byte chunk this lane addresses
     uint32_t cb = smem_u32(cbuf);
     #pragma unroll
     for (int h = 0; h < 2; h++) {
+        if (h >= nh) break;
         if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // buffer no longer read by the last store
         named_bar(2 + c, 128);
         #pragma unroll
@@ -771,7 +776,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v7(const __grid_constant__ CUtens
             WGMMA_WAIT(0);
             reg_fence(d, 128);
             if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
-            if (tm < tiles_m) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c);
+            if (tm < tiles_m) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c, 2);
         }
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before smem goes away
     }
@@ -868,7 +873,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
             if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             if (tm < tiles_m) {
                 int rows = tile_rows[tm];
-                if (rows == H_BM) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c);
+                if (rows == H_BM) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c, 2);
                 else store_acc_64x256(d, C, tm * H_BM + rows, N, tm * H_BM + c * 64, tn * H_BN, lane, wi);
             }
         }
@@ -876,6 +881,96 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
     }
     __syncwarp();
     cluster_sync_all();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// v9: ping-pong consumers (v3's persistent walk, no clusters). Each consumer warpgroup owns whole 128x128
+// tiles (two wgmma m64n128k16 a k16 step, 128 fp32 accumulators a thread), the CTA's tiles alternating
+// between them; the producer fills one 6-stage ring of 32 KiB stages (A 128x64 + B 128x64) in tile order,
+// so a consumer's first stages arrive only as the other one finishes its main loop: one warpgroup runs
+// wgmma while the other runs its epilogue (v7's stmatrix + TMA store, per 64-row half), and the tensor
+// cores no longer idle during epilogues. Costs: 128x128 tiles move 33% more bytes into shared memory per
+// FLOP than 128x256 (32 KiB per 2.1 MFLOP against 48 per 4.2), and each wgmma reads 20% more shared memory.
+// smem: 6 x 32 KiB + 2 x 16 KiB + barriers (+1 KiB alignment slack) = 230496 bytes (limit 232448).
+// ---------------------------------------------------------------------------------------------
+#define P9_BN 128
+#define P9_STAGES 6
+#define P9_B_BYTES (P9_BN * H_BK * 2)  // 16 KiB
+#define P9_STAGE_BYTES (H_A_BYTES + P9_B_BYTES)
+#define P9_SMEM_BYTES (P9_STAGES * P9_STAGE_BYTES + 2 * H7_CBUF_BYTES + 1024 + 2 * P9_STAGES * 8)
+
+__global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                                                  const __grid_constant__ CUtensorMap tmC, int M, int N, int K) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char* cbufs = base + P9_STAGES * P9_STAGE_BYTES;
+    uint64_t* full = (uint64_t*)(cbufs + 2 * H7_CBUF_BYTES);
+    uint64_t* empty = full + P9_STAGES;
+    int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    int tiles_m = (M + H_BM - 1) / H_BM, tiles_n = (N + P9_BN - 1) / P9_BN, ntiles = tiles_m * tiles_n;
+    int nk = (K + H_BK - 1) / H_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < P9_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }  // one consumer's 4 warps
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int it = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+                int tm, tn;
+                tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % P9_STAGES, ph = (it / P9_STAGES) & 1;
+                    mbar_wait(&empty[s], ph ^ 1);
+                    unsigned char* st = base + s * P9_STAGE_BYTES;
+                    mbar_expect_tx(&full[s], P9_STAGE_BYTES);
+                    tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                    tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, tn * P9_BN, &full[s]);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        int c = wg - 1, lane = tid & 31;
+        float d[128];  // rows 0..63: d[0..63], rows 64..127: d[64..127]
+        #pragma unroll
+        for (int i = 0; i < 128; i++) d[i] = 0.f;
+        // this CTA's tiles j = c, c + 2, ...: tile j's k-slices are ring positions j nk .. (j + 1) nk - 1
+        for (int j = c, t = blockIdx.x + c * gridDim.x; t < ntiles; j += 2, t += 2 * gridDim.x) {
+            int tm, tn;
+            tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
+            int it = j * nk;
+            for (int k = 0; k < nk; k++, it++) {
+                int s = it % P9_STAGES, ph = (it / P9_STAGES) & 1;
+                mbar_wait(&full[s], ph);
+                unsigned char* sa = base + s * P9_STAGE_BYTES;
+                unsigned char* sb = sa + H_A_BYTES;
+                wgmma_fence();
+                #pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    wgmma_m64n128k16(d, make_desc_sw128(sa + kk * 32), make_desc_sw128(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                    wgmma_m64n128k16(d + 64, make_desc_sw128(sa + 64 * 128 + kk * 32), make_desc_sw128(sb + kk * 32),
+                                     (k > 0 || kk > 0) ? 1 : 0);
+                }
+                wgmma_commit();
+                WGMMA_WAIT(1);
+                reg_fence(d, 128);
+                if (k > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
+            }
+            WGMMA_WAIT(0);
+            reg_fence(d, 128);
+            if (lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
+            epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM, tn * P9_BN, tid, c, 1);
+            epilogue_tma(d + 64, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + 64, tn * P9_BN, tid, c, 1);
+        }
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before smem goes away
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -918,7 +1013,7 @@ static CUtensorMap make_tmap_c(const bf16* ptr, int M, int N) {
 static int g_num_sms = 132;
 
 static CUtensorMap g_tBh;  // B map with 128-row boxes (v4 multicast halves)
-static CUtensorMap g_tC;   // C map, 64x64 boxes, 128B swizzle (v7 TMA-store epilogue)
+static CUtensorMap g_tC;   // C map, 64x64 boxes, 128B swizzle (v7 and v9 TMA-store epilogue)
 
 static void run_version(int v, const bf16* A, const bf16* B, bf16* C, int M, int N, int K, const CUtensorMap* tA, const CUtensorMap* tB) {
     if (v == 1) {
@@ -1007,11 +1102,16 @@ static void run_version(int v, const bf16* A, const bf16* B, bf16* C, int M, int
         cfg.gridDim = dim3(2 * ncl, 1, 1);
         void* args[6] = {(void*)tA, (void*)&g_tBh, (void*)&g_tC, (void*)&M, (void*)&N, (void*)&K};
         CK(cudaLaunchKernelExC(&cfg, (const void*)gemm_v7, args));
+    } else if (v == 9) {  // B with 128-row boxes: g_tBh
+        int tiles = ((M + H_BM - 1) / H_BM) * ((N + P9_BN - 1) / P9_BN);
+        int grid = tiles < g_num_sms ? tiles : g_num_sms;
+        gemm_v9<<<grid, 384, P9_SMEM_BYTES>>>(*tA, g_tBh, g_tC, M, N, K);
     }
     CK(cudaGetLastError());
 }
-#define NVERSIONS 7
-static const char* vname[NVERSIONS + 1] = {"cuBLAS", "v1 mma.sync 128x128", "v2 TMA+wgmma ws", "v3 persistent", "v4 2-CTA mcast B", "v5 (MoE: ./gemm 5)", "v6 v4+stream-K tail", "v7 v4+TMA-store epi"};
+#define NVERSIONS 9
+#define MOE_ONLY(v) ((v) == 5 || (v) == 8) /* grouped versions: ./gemm 5 or 8, not in the dense table */
+static const char* vname[NVERSIONS + 1] = {"cuBLAS", "v1 mma.sync 128x128", "v2 TMA+wgmma ws", "v3 persistent", "v4 2-CTA mcast B", "v5 (MoE: ./gemm 5)", "v6 v4+stream-K tail", "v7 v4+TMA-store epi", "v8 (MoE: ./gemm 8)", "v9 ping-pong 128x128"};
 
 static void run_cublas(cublasHandle_t h, const bf16* A, const bf16* B, bf16* C, int M, int N, int K) {
     float alpha = 1.f, beta = 0.f;
@@ -1211,8 +1311,11 @@ static void moe_main(cublasHandle_t h, const char* devname) {
 
 int main(int argc, char** argv) {
     int only = argc > 1 ? atoi(argv[1]) : 0;
-    int shapes[8][3] = {{4096, 4096, 4096}, {8192, 8192, 8192}, {1000, 4096, 4096}, {2048, 1000, 1000}, {1100, 1000, 1000}, {4480, 4096, 2000}};
-    int nshapes = 6;
+    /* the last two: short K, as the MoE GEMM1s of Qwen2 (K = F 1408) and DeepSeek-V3 (K = F 2048), where v7's
+     * epilogues idle the tensor cores longest (v9's case) */
+    int shapes[8][3] = {{4096, 4096, 4096}, {8192, 8192, 8192}, {1000, 4096, 4096}, {2048, 1000, 1000}, {1100, 1000, 1000}, {4480, 4096, 2000},
+                        {16384, 2048, 1408}, {32768, 7168, 2048}};
+    int nshapes = 8;
     if (argc > 4) { shapes[0][0] = atoi(argv[2]); shapes[0][1] = atoi(argv[3]); shapes[0][2] = atoi(argv[4]); nshapes = 1; }
 
     cudaDeviceProp prop;
@@ -1224,6 +1327,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(gemm_v4, cudaFuncAttributeMaxDynamicSharedMemorySize, H_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v6, cudaFuncAttributeMaxDynamicSharedMemorySize, H_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v7, cudaFuncAttributeMaxDynamicSharedMemorySize, H7_SMEM_BYTES));
+    CK(cudaFuncSetAttribute(gemm_v9, cudaFuncAttributeMaxDynamicSharedMemorySize, P9_SMEM_BYTES));
     cublasHandle_t h;
     CKB(cublasCreate(&h));
     if (only == 5 || only == 8) { moe_main(h, prop.name); CKB(cublasDestroy(h)); return 0; }
@@ -1253,7 +1357,7 @@ int main(int argc, char** argv) {
         float atol = 1e-3f * sqrtf((float)K), rtol = 1.6e-2f;
 
         for (int v = 0; v <= NVERSIONS; v++) {
-            if (v == 5 || (v && only && v != only)) continue;
+            if (MOE_ONLY(v) || (v && only && v != only)) continue;
             // ---- correctness, fresh inputs each version ----
             init_rand<<<1024, 256>>>(A, nA, seed++); CK(cudaGetLastError());
             init_rand<<<1024, 256>>>(B, nB, seed++); CK(cudaGetLastError());
@@ -1334,13 +1438,13 @@ int main(int argc, char** argv) {
     }
     printf("\n==== SUMMARY (%s) TFLOP/s, median of %d, [ok]/[BAD] = correctness ====\n", prop.name, NTIMED);
     printf("%-22s", "shape MxNxK");
-    for (int v = 0; v <= NVERSIONS; v++) if (v != 5) printf(" | %-20s", vname[v]);
+    for (int v = 0; v <= NVERSIONS; v++) if (!MOE_ONLY(v)) printf(" | %-20s", vname[v]);
     printf("\n");
     for (int si = 0; si < nshapes; si++) {
         char sh[64]; snprintf(sh, sizeof(sh), "%dx%dx%d", shapes[si][0], shapes[si][1], shapes[si][2]);
         printf("%-22s", sh);
         for (int v = 0; v <= NVERSIONS; v++) {
-            if (v == 5) continue;
+            if (MOE_ONLY(v)) continue;
             if (v && only && v != only) { printf(" | %-20s", "-"); continue; }
             char cell[64];
             if (v) snprintf(cell, sizeof(cell), "%.1f (%.0f%%) %s", tflops[si][v], 100.0 * tflops[si][v] / tflops[si][0], ok_all[si][v] ? "ok" : "BAD");
