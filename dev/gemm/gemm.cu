@@ -888,17 +888,19 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
 // v9: ping-pong consumers (v3's persistent walk, no clusters). Each consumer warpgroup owns whole 128x128
 // tiles (two wgmma m64n128k16 a k16 step, 128 fp32 accumulators a thread), the CTA's tiles alternating
 // between them; the producer fills one 6-stage ring of 32 KiB stages (A 128x64 + B 128x64) in tile order,
-// so a consumer's first stages arrive only as the other one finishes its main loop: one warpgroup runs
-// wgmma while the other runs its epilogue (v7's stmatrix + TMA store, per 64-row half), and the tensor
-// cores no longer idle during epilogues. Costs: 128x128 tiles move 33% more bytes into shared memory per
+// so one warpgroup runs wgmma while the other runs its epilogue (v7's stmatrix + TMA store, per 64-row
+// half), and the tensor cores no longer idle during epilogues. An order barrier per consumer lets a
+// consumer start tile j only once the other has passed its full waits of tile j-1: a parity wait tells
+// only adjacent phases apart, so waiting on a ring position before the position a lap earlier was loaded
+// would pass on the old phase (a review found this hang in the first version, before any GPU run). Costs: 128x128 tiles move 33% more bytes into shared memory per
 // FLOP than 128x256 (32 KiB per 2.1 MFLOP against 48 per 4.2), and each wgmma reads 20% more shared memory.
-// smem: 6 x 32 KiB + 2 x 16 KiB + barriers (+1 KiB alignment slack) = 230496 bytes (limit 232448).
+// smem: 6 x 32 KiB + 2 x 16 KiB + barriers (+1 KiB alignment slack) = 230512 bytes (limit 232448).
 // ---------------------------------------------------------------------------------------------
 #define P9_BN 128
 #define P9_STAGES 6
 #define P9_B_BYTES (P9_BN * H_BK * 2)  // 16 KiB
 #define P9_STAGE_BYTES (H_A_BYTES + P9_B_BYTES)
-#define P9_SMEM_BYTES (P9_STAGES * P9_STAGE_BYTES + 2 * H7_CBUF_BYTES + 1024 + 2 * P9_STAGES * 8)
+#define P9_SMEM_BYTES (P9_STAGES * P9_STAGE_BYTES + 2 * H7_CBUF_BYTES + 1024 + 2 * P9_STAGES * 8 + 2 * 8)
 
 __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                                                   const __grid_constant__ CUtensorMap tmC, int M, int N, int K) {
@@ -907,12 +909,14 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
     unsigned char* cbufs = base + P9_STAGES * P9_STAGE_BYTES;
     uint64_t* full = (uint64_t*)(cbufs + 2 * H7_CBUF_BYTES);
     uint64_t* empty = full + P9_STAGES;
+    uint64_t* order = empty + P9_STAGES;  // order[c]: the other consumer is through the main loop of a tile
     int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
     int tiles_m = (M + H_BM - 1) / H_BM, tiles_n = (N + P9_BN - 1) / P9_BN, ntiles = tiles_m * tiles_n;
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < P9_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }  // one consumer's 4 warps
+        mbar_init(&order[0], 1); mbar_init(&order[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -946,6 +950,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
             int it = j * nk;
+            if (j > 0) mbar_wait(&order[c], ((j - 1) >> 1) & 1);  // tile j-1 is the other's ((j-1)>>1)-th
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % P9_STAGES, ph = (it / P9_STAGES) & 1;
                 mbar_wait(&full[s], ph);
@@ -963,6 +968,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
                 reg_fence(d, 128);
                 if (k > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
             }
+            if (tid == 0) mbar_arrive(&order[c ^ 1]);  // my full waits of this tile are done: the other may start
             WGMMA_WAIT(0);
             reg_fence(d, 128);
             if (lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
