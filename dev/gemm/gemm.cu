@@ -33,34 +33,14 @@
 
 typedef __nv_bfloat16 bf16;
 
+#include "../../src/cuda/tma.h"
 #include "wgmma_gen.h"
 
 // ---------------------------------------------------------------------------------------------
 // small device helpers
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-// 2D TMA tile load: coordinates innermost first (k, row)
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
-}
+// smem addresses, mbarrier init / arrive / expect_tx / parity wait and the 2D TMA load: the library's own
+// (src/cuda/tma.h: gm_smem, gm_mbar_*, gm_tma_load)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 #define WGMMA_WAIT(n) asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(n) : "memory")
@@ -74,7 +54,7 @@ __device__ __forceinline__ void reg_fence(float* d, int n) {
 // of 1024 bytes (SBO = 1024). LBO is unused for swizzled K-major (set to 1). Tile bases are 1024-aligned;
 // stepping k by 16 elements inside the atom = +32 bytes on the start address.
 __device__ __forceinline__ uint64_t make_desc_sw128(const void* p) {
-    uint64_t a = smem_u32(p);
+    uint64_t a = gm_smem(p);
     uint64_t d = 0;
     d |= (a & 0x3FFFF) >> 4;
     d |= (uint64_t)1 << 16;
@@ -221,7 +201,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v2(const __grid_constant__ CUtens
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 8); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -232,11 +212,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v2(const __grid_constant__ CUtens
         if (tid == 0) {
             for (int k = 0; k < nk; k++) {
                 int s = k % H_STAGES, ph = (k / H_STAGES) & 1;
-                mbar_wait(&empty[s], ph ^ 1);
+                gm_mbar_wait(&empty[s], ph ^ 1);
                 unsigned char* st = base + s * H_STAGE_BYTES;
-                mbar_expect_tx(&full[s], H_STAGE_BYTES);
-                tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
-                tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, tn * H_BN, &full[s]);
+                gm_mbar_expect_tx(&full[s], H_STAGE_BYTES);
+                gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                gm_tma_load(st + H_A_BYTES, &tmB, k * H_BK, tn * H_BN, &full[s]);
             }
         }
     } else {
@@ -247,7 +227,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v2(const __grid_constant__ CUtens
         for (int i = 0; i < 128; i++) d[i] = 0.f;
         for (int k = 0; k < nk; k++) {
             int s = k % H_STAGES, ph = (k / H_STAGES) & 1;
-            mbar_wait(&full[s], ph);
+            gm_mbar_wait(&full[s], ph);
             unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
             unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
             wgmma_fence();
@@ -257,9 +237,29 @@ __global__ __launch_bounds__(384, 1) void gemm_v2(const __grid_constant__ CUtens
             wgmma_commit();
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) mbar_arrive(&empty[s]);
+            if (lane == 0) gm_mbar_arrive(&empty[s]);
         }
         store_acc_64x256(d, C, M, N, tm * H_BM + c * 64, tn * H_BN, lane, w);
+    }
+}
+
+// The producer of v3 and v9 (one thread): the CTA's tiles t = blockIdx.x, + gridDim.x, ... in grouped order,
+// each k-slice's A (H_BM rows) and B (bn rows) through a ring of `stages` stages of stage_bytes, A first.
+__device__ __forceinline__ void produce_ab(const CUtensorMap* tmA, const CUtensorMap* tmB, unsigned char* base, uint64_t* full,
+                                           uint64_t* empty, int ntiles, int tiles_m, int tiles_n, int nk, int stages, int stage_bytes,
+                                           int bn) {
+    int it = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        int tm, tn;
+        tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
+        for (int k = 0; k < nk; k++, it++) {
+            int s = it % stages, ph = (it / stages) & 1;
+            gm_mbar_wait(&empty[s], ph ^ 1);
+            unsigned char* st = base + s * stage_bytes;
+            gm_mbar_expect_tx(&full[s], stage_bytes);
+            gm_tma_load(st, tmA, k * H_BK, tm * H_BM, &full[s]);
+            gm_tma_load(st + H_A_BYTES, tmB, k * H_BK, tn * bn, &full[s]);
+        }
     }
 }
 
@@ -275,7 +275,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v3(const __grid_constant__ CUtens
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 8); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -283,21 +283,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v3(const __grid_constant__ CUtens
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 0) {
-            int it = 0;
-            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-                int tm, tn;
-                tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
-                for (int k = 0; k < nk; k++, it++) {
-                    int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
-                    unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], H_STAGE_BYTES);
-                    tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
-                    tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, tn * H_BN, &full[s]);
-                }
-            }
-        }
+        if (tid == 0) produce_ab(&tmA, &tmB, base, full, empty, ntiles, tiles_m, tiles_n, nk, H_STAGES, H_STAGE_BYTES, H_BN);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         int c = wg - 1, lane = tid & 31, w = tid >> 5;
@@ -310,7 +296,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v3(const __grid_constant__ CUtens
             tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -320,11 +306,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v3(const __grid_constant__ CUtens
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % H_STAGES]);
+                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % H_STAGES]);
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) mbar_arrive(&empty[(it - 1) % H_STAGES]);
+            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % H_STAGES]);
             store_acc_64x256(d, C, M, N, tm * H_BM + c * 64, tn * H_BN, lane, w);
         }
     }
@@ -343,11 +329,11 @@ __device__ __forceinline__ void cluster_sync_all() {
 // arrive on the mbarrier at the same smem offset in CTA `cta` of this cluster
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
-                 :: "r"(smem_u32(bar)), "r"(cta) : "memory");
+                 :: "r"(gm_smem(bar)), "r"(cta) : "memory");
 }
 __device__ __forceinline__ void tma_load_2d_mc(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar, uint16_t mask) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
-                 :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "h"(mask) : "memory");
+                 :: "r"(gm_smem(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar)), "h"(mask) : "memory");
 }
 
 __global__ __launch_bounds__(384, 1) void gemm_v4(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmBh,
@@ -365,7 +351,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v4(const __grid_constant__ CUtens
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 16); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 16); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -383,10 +369,10 @@ __global__ __launch_bounds__(384, 1) void gemm_v4(const __grid_constant__ CUtens
                 int has_a = tm < tiles_m;  // odd tiles_m: the last pair's second tile is empty (B still needed by peer)
                 for (int k = 0; k < nk; k++, it++) {
                     int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
+                    gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
-                    if (has_a) tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                    gm_mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
+                    if (has_a) gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
                     tma_load_2d_mc(st + H_A_BYTES + rank * (H_B_BYTES / 2), &tmBh, k * H_BK, tn * H_BN + rank * (H_BN / 2), &full[s], 0x3);
                 }
             }
@@ -404,7 +390,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v4(const __grid_constant__ CUtens
             int tm = tm2 * 2 + rank;
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -414,11 +400,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v4(const __grid_constant__ CUtens
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+            if (lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             if (tm < tiles_m) store_acc_64x256(d, C, M, N, tm * H_BM + c * 64, tn * H_BN, lane, w);
         }
     }
@@ -449,7 +435,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v5_grouped(const __grid_constant_
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 8); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -465,11 +451,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v5_grouped(const __grid_constant_
                 int brow = tile_expert[tm] * N + tn * H_BN;
                 for (int k = 0; k < nk; k++, it++) {
                     int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
+                    gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], H_STAGE_BYTES);
-                    tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
-                    tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, brow, &full[s]);
+                    gm_mbar_expect_tx(&full[s], H_STAGE_BYTES);
+                    gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                    gm_tma_load(st + H_A_BYTES, &tmB, k * H_BK, brow, &full[s]);
                 }
             }
         }
@@ -485,7 +471,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v5_grouped(const __grid_constant_
             tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -495,11 +481,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v5_grouped(const __grid_constant_
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % H_STAGES]);
+                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % H_STAGES]);
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) mbar_arrive(&empty[(it - 1) % H_STAGES]);
+            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % H_STAGES]);
             int row_end = tm * H_BM + tile_rows[tm];
             store_acc_64x256(d, C, row_end, N, tm * H_BM + c * 64, tn * H_BN, lane, w);
         }
@@ -553,7 +539,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v6(const __grid_constant__ CUtens
     SkWork w;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 16); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 16); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -571,10 +557,10 @@ __global__ __launch_bounds__(384, 1) void gemm_v6(const __grid_constant__ CUtens
                 int has_a = tm < tiles_m;
                 for (int k = w.kb; k < w.ke; k++, it++) {
                     int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
+                    gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
-                    if (has_a) tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                    gm_mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
+                    if (has_a) gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
                     tma_load_2d_mc(st + H_A_BYTES + rank * (H_B_BYTES / 2), &tmBh, k * H_BK, tn * H_BN + rank * (H_BN / 2), &full[s], 0x3);
                 }
             }
@@ -593,7 +579,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v6(const __grid_constant__ CUtens
             int tm = tm2 * 2 + rank;
             for (int k = w.kb; k < w.ke; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -603,11 +589,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v6(const __grid_constant__ CUtens
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > w.kb && lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                if (k > w.kb && lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+            if (lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             if (tm >= tiles_m) continue;  // empty second tile of an odd pair
             if (w.sk_u < 0 || (w.kb == 0 && w.ke == nk)) {
                 store_acc_64x256(d, C, M, N, tm * H_BM + c * 64, tn * H_BN, lane, wi);
@@ -671,7 +657,7 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
 }
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
-                 :: "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(src)) : "memory");
+                 :: "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(src)) : "memory");
 }
 
 // consumer warpgroup c's 64 x (128 nh) accumulator -> C via smem + TMA store (tid: 0..127 within the warpgroup;
@@ -681,7 +667,7 @@ __device__ __forceinline__ void epilogue_tma(const float* d, unsigned char* cbuf
     int lane = tid & 31, wi = tid >> 5;
     int mi = lane >> 3;
     int row = wi * 16 + (mi & 1) * 8 + (lane & 7);  // row (0..63) whose 16-byte chunk this lane addresses
-    uint32_t cb = smem_u32(cbuf);
+    uint32_t cb = gm_smem(cbuf);
     #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (h >= nh) break;
@@ -722,7 +708,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v7(const __grid_constant__ CUtens
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 16); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 16); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -740,10 +726,10 @@ __global__ __launch_bounds__(384, 1) void gemm_v7(const __grid_constant__ CUtens
                 int has_a = tm < tiles_m;
                 for (int k = 0; k < nk; k++, it++) {
                     int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
+                    gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
-                    if (has_a) tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                    gm_mbar_expect_tx(&full[s], has_a ? H_STAGE_BYTES : H_B_BYTES);
+                    if (has_a) gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
                     tma_load_2d_mc(st + H_A_BYTES + rank * (H_B_BYTES / 2), &tmBh, k * H_BK, tn * H_BN + rank * (H_BN / 2), &full[s], 0x3);
                 }
             }
@@ -761,7 +747,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v7(const __grid_constant__ CUtens
             int tm = tm2 * 2 + rank;
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -771,11 +757,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v7(const __grid_constant__ CUtens
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+            if (lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             if (tm < tiles_m) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c, 2);
         }
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before smem goes away
@@ -811,7 +797,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < H_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 16); }
+        for (int s = 0; s < H_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 16); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -832,13 +818,13 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
                 int brow = e * N + tn * H_BN;
                 for (int k = 0; k < nk; k++, it++) {
                     int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
+                    gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char* st = base + s * H_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], e >= 0 ? H_STAGE_BYTES : 0);
+                    gm_mbar_expect_tx(&full[s], e >= 0 ? H_STAGE_BYTES : 0);
                     if (e >= 0) {
-                        tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
+                        gm_tma_load(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
                         if (same) tma_load_2d_mc(st + H_A_BYTES + rank * (H_B_BYTES / 2), &tmBh, k * H_BK, brow + rank * (H_BN / 2), &full[s], 0x3);
-                        else tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, brow, &full[s]);
+                        else gm_tma_load(st + H_A_BYTES, &tmB, k * H_BK, brow, &full[s]);
                     }
                 }
             }
@@ -856,7 +842,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
             int tm = tm2 * 2 + rank;
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % H_STAGES, ph = (it / H_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * H_STAGE_BYTES + c * 64 * 128;
                 unsigned char* sb = base + s * H_STAGE_BYTES + H_A_BYTES;
                 wgmma_fence();
@@ -866,11 +852,11 @@ __global__ __launch_bounds__(384, 1) void gemm_v8_grouped(const __grid_constant_
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                if (k > 0 && lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             }
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) { int sp = (it - 1) % H_STAGES; mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+            if (lane == 0) { int sp = (it - 1) % H_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
             if (tm < tiles_m) {
                 int rows = tile_rows[tm];
                 if (rows == H_BM) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + c * 64, tn * H_BN, tid, c, 2);
@@ -915,8 +901,8 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
     int nk = (K + H_BK - 1) / H_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < P9_STAGES; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }  // one consumer's 4 warps
-        mbar_init(&order[0], 1); mbar_init(&order[1], 1);
+        for (int s = 0; s < P9_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 4); }  // one consumer's 4 warps
+        gm_mbar_init(&order[0], 1); gm_mbar_init(&order[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -924,21 +910,7 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 0) {
-            int it = 0;
-            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-                int tm, tn;
-                tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
-                for (int k = 0; k < nk; k++, it++) {
-                    int s = it % P9_STAGES, ph = (it / P9_STAGES) & 1;
-                    mbar_wait(&empty[s], ph ^ 1);
-                    unsigned char* st = base + s * P9_STAGE_BYTES;
-                    mbar_expect_tx(&full[s], P9_STAGE_BYTES);
-                    tma_load_2d(st, &tmA, k * H_BK, tm * H_BM, &full[s]);
-                    tma_load_2d(st + H_A_BYTES, &tmB, k * H_BK, tn * P9_BN, &full[s]);
-                }
-            }
-        }
+        if (tid == 0) produce_ab(&tmA, &tmB, base, full, empty, ntiles, tiles_m, tiles_n, nk, P9_STAGES, P9_STAGE_BYTES, P9_BN);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         int c = wg - 1, lane = tid & 31;
@@ -950,10 +922,10 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
             int it = j * nk;
-            if (j > 0) mbar_wait(&order[c], ((j - 1) >> 1) & 1);  // tile j-1 is the other's ((j-1)>>1)-th
+            if (j > 0) gm_mbar_wait(&order[c], ((j - 1) >> 1) & 1);  // tile j-1 is the other's ((j-1)>>1)-th
             for (int k = 0; k < nk; k++, it++) {
                 int s = it % P9_STAGES, ph = (it / P9_STAGES) & 1;
-                mbar_wait(&full[s], ph);
+                gm_mbar_wait(&full[s], ph);
                 unsigned char* sa = base + s * P9_STAGE_BYTES;
                 unsigned char* sb = sa + H_A_BYTES;
                 wgmma_fence();
@@ -966,12 +938,12 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
                 wgmma_commit();
                 WGMMA_WAIT(1);
                 reg_fence(d, 128);
-                if (k > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
+                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % P9_STAGES]);
             }
-            if (tid == 0) mbar_arrive(&order[c ^ 1]);  // my full waits of this tile are done: the other may start
+            if (tid == 0) gm_mbar_arrive(&order[c ^ 1]);  // my full waits of this tile are done: the other may start
             WGMMA_WAIT(0);
             reg_fence(d, 128);
-            if (lane == 0) mbar_arrive(&empty[(it - 1) % P9_STAGES]);
+            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % P9_STAGES]);
             epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM, tn * P9_BN, tid, c, 1);
             epilogue_tma(d + 64, cbufs + c * H7_CBUF_BYTES, &tmC, tm * H_BM + 64, tn * P9_BN, tid, c, 1);
         }
