@@ -442,9 +442,15 @@ __device__ __forceinline__ void gm_store_regs(const uint32_t *pk, comet_bf16_t *
     }
 }
 
-/* The last claimer past the end resets the tile counters for the next launch
- * (with clusters CTA 0 of each pair claims). One thread a CTA. */
-__device__ __forceinline__ void gm_sched_done(const gm_params_t &p, int cl, unsigned rank) {
+/* A producer's last act (one thread): a stage with tile -1 and no bytes marks
+ * the end for the consumers, and the last claimer past the end resets the
+ * tile counters for the next launch (with clusters CTA 0 of each pair claims). */
+__device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *full, uint64_t *empty,
+                                               volatile int32_t *stage_tile, int it, int cl, unsigned rank) {
+    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+    gm_mbar_wait(&empty[s], ph ^ 1);
+    stage_tile[s] = -1;
+    gm_mbar_arrive(&full[s]);
     if (!cl || rank == 0) {
         __threadfence();
         if (atomicAdd(&p.sched[1], 1u) == (cl ? gridDim.x / 2 : gridDim.x) - 1) {
@@ -452,17 +458,6 @@ __device__ __forceinline__ void gm_sched_done(const gm_params_t &p, int cl, unsi
             atomicExch(&p.sched[1], 0u);
         }
     }
-}
-
-/* A producer's last act (one thread): a stage with tile -1 and no bytes marks
- * the end for the consumers, then gm_sched_done. */
-__device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *full, uint64_t *empty,
-                                               volatile int32_t *stage_tile, int it, int cl, unsigned rank) {
-    const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-    gm_mbar_wait(&empty[s], ph ^ 1);
-    stage_tile[s] = -1;
-    gm_mbar_arrive(&full[s]);
-    gm_sched_done(p, cl, rank);
 }
 
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
