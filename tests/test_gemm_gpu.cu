@@ -7,9 +7,9 @@
  * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
  * counts, block_ready released late by another kernel (on fewer CTAs), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
- * report). Every case runs three times: plain, in 2-CTA clusters sharing B
- * tiles (COMET_GEMM_CLUSTER=1), and with blocks of <= 64 rows computed by one
- * consumer warpgroup (COMET_GEMM_HALF=1). Also the device GELU against the exact one.
+ * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
+ * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
+ * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters). Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
  */
@@ -209,8 +209,12 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     char err[256];
     int rc = comet_gemm_prepare(&ga, &g, err, sizeof err);
     CHECK(rc == 0, "%s: prepare: %s", c->tag, err);
-    if (rc == 0 && getenv("COMET_GEMM_CLUSTER"))
-        CHECK(comet_gemm_cluster_ctas(g) > 0, "%s: COMET_GEMM_CLUSTER=1, yet no 2-CTA clusters fit", c->tag);
+    if (rc == 0) {
+        const char *cl = getenv("COMET_GEMM_CLUSTER");
+        const int want = !(cl && strcmp(cl, "0") == 0);
+        CHECK((comet_gemm_cluster_ctas(g) > 0) == want, "%s: COMET_GEMM_CLUSTER=%s, yet %d CTAs as 2-CTA clusters",
+              c->tag, cl ? cl : "(unset)", comet_gemm_cluster_ctas(g));
+    }
     if (rc) return;
 
     /* skip: nothing written */
@@ -410,7 +414,7 @@ int main(void) {
     for (int cl = 0; cl < 2; cl++) {
         pid_t pid = fork();
         if (pid == 0) {
-            if (cl) setenv("COMET_GEMM_CLUSTER", "1", 1);
+            setenv("COMET_GEMM_CLUSTER", cl ? "1" : "0", 1);
             if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) _exit(100);
             cudaDeviceProp prop;
             cudaGetDeviceProperties(&prop, 0);
@@ -446,13 +450,13 @@ int main(void) {
     check_gelu_device();
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
-    /* every case also as 2-CTA clusters sharing B tiles (COMET_GEMM_CLUSTER=1), and with blocks of
-     * <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
-    static const char *const pass[3] = {"without clusters", "in 2-CTA clusters (COMET_GEMM_CLUSTER=1)",
-                                        "with half blocks on one consumer (COMET_GEMM_HALF=1)"};
+    /* every case without clusters, as 2-CTA clusters sharing B tiles (the default), and with blocks
+     * of <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
+    static const char *const pass[3] = {"without clusters (COMET_GEMM_CLUSTER=0)", "in 2-CTA clusters (the default)",
+                                        "with half blocks on one consumer (COMET_GEMM_HALF=1, COMET_GEMM_CLUSTER=0)"};
     for (int cl = 0; cl < 3; cl++) {
-        if (cl == 1) setenv("COMET_GEMM_CLUSTER", "1", 1);
-        else unsetenv("COMET_GEMM_CLUSTER");
+        if (cl == 1) unsetenv("COMET_GEMM_CLUSTER");
+        else setenv("COMET_GEMM_CLUSTER", "0", 1);
         if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
         else unsetenv("COMET_GEMM_HALF");
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
@@ -460,6 +464,7 @@ int main(void) {
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
     unsetenv("COMET_GEMM_HALF");
+    unsetenv("COMET_GEMM_CLUSTER");
 
     /* shape checks (need no GPU, run here anyway) */
     comet_dims_t d;

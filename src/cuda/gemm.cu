@@ -15,18 +15,23 @@
  * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
  * TMA store (overlaps the next tile); a consumer whose 64 rows are not all
  * valid stores from registers, masked, so padding rows are never written.
- * COMET_GEMM_HALF=1 (read at prepare; off until measured): a block of <= 64
- * rows (an expert's last, ~half of them) runs on consumer 0 alone, which then
- * has the tensor cores to itself, and consumer 1 only waits for and releases
- * the stages (the producer marks the tile's first stage with GM_HALF).
+ * COMET_GEMM_HALF=1 (read at prepare; a measurement knob, off, and only
+ * without clusters): a block of <= 64 rows (an expert's last, ~half of
+ * them) runs on consumer 0 alone, which then has the tensor cores to itself,
+ * and consumer 1 only waits for and releases the stages (the producer marks
+ * the tile's first stage with GM_HALF). Measured on H200 (gemm_bench, 16384
+ * tokens, no clusters): GEMM1 +1-3%, Qwen2 and Phi-3.5 GEMM0 +0-3%,
+ * DeepSeek's GEMM0 (K=7168) -3% (likely: 64 rows do not amortise the 32 KiB
+ * B tile a k-step); DeepSeek's layer 1-3% slower, so off.
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
  *
  * 2-CTA clusters with B multicast (dev/gemm's v8: +9% over v5 from clusters
- * and the TMA store together) are a second set of kernels, chosen at prepare
- * by COMET_GEMM_CLUSTER=1, off by default (measured on H200: only
- * DeepSeek's GEMM0 gains, +2-8%).
+ * and the TMA store together) are a second set of kernels, the default since
+ * 2026-11-22 (in the layer on 2x H200, M=16384: DeepSeek +0-4%, Phi-3.5
+ * +1-2%, Qwen2 +0-1%, Mixtral within drift); COMET_GEMM_CLUSTER=0 at prepare
+ * runs the single-CTA kernels.
  * Tile walk: each CTA's producer (in clusters CTA 0's, for the pair) claims the next tile with an atomic counter
  * (per comet_gemm_t and GEMM, reset by the last claimer) and hands its id to the
  * consumers in shared memory with the stage; the tile count is derived on the
@@ -114,10 +119,10 @@ struct comet_gemm {
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
     int num_sms;
-    int cluster_ctas;       /* COMET_GEMM_CLUSTER=1 at prepare: most CTAs that run as 2-CTA clusters at
-                             * once (even); 0: no clusters (the default until measured) */
+    int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
+                             * once (even); 0: no clusters */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
-    int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; off until measured) */
+    int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -730,7 +735,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     for (int i = 0; i < 6 && e == cudaSuccess; i++)
         e = cudaFuncSetAttribute(gm_kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
     const char *cl = getenv("COMET_GEMM_CLUSTER");
-    if (e == cudaSuccess && cl && strcmp(cl, "1") == 0) {
+    if (e == cudaSuccess && !(cl && strcmp(cl, "0") == 0)) {
         int most = -1;
         for (int i = 3; i < 6 && e == cudaSuccess; i++) { /* the cluster kernels */
             cudaLaunchConfig_t lc;

@@ -111,11 +111,12 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
  * share counters. COMET_GEMM_GROUP (a measurement knob, read here): row blocks
  * per group of the tile walk instead of the rule in gemm.cu (4 to 16 by K).
- * COMET_GEMM_CLUSTER=1 (read here; off by default: on H200 only DeepSeek's GEMM0 gains): run as
- * 2-CTA clusters whose pairs of blocks of one expert share each B tile
- * (multicast); grids then even, at most what fits as clusters.
- * COMET_GEMM_HALF=1 (read here; off until measured; not with clusters): a
- * row block of <= 64 rows runs on one consumer warpgroup alone.
+ * 2-CTA clusters (the default; COMET_GEMM_CLUSTER=0, read here, turns them
+ * off): pairs of blocks of one expert share each B tile (multicast); grids
+ * then even, at most what fits as clusters.
+ * COMET_GEMM_HALF=1 (read here; a measurement knob, off; only with
+ * COMET_GEMM_CLUSTER=0): a row block of <= 64 rows runs on one consumer
+ * warpgroup alone.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);
