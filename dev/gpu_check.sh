@@ -101,12 +101,22 @@ for step in $STEPS; do
             done; done
         done; done; done
         ;;
-    trace) # the overlap as a picture: sequential and overlapped, 2 GPUs (Mixtral, TRACE_TOKENS)
-        for mode in "" "--n-comm 8"; do
-            name=trace-gpu${mode:+-overlap}
-            timeout 300 build/comet bench --model mixtral-8x7b --tokens "${TRACE_TOKENS:-8192}" --ep 2 --iters 3 --warmup 1 $mode \
-                --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
-            summary+=("trace $mode: exit $? ($OUT/$name.svg)")
+    trace) # the overlap as a picture, and its numbers (dev/trace_stats.py): TRACE_MODEL (mixtral-8x7b),
+           # TRACE_TOKENS (8192), TRACE_LAYOUT ("--ep 2"), TRACE_MODES (";--n-comm 8": sequential, overlapped),
+           # each mode under every TRACE_AB environment variant (default: none), same seed throughout
+        IFS=';' read -ra modes <<<"${TRACE_MODES-;--n-comm 8}"
+        IFS=';' read -ra tvars <<<"${TRACE_AB:-}"
+        [ ${#tvars[@]} -gt 0 ] || tvars=("")
+        for mode in "${modes[@]}"; do
+            files=()
+            for i in "${!tvars[@]}"; do
+                name=trace-gpu${mode:+-overlap}$( [ ${#tvars[@]} -gt 1 ] && echo "-v$i")
+                env ${tvars[$i]} timeout 300 build/comet bench --model "${TRACE_MODEL:-mixtral-8x7b}" --tokens "${TRACE_TOKENS:-8192}" \
+                    ${TRACE_LAYOUT:---ep 2} --iters 3 --warmup 1 $mode --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
+                summary+=("trace '$mode' [${tvars[$i]}]: exit $? ($OUT/$name.json, .svg)")
+                files+=("$OUT/$name.json")
+            done
+            python3 dev/trace_stats.py "${files[@]}" | tee -a "$OUT/trace_stats.txt"
         done
         ;;
     launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)

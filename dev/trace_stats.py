@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""trace_stats.py - numbers from `comet bench --trace` files (Chrome-trace JSON):
+per rank and step kind, how many intervals, their median and 90th-percentile
+length, the busy time summed over workers, and the span from the first begin
+to the last end. Pull intervals are split by their aux field: on the CUDA
+path "pull aux=-1" is a dispatch batch (sequential chain, or the overlapped
+mode's local copies) and "pull aux=1" a pass of the overlapped mode's
+remote pulls (src/trace/trace.h); on the CPU engine aux is a stage. With two or more files
+(e.g. the same call under two settings, same seed) each row shows every
+file's figures side by side, so a change in the remote pulls' pass length is
+a change in their rate (the passes move the same rows).
+
+  dev/trace_stats.py A.json [B.json ...]
+"""
+import json
+import statistics
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    groups = {}
+    for e in events:
+        kind = e["args"]["kind"]
+        if kind == "pull":
+            kind = "pull aux=%d" % e["args"]["aux"]
+        groups.setdefault((e["pid"], kind), []).append((e["ts"], e["dur"]))
+    return groups
+
+
+def stats(items):
+    durs = sorted(d for _, d in items)
+    p90 = durs[min(len(durs) - 1, int(0.9 * len(durs)))]
+    span = max(t + d for t, d in items) - min(t for t, _ in items)
+    return "%5d %9.1f %9.1f %10.1f %9.1f" % (len(durs), statistics.median(durs), p90, sum(durs), span)
+
+
+def main(paths):
+    if not paths:
+        sys.exit(__doc__.strip())
+    tables = [load(p) for p in paths]
+    keys = sorted(set(k for t in tables for k in t))
+    head = "%5s %9s %9s %10s %9s" % ("n", "med us", "p90 us", "busy us", "span us")
+    print("%-26s " % "rank / step" + " | ".join(head for _ in paths))
+    for i, p in enumerate(paths):
+        print("  file %d: %s" % (i + 1, p))
+    for rank, kind in keys:
+        cells = [stats(t[(rank, kind)]) if (rank, kind) in t else "%-45s" % "  -" for t in tables]
+        print("%-26s " % ("r%d %s" % (rank, kind)) + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
