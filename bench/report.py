@@ -3,14 +3,23 @@
 Reads PyTorch baseline files (one JSON document with "records", written by
 torch_moe.py --json) and comet files (JSON lines, written by
 `comet bench --json`). Prints the PyTorch table when only baselines are given;
-with both, one row per configuration with each side's time and the speedup
-(t_pytorch / t_comet, same inputs' shape, same machine).
+with both, one row per configuration with each side's time, the speedup
+(t_pytorch / t_comet, same inputs' shape, same machine) and the roofline
+fraction of benchmarks.md, max(flops / GEMM peak, bytes / link rate) /
+t_comet, i.e. max(TFLOP/s / peak, GB/s / link) per GPU, against measured
+peaks on H200 (environment GEMM_PEAK_TFLOPS, default 804: cuBLAS dense
+8192^3 on a cold H200, dev/gemm/NOTES.md; LINK_GBPS, default 348: one
+direction of the NVLink pair, bench/link_bench.cu's best rate with SMs).
 
   python3 bench/report.py bench/results/2026-11-22-torch-*.json
   python3 bench/report.py bench/results/*.json bench/results/*.jsonl
 """
 import json
+import os
 import sys
+
+GEMM_PEAK_TFLOPS = float(os.environ.get("GEMM_PEAK_TFLOPS", "804"))
+LINK_GBPS = float(os.environ.get("LINK_GBPS", "348"))
 
 
 def load(paths):
@@ -56,8 +65,8 @@ def main(paths):
         # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch);
         # comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
-              "comm hidden | check (wrong/checked) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "roofline | comm hidden | check (wrong/checked) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
@@ -67,9 +76,11 @@ def main(paths):
             mode += " partials" if r.get("partials") else ""  # the combine by partials
             mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
             mode += ", graph" if r.get("graph") else ""
-            hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) >= 0 else "-"
+            # -1: not measured (no --comm-hidden); below 0 is a measurement: the layer slower than both parts
+            hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) != -1 else "-"
+            roof = max(r["rate"] / GEMM_PEAK_TFLOPS, r.get("link_gbps", 0.0) / LINK_GBPS)
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
-                  f"{sp} | {r['rate']:.0f} | {hidden} | {r['wrong']}/{r['checked']} |")
+                  f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {r['wrong']}/{r['checked']} |")
     print()
     for m in machines:
         print(f"- {m}")
