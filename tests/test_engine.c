@@ -242,6 +242,46 @@ static void test_disable(void) {
     comet_problem_destroy(p);
 }
 
+/* --comm-hidden's sides interleaved call by call in one layer (the
+ * runner's interleave): every side timed, the last call whole and bitwise
+ * the reference's; the runner refuses interleave with disable bits, a
+ * graph, or fewer than 3 timed calls. */
+static void test_interleave(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
+    int64_t tokens[2] = {12, 9};
+    comet_routing_opts_t ro = {0.2, 0, 4};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) return;
+    for (int n_comm = 1; n_comm <= 2; n_comm++) {
+        comet_world_t *world;
+        comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
+        comet_problem_poison(p);
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.repeats = 6, run.interleave = 1, run.n_comm = n_comm;
+        comet_status_t st = comet_problem_run(p, world, &run, 3);
+        CHECK(st == COMET_SUCCESS, "interleave n_comm %d: %s", n_comm, comet_last_error());
+        CHECK(run.ms_side[0] > 0 && run.ms_side[1] > 0 && run.ms_side[2] > 0,
+              "interleave n_comm %d: side medians %g %g %g", n_comm, run.ms_side[0], run.ms_side[1], run.ms_side[2]);
+        comet_check_t chk;
+        comet_problem_check(p, 0, -1, &chk);
+        CHECK(chk.differ == 0 && chk.elements == (12 + 9) * 32,
+              "interleave n_comm %d: the last (whole) call: %lld of %lld elements differ from the reference", n_comm,
+              (long long)chk.differ, (long long)chk.elements);
+        static const struct { int disable, graph, repeats, warmup; } bad[3] = {{COMET_DISABLE_COMM, 0, 6, 0},
+                                                                               {0, 1, 6, 0}, {0, 0, 6, 4}};
+        for (int b = 0; b < 3; b++) {
+            run.disable = bad[b].disable, run.graph = bad[b].graph, run.repeats = bad[b].repeats;
+            st = comet_problem_run(p, world, &run, bad[b].warmup);
+            CHECK(st == COMET_ERR_INVALID_ARGUMENT, "interleave case %d: %s, want invalid argument", b,
+                  comet_status_string(st));
+        }
+        comet_world_destroy(world);
+    }
+    comet_problem_destroy(p);
+}
+
 static void test_check(void) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 64, cfg.ffn = 32, cfg.num_experts = 4, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 10;
@@ -297,6 +337,7 @@ static void test_check(void) {
 int main(void) {
     test_check();
     test_disable();
+    test_interleave();
     const int layouts[][2] = {{1, 1}, {1, 2}, {2, 1}, {2, 2}, {1, 4}, {4, 1}};
     for (int i = 0; i < 6; i++) test_exact(layouts[i][0], layouts[i][1]);
     test_matrix();

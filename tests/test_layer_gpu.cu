@@ -13,7 +13,8 @@
  * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
  * rows home (the default, COMET_PUSH=1 here; the other cases set
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
- * and the overlapped mode with its remote rows through the copy engine
+ * and --comm-hidden's interleaved sides leave the next whole call's bits
+ * alone, and the overlapped mode with its remote rows through the copy engine
  * (COMET_DISPATCH_CE=1) too, and both with partials sent home
  * (COMET_PARTIALS=1) in place of rows; one layer
  * run 100 times in each mode,
@@ -125,6 +126,21 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     same = same_output(p, first, w, cfg->hidden, st);
     CHECK(same, "%s: overlapped mode (n_comm 8): %s, output %s", tag, comet_status_string(st),
           same ? "equal" : "differs from the sequential one");
+
+    /* --comm-hidden's sides interleaved call by call in one layer (the
+     * runner's interleave: 6 calls, without communication, without GEMMs,
+     * whole, twice; the last whole): each mode's protocol state survives the
+     * calls that leave a side out: the same bits */
+    for (int ov = 0; ov < 2; ov++) {
+        comet_run_t sides = run;
+        sides.n_comm = ov ? 8 : COMET_SEQUENTIAL, sides.interleave = 1, sides.repeats = 6;
+        comet_problem_poison(p);
+        st = comet_problem_run(p, world, &sides, 0);
+        same = same_output(p, first, w, cfg->hidden, st);
+        CHECK(same && sides.ms_side[0] > 0 && sides.ms_side[1] > 0 && sides.ms_side[2] > 0,
+              "%s: %s, sides interleaved: %s, output %s, times %.3f / %.3f / %.3f ms", tag, ov ? "overlapped" : "sequential",
+              comet_status_string(st), same ? "equal" : "differs", sides.ms_side[0], sides.ms_side[1], sides.ms_side[2]);
+    }
 
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into
      * their home ranks and the combine reads them there: the same bits */

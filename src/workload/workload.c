@@ -452,6 +452,12 @@ static void compare_call(rank_job_t *job, int call, const uint16_t *y, uint16_t 
  * fresh buffers (zeros: on a GPU the tensor cores then draw less power and
  * run faster: "GEMM only" read 828 TFLOP/s for Mixtral). Every rank takes
  * part; the caller poisons y again. */
+/* With run->interleave, the disable bits of call i (comet_run_t). */
+static int interleave_side(int i) {
+    static const int side[3] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, 0};
+    return side[i % 3];
+}
+
 static comet_status_t full_forward_first(comet_layer_t *layer, comet_forward_args_t *a) {
     const int keep = a->disable;
     a->disable = 0;
@@ -503,15 +509,17 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         if (!agree(job->agree, ok) && ok)
             st = comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not capture its forward in a graph", r);
     }
-    /* after the graph's agreement, so that every rank is known to take part */
-    if (e == cudaSuccess && st == COMET_SUCCESS && job->run->disable) { /* y poisoned again: the calls */
-        st = full_forward_first(layer, a);                                /* without one side leave it */
+    /* after the graph's agreement, so that every rank is known to take part: one whole forward
+     * before calls that leave a side out, then y poisoned again (those calls leave it) */
+    if (e == cudaSuccess && st == COMET_SUCCESS && (job->run->disable || job->run->interleave)) {
+        st = full_forward_first(layer, a);
         if (st == COMET_SUCCESS) e = cudaMemset(dev[5], 0xff, (size_t)(t * hd) * 2);
     }
     uint16_t *first = NULL;
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(dev[5], 0xff, (size_t)(t * hd) * 2, stream);
         if (e != cudaSuccess) break;
+        if (job->run->interleave) a->disable = interleave_side(i);
         cudaEventRecord(e0, stream);
         if (exec)
             e = cudaGraphLaunch(exec, stream);
@@ -564,7 +572,7 @@ static void *rank_main(void *arg) {
 #endif
     {
         uint16_t *first = NULL;
-        if (st == COMET_SUCCESS && run->disable) { /* y poisoned again: the calls without one side leave it */
+        if (st == COMET_SUCCESS && (run->disable || run->interleave)) { /* as rank_cuda */
             st = full_forward_first(layer, &a);
             memset(job->p->y[job->rank], 0xff, (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2);
         }
@@ -573,6 +581,7 @@ static void *rank_main(void *arg) {
             if (st != COMET_SUCCESS) break;
             if (run->compare_repeats && i > 0)
                 memset(job->p->y[job->rank], 0xff, (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2);
+            if (run->interleave) a.disable = interleave_side(i);
             double t0 = wall_ms();
             st = comet_layer_forward(layer, &a);
             job->ms[i] = wall_ms() - t0;
@@ -603,6 +612,11 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
     if (run->repeats < 1) run->repeats = 1;
     if (warmup < 0 || warmup >= run->repeats) warmup = 0;
+    if (run->interleave && (run->disable || run->graph || run->repeats - warmup < 3))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "runner: interleaved sides need disable 0, no graph and 3 timed calls or more (%d)",
+                          run->repeats - warmup);
+    memset(run->ms_side, 0, sizeof run->ms_side);
     memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
     rank_job_t jobs[64];
@@ -639,6 +653,17 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     for (int i = 0; i < timed; i++)
         for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
+    for (int side = 0; run->interleave && side < 3; side++) { /* call warmup + i has side (warmup + i) % 3 */
+        double *mine = calloc((size_t)timed, sizeof(double));
+        int n = 0;
+        for (int i = 0; mine && i < timed; i++)
+            if ((warmup + i) % 3 == side) mine[n++] = slowest[i];
+        if (n) {
+            qsort(mine, (size_t)n, sizeof(double), cmp_double);
+            run->ms_side[side] = mine[n / 2];
+        }
+        free(mine);
+    }
     qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
     run->ms_median = slowest[timed / 2];
     free(ms), free(slowest);
