@@ -118,6 +118,8 @@ for step in $STEPS; do
             done
             python3 dev/trace_stats.py "${files[@]}" | tee -a "$OUT/trace_stats.txt"
         done
+        # one file for all the pictures and JSON (the device tool returns at most 8 files)
+        (cd "$OUT" && tar czf traces.tar.gz trace-gpu*.json trace-gpu*.svg && rm -f trace-gpu*.json trace-gpu*.svg)
         ;;
     launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)
         n=$(nvidia-smi -L | wc -l)
