@@ -244,8 +244,11 @@ static void test_disable(void) {
 
 /* --comm-hidden's sides interleaved call by call in one layer (the
  * runner's interleave): every side timed, the last call whole and bitwise
- * the reference's; the runner refuses interleave with disable bits, a
- * graph, or fewer than 3 timed calls. */
+ * the reference's; with y poisoned before every call, exactly the calls
+ * without communication (0 and 3 of 6) leave it poisoned, as the first
+ * does, so 4 differ from the first (all whole: 0; the first two sides
+ * swapped: 2); the runner refuses interleave with disable bits, a graph, or
+ * fewer than 3 timed calls. */
 static void test_interleave(void) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
@@ -264,6 +267,12 @@ static void test_interleave(void) {
         CHECK(st == COMET_SUCCESS, "interleave n_comm %d: %s", n_comm, comet_last_error());
         CHECK(run.ms_side[0] > 0 && run.ms_side[1] > 0 && run.ms_side[2] > 0,
               "interleave n_comm %d: side medians %g %g %g", n_comm, run.ms_side[0], run.ms_side[1], run.ms_side[2]);
+        comet_run_t each = run;
+        each.compare_repeats = 1;
+        st = comet_problem_run(p, world, &each, 0);
+        CHECK(st == COMET_SUCCESS && each.repeats_differ[0] == 4 && each.repeats_differ[1] == 4,
+              "interleave n_comm %d: %s, %d and %d calls differ from the first (want 4: the sides in order)", n_comm,
+              comet_status_string(st), each.repeats_differ[0], each.repeats_differ[1]);
         comet_check_t chk;
         comet_problem_check(p, 0, -1, &chk);
         CHECK(chk.differ == 0 && chk.elements == (12 + 9) * 32,

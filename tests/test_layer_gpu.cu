@@ -129,17 +129,35 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 
     /* --comm-hidden's sides interleaved call by call in one layer (the
      * runner's interleave: 6 calls, without communication, without GEMMs,
-     * whole, twice; the last whole): each mode's protocol state survives the
-     * calls that leave a side out: the same bits */
-    for (int ov = 0; ov < 2; ov++) {
+     * whole, twice; the last whole), in both modes, with the pull combine and
+     * (W > 1) with push: no call fails or hangs, the last gives the same bits,
+     * and with y poisoned before every call the two without communication
+     * leave it poisoned (4 calls differ from the first; none where the SIMT
+     * GEMM fallback runs, which ignores disable). The calls without
+     * GEMMs find the previous call's o, so the bits alone cannot tell a
+     * state a left-out side corrupts from a correct one: the hangs and
+     * timeouts are what this catches. */
+    static const char *const push_on[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
+    static const char *const as_set[] = {NULL};
+    for (int v = 0; v < (w > 1 ? 4 : 2); v++) {
         comet_run_t sides = run;
-        sides.n_comm = ov ? 8 : COMET_SEQUENTIAL, sides.interleave = 1, sides.repeats = 6;
+        sides.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL, sides.interleave = 1, sides.repeats = 6;
         comet_problem_poison(p);
-        st = comet_problem_run(p, world, &sides, 0);
+        st = run_with_env(p, world, &sides, v >= 2 ? push_on : as_set);
         same = same_output(p, first, w, cfg->hidden, st);
-        CHECK(same && sides.ms_side[0] > 0 && sides.ms_side[1] > 0 && sides.ms_side[2] > 0,
-              "%s: %s, sides interleaved: %s, output %s, times %.3f / %.3f / %.3f ms", tag, ov ? "overlapped" : "sequential",
-              comet_status_string(st), same ? "equal" : "differs", sides.ms_side[0], sides.ms_side[1], sides.ms_side[2]);
+        int differ_ok = 1;
+        if (same) {
+            sides.compare_repeats = 1;
+            st = run_with_env(p, world, &sides, v >= 2 ? push_on : as_set);
+            const int want = strstr(sides.modes, "simt") ? 0 : 4; /* the SIMT fallback ignores disable */
+            for (int s = 0; s < w; s++) differ_ok &= sides.repeats_differ[s] == want;
+        }
+        CHECK(same && st == COMET_SUCCESS && differ_ok && sides.ms_side[0] > 0 && sides.ms_side[1] > 0 &&
+                  sides.ms_side[2] > 0,
+              "%s: %s%s, sides interleaved: %s, output %s, %s, times %.3f / %.3f / %.3f ms", tag,
+              v % 2 ? "overlapped" : "sequential", v >= 2 ? " with push" : "", comet_status_string(st),
+              same ? "equal" : "differs", differ_ok ? "sides in order" : "calls without communication wrote y",
+              sides.ms_side[0], sides.ms_side[1], sides.ms_side[2]);
     }
 
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into

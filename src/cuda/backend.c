@@ -438,7 +438,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "");
+    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
+             L->use_hopper_gemm ? "" : "simt,");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }

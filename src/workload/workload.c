@@ -447,17 +447,17 @@ static void compare_call(rank_job_t *job, int call, const uint16_t *y, uint16_t 
     if (job->rank < 64 && (!*first || memcmp(*first, y, bytes) != 0)) job->run->repeats_differ[job->rank]++;
 }
 
-/* Before calls that leave one side out (run->disable): one whole forward,
- * so that those calls work on real gathered rows and activations instead of
- * fresh buffers (zeros: on a GPU the tensor cores then draw less power and
- * run faster: "GEMM only" read 828 TFLOP/s for Mixtral). Every rank takes
- * part; the caller poisons y again. */
 /* With run->interleave, the disable bits of call i (comet_run_t). */
 static int interleave_side(int i) {
     static const int side[3] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, 0};
     return side[i % 3];
 }
 
+/* Before calls that leave one side out (run->disable): one whole forward,
+ * so that those calls work on real gathered rows and activations instead of
+ * fresh buffers (zeros: on a GPU the tensor cores then draw less power and
+ * run faster: "GEMM only" read 828 TFLOP/s for Mixtral). Every rank takes
+ * part; the caller poisons y again. */
 static comet_status_t full_forward_first(comet_layer_t *layer, comet_forward_args_t *a) {
     const int keep = a->disable;
     a->disable = 0;
@@ -612,24 +612,25 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
     if (run->repeats < 1) run->repeats = 1;
     if (warmup < 0 || warmup >= run->repeats) warmup = 0;
+    memset(run->ms_side, 0, sizeof run->ms_side);
     if (run->interleave && (run->disable || run->graph || run->repeats - warmup < 3))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "runner: interleaved sides need disable 0, no graph and 3 timed calls or more (%d)",
                           run->repeats - warmup);
-    memset(run->ms_side, 0, sizeof run->ms_side);
     memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
     rank_job_t jobs[64];
     double *ms = calloc((size_t)(w * run->repeats), sizeof(double));
     double *slowest = calloc((size_t)run->repeats, sizeof(double));
-    if (!ms || !slowest) {
-        free(ms), free(slowest);
+    double *side_ms = calloc((size_t)run->repeats, sizeof(double)); /* one side's calls (interleave) */
+    if (!ms || !slowest || !side_ms) {
+        free(ms), free(slowest), free(side_ms);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
     }
     /* a world spread over processes runs only the rank it holds here */
     const int local = comet_world_local_rank(world), first = local >= 0 ? local : 0, last = local >= 0 ? local : w - 1;
     if (run->graph && local >= 0 && w > 1) {
-        free(ms), free(slowest);
+        free(ms), free(slowest), free(side_ms);
         return comet_fail(COMET_ERR_UNSUPPORTED, "runner: graph replay needs every rank in this process");
     }
     agree_t ag = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, last - first + 1, 0, 0};
@@ -646,7 +647,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     }
     for (int s = first; s < started; s++) pthread_join(th[s], NULL);
     if (started <= last) {
-        free(ms), free(slowest);
+        free(ms), free(slowest), free(side_ms);
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
     const int timed = run->repeats - warmup;
@@ -654,19 +655,15 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
     for (int side = 0; run->interleave && side < 3; side++) { /* call warmup + i has side (warmup + i) % 3 */
-        double *mine = calloc((size_t)timed, sizeof(double));
         int n = 0;
-        for (int i = 0; mine && i < timed; i++)
-            if ((warmup + i) % 3 == side) mine[n++] = slowest[i];
-        if (n) {
-            qsort(mine, (size_t)n, sizeof(double), cmp_double);
-            run->ms_side[side] = mine[n / 2];
-        }
-        free(mine);
+        for (int i = 0; i < timed; i++)
+            if ((warmup + i) % 3 == side) side_ms[n++] = slowest[i];
+        qsort(side_ms, (size_t)n, sizeof(double), cmp_double);
+        run->ms_side[side] = side_ms[n / 2]; /* n >= 1: 3 timed calls or more */
     }
     qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
     run->ms_median = slowest[timed / 2];
-    free(ms), free(slowest);
+    free(ms), free(slowest), free(side_ms);
     /* a rank's own failure before the PEER_FAILED of the others, which only echo it */
     for (int pass = 0; pass < 2; pass++)
         for (int s = first; s <= last; s++)

@@ -126,11 +126,12 @@ typedef struct {
                              * GEMMs (COMET_DISABLE_GEMM), nothing}, so clock drift reaches the three
                              * alike; repeats a multiple of 3 ends on a whole call, whose y is kept */
     double ms_side[3];      /* out, with interleave: each side's median over its timed calls, slowest
-                             * rank: [0] GEMMs only, [1] communication only, [2] whole */
+                             * rank of this process: [0] GEMMs only, [1] communication only, [2] whole */
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
-                             * "ce", comma-separated; comet_cuda_layer_modes), else "" */
+                             * "ce", and "simt" where the SIMT GEMM fallback runs, which ignores
+                             * disable; comma-separated; comet_cuda_layer_modes), else "" */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
