@@ -5,7 +5,9 @@ length, the busy time summed over workers, and the span from the first begin
 to the last end. Pull intervals are split by their aux field: on the CUDA
 path "pull aux=-1" is a dispatch batch (sequential chain, or the overlapped
 mode's local copies) and "pull aux=1" a pass of the overlapped mode's
-remote pulls (src/trace/trace.h); on the CPU engine aux is a stage. With two or more files
+remote pulls (src/trace/trace.h); on the CPU engine aux is a stage. The
+CUDA path's plan comes in four intervals (routing copy, the builder's
+count, fill and finish kernels, each with the launch gap before it). With two or more files
 (e.g. the same call under two settings, same seed) each row shows every
 file's figures side by side, so a change in the remote pulls' pass length is
 a change in their rate (the passes move the same rows).
@@ -16,6 +18,9 @@ import json
 import statistics
 import sys
 
+# the CUDA path's plan intervals by index (src/trace/trace.h)
+PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill", 3: "finish"}
+
 
 def load(path):
     with open(path) as f:
@@ -25,6 +30,8 @@ def load(path):
         kind = e["args"]["kind"]
         if kind == "pull":
             kind = "pull aux=%d" % e["args"]["aux"]
+        elif kind == "plan" and e["args"]["index"] >= 0:
+            kind = "plan %d %s" % (e["args"]["index"], PLAN_STEPS.get(e["args"]["index"], ""))
         groups.setdefault((e["pid"], kind), []).append((e["ts"], e["dur"]))
     return groups
 

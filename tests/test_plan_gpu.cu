@@ -52,7 +52,7 @@ static void check_case(const comet_layer_config_t *cfg, int w, const comet_probl
         CUDA_OK(cudaMalloc(&scratch, comet_cuda_plan_scratch_bytes(&d)));
         CUDA_OK(cudaMemset(scratch, 0x5a, comet_cuda_plan_scratch_bytes(&d))); /* the builder must not rely on it */
         comet_plan_input_t din = {d_counts, (const int32_t *const *)d_idx_arr, (const float *const *)d_wt_arr};
-        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, scratch, NULL, 0));
+        CUDA_OK(comet_cuda_plan_build(&d, &din, dev, scratch, NULL, 0, NULL, NULL));
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(back, dev, bytes, cudaMemcpyDeviceToHost));
         CHECK(memcmp(host, back, bytes) == 0, "%s rank %d: device plan differs from the host plan", tag, r);

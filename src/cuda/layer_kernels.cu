@@ -791,15 +791,17 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
 
 /* Trace: mark where a step starts (end 0) or record it (end 1) as one
  * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
- * (routing copy and builder, the stream's lane). The kernels of those steps
- * record nothing themselves. */
-__global__ void k_mark(comet_cuda_ctx_t c, int which, int end) {
+ * (the stream's lane; index: 0 the routing copy, 1-3 the builder's count,
+ * fill and finish kernels, each with the launch gap before it; 3 the whole
+ * builder where the sequential one runs). The kernels
+ * of those steps record nothing themselves. */
+__global__ void k_mark(comet_cuda_ctx_t c, int which, int end, int index) {
     if (!end) {
         c.state->mark_begin[which] = globaltimer();
         return;
     }
     if (which == 2)
-        trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, -1, -1, c.state->mark_begin[2]);
+        trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, index, -1, c.state->mark_begin[2]);
     else
         trace_rec(&c, 9 + which, COMET_TRACE_GEMM, which, which ? COMET_TRACE_GEMM1 : COMET_TRACE_GEMM0, -1, -1,
                   c.state->mark_begin[which]);
@@ -1030,11 +1032,11 @@ extern "C" int comet_cuda_layer_warm(void) {
  * programmatically dependent on the kernel before it, hooks->pdl, must follow
  * that kernel directly: its begin mark goes before that kernel instead). */
 static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
-    if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0);
+    if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0, -1);
     const int ge = which ? comet_gemm1_launch((const comet_gemm_t *)c->gemm, stream, hooks)
                          : comet_gemm0_launch((const comet_gemm_t *)c->gemm, stream, hooks);
     if (ge != cudaSuccess) return ge;
-    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1);
+    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1, -1);
     return cudaSuccess;
 }
 
@@ -1083,20 +1085,34 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     return (int)cudaGetLastError();
 }
 
+/* Tracing: the plan step `step` ends here and the next begins (the
+ * builder's hook between its kernels; arg is the comet_cuda_ctx_t). */
+static cudaError_t plan_mark(void *arg, int step, cudaStream_t stream) {
+    const comet_cuda_ctx_t *c = (const comet_cuda_ctx_t *)arg;
+    k_mark<<<1, 1, 0, stream>>>(*c, 2, 1, step);
+    k_mark<<<1, 1, 0, stream>>>(*c, 2, 0, -1);
+    return cudaGetLastError();
+}
+
 static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     const comet_cuda_ctx_t c = *ctx;
     const comet_dims_t *d = &c.d;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
     const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
-    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0, -1);
     k_gather_routing<<<grid, 256, 0, stream>>>(c);
+    if (c.tr_events) {
+        const cudaError_t me = plan_mark((void *)&c, 0, stream);
+        if (me != cudaSuccess) return (int)me;
+    }
     comet_plan_input_t in;
     in.token_count = c.state->token_count; /* device addresses inside the state */
     in.topk_idx = (const int32_t *const *)c.state->route_idx;
     in.topk_w = (const float *const *)c.state->route_w;
-    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream);
+    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
+                                           c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
-    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 3);
     int combine = 1; /* the signal and combine kernels after GEMM1 (all but the chunked overlapped combine) */
     if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;
@@ -1109,7 +1125,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
         k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
@@ -1153,12 +1169,12 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (ge != cudaSuccess) return ge;
     } else { /* sequential, SIMT tiles */
         k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
         k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1, -1);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0, -1);
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1, -1);
     }
     if (combine) {
         if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);

@@ -318,7 +318,8 @@ extern "C" size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d) {
 }
 
 extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
-                                             void *scratch, const uint32_t *skip, cudaStream_t stream) {
+                                             void *scratch, const uint32_t *skip, cudaStream_t stream,
+                                             comet_plan_step_hook_t between, void *arg) {
     const int64_t el = d->experts_local, w = d->world_size;
     const int64_t keys = el + 1 > w ? el + 1 : w;
     if (keys > COMET_PLAN_MAX_KEYS) {
@@ -338,7 +339,9 @@ extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_
     int32_t *cnt = (int32_t *)scratch;
     const dim3 grid((unsigned)chunks, (unsigned)w);
     comet_plan_count<<<grid, PLAN_THREADS, (size_t)(el + 1) * sizeof(int32_t), stream>>>(*d, *in, workspace, cnt, skip);
+    if (between && (e = between(arg, 1, stream)) != cudaSuccess) return e;
     comet_plan_fill<<<grid, PLAN_THREADS, fill_smem, stream>>>(*d, *in, workspace, cnt, skip);
+    if (between && (e = between(arg, 2, stream)) != cudaSuccess) return e;
     comet_plan_finish<<<1, PLAN_THREADS, finish_smem, stream>>>(*d, workspace, cnt, (int)chunks, skip);
     return cudaGetLastError();
 }

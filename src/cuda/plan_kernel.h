@@ -20,15 +20,19 @@ extern "C" {
  * counts per source rank, chunk of 1024 tokens and local expert). */
 size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d);
 
+/* Called on the host between the parallel builder's kernels (step 1 after
+ * count, 2 after fill), with the stream: e.g. to enqueue trace marks. */
+typedef cudaError_t (*comet_plan_step_hook_t)(void *arg, int step, cudaStream_t stream);
+
 /* Build rank d->rank's plan on the device into workspace (device memory of
  * comet_plan_workspace_bytes(d)), using scratch (comet_cuda_plan_scratch_bytes
  * of device memory, contents irrelevant; not shared with a concurrent build).
  * in's arrays (token_count, the pointer arrays and what they point to) must
  * be device-accessible. When skip is not NULL and *skip != 0 at run time,
- * nothing is built. Asynchronous on stream (three kernels); returns the
- * launch status. */
+ * nothing is built. Asynchronous on stream (three kernels; between, when not
+ * NULL, is called after the first two); returns the launch status. */
 cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace, void *scratch,
-                                  const uint32_t *skip, cudaStream_t stream);
+                                  const uint32_t *skip, cudaStream_t stream, comet_plan_step_hook_t between, void *arg);
 
 #ifdef __cplusplus
 }
