@@ -12,6 +12,9 @@ count, fill and finish kernels, each with the launch gap before it). With two or
 file's figures side by side, so a change in the remote pulls' pass length is
 a change in their rate (the passes move the same rows).
 
+A timeline per file and rank comes first: each step's first begin and last
+end, and the gap before it (launch gaps and waits of the sequential chain).
+
   dev/trace_stats.py A.json [B.json ...]
 """
 import json
@@ -43,10 +46,28 @@ def stats(items):
     return "%5d %9.1f %9.1f %10.1f %9.1f" % (len(durs), statistics.median(durs), p90, sum(durs), span)
 
 
+def timeline(path, table):
+    """Per rank, each step's first begin and last end (us from the rank's
+    first event) in order of first begin, and the gap since the latest end of
+    the steps before it (negative: they overlap)."""
+    print("timeline of %s (us from each rank's first event; wait intervals left out)" % path)
+    for rank in sorted(set(r for r, _ in table)):
+        steps = [(min(t for t, _ in v), max(t + d for t, d in v), k) for (r, k), v in table.items()
+                 if r == rank and k != "wait"]
+        steps.sort()
+        t0, last = steps[0][0], None
+        for b, e, k in steps:
+            gap = "" if last is None else "%+9.1f" % (b - last)
+            print("  r%d %-22s %9.1f %9.1f %9s" % (rank, k, b - t0, e - t0, gap))
+            last = e if last is None else max(last, e)
+
+
 def main(paths):
     if not paths:
         sys.exit(__doc__.strip())
     tables = [load(p) for p in paths]
+    for p, t in zip(paths, tables):
+        timeline(p, t)
     keys = sorted(set(k for t in tables for k in t))
     head = "%5s %9s %9s %10s %9s" % ("n", "med us", "p90 us", "busy us", "span us")
     print("%-26s " % "rank / step" + " | ".join(head for _ in paths))
