@@ -1,6 +1,7 @@
 /*
  * test_layer_gpu.cu - the CUDA backend against the CPU reference, on one GPU
- * and, where there are two or more, on two (both (TP, EP) layouts): model
+ * and, where there are two or more, on two (both (TP, EP) layouts), and
+ * where there are four or more, on four (EP4, TP2 x EP2, TP4): model
  * presets scaled down, random configurations (topk 1..8, E up to 256, tokens
  * per rank including 0 and 1, small and default tile heights, skewed routing,
  * experts with no tokens, GELU; hidden % 8 != 0, topk > 32, tall row
@@ -336,7 +337,8 @@ int main(void) {
     setenv("COMET_PUSH", "0", 1); /* the pull combine, except where run_with_push asks for push */
     setenv("COMET_PARTIALS", "0", 1); /* and where the partials passes ask for partials */
     comet_rng_t rng = {31};
-    for (int w = 1; w <= (gpus >= 2 ? 2 : 1); w++)
+    /* worlds of 1, 2 and (with 4 GPUs or more) 4 ranks: EP, TP and EP x TP */
+    for (int w = 1; w <= (gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1); w *= 2)
         for (int tp = 1; tp <= w; tp++) {
             if (w % tp) continue;
             const int ep = w / tp;
@@ -347,7 +349,7 @@ int main(void) {
                 comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
                 cfg.hidden = mod->hidden / 16, cfg.ffn = mod->ffn / 16, cfg.num_experts = mod->num_experts;
                 cfg.topk = mod->topk, cfg.tp = tp, cfg.ep = ep, cfg.max_tokens_per_rank = 96;
-                int64_t tokens[2] = {96, 77};
+                int64_t tokens[4] = {96, 77, 90, 51};
                 comet_routing_opts_t ro = {m % 2 ? 0.2 : 0.0, 0, (uint64_t)m};
                 snprintf(tag, sizeof tag, "%s/16 W=%d TP=%d EP=%d", mod->name, w, tp, ep);
                 run_case(&cfg, tokens, &ro, tag);
@@ -365,7 +367,7 @@ int main(void) {
                 cfg.activation = rep == 2 ? COMET_ACT_GELU : COMET_ACT_SILU_GATED;
                 cfg.max_tokens_per_rank = 1 + (int64_t)(comet_rng_next(&rng) % 150);
                 cfg.tile_m = rep % 2 ? 16 : 0;
-                int64_t tokens[2];
+                int64_t tokens[4];
                 for (int s = 0; s < w; s++)
                     tokens[s] = rep == 3 && s == 0 ? (w > 1 ? 0 : 1)
                                                    : (int64_t)(comet_rng_next(&rng) % (uint64_t)(cfg.max_tokens_per_rank + 1));
@@ -383,7 +385,7 @@ int main(void) {
                 comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
                 cfg.tp = tp, cfg.ep = ep, cfg.hidden = 36, cfg.ffn = 16 * tp, cfg.num_experts = 64, cfg.topk = 40;
                 cfg.max_tokens_per_rank = 90, cfg.tile_m = 200;
-                int64_t tokens[2] = {90, 61};
+                int64_t tokens[4] = {90, 61, 90, 33};
                 comet_routing_opts_t ro = {0.2, 0, (uint64_t)(7 + w)};
                 snprintf(tag, sizeof tag, "narrow W=%d TP=%d H=36 k=40 tile_m=200", w, tp);
                 run_case(&cfg, tokens, &ro, tag);
