@@ -5,7 +5,7 @@ torch_moe.py --json) and comet files (JSON lines, written by
 `comet bench --json`). Prints the PyTorch table when only baselines are given;
 with both, one row per configuration with each side's time, the speedup
 (t_pytorch / t_comet, same inputs' shape, same machine) and the roofline
-fraction of benchmarks.md, max(flops / GEMM peak, bytes / link rate) /
+fraction of ../shared/docs/benchmarks.md, max(flops / GEMM peak, bytes / link rate) /
 t_comet, i.e. max(TFLOP/s / peak, GB/s / link) per GPU, against measured
 peaks on H200 (environment GEMM_PEAK_TFLOPS, default 804: cuBLAS dense
 8192^3 on a cold H200, dev/gemm/NOTES.md; LINK_GBPS, default 348: one
