@@ -11,5 +11,7 @@ timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 ./combine 0 ti
 echo "memcheck (tiny, every version): exit $? $(grep -E 'ERROR SUMMARY' "$O/combine-memcheck.log")"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
 timeout ${TO:-300} ./combine ${VERS:-0} > "$O/combine.log" 2>&1
-echo "combine: exit $?"
+rc=$?
+echo "combine: exit $rc"
 cat "$O/combine.log"
+exit $rc
