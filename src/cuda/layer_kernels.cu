@@ -21,6 +21,7 @@
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "plan_kernel.h"
+#include "tma.h"
 #include "../trace/trace.h"
 #include "comet.h"
 
@@ -764,15 +765,166 @@ __device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_
     }
 }
 
+/* ---------------------------------------------------------------------------
+ * The combine by bulk copies (k_final_bulk; COMET_COMBINE_BULK=1 at layer
+ * create; cuda_layer.h combine_smem): the same sums as pull_combine, in the same order, but the
+ * rows come into shared memory by TMA bulk copies (cp.async.bulk) instead of
+ * registers, so ~200 KB an SM are in flight where the register mover keeps
+ * 32 KB (dev/combine). Warp BULK_CONSUMERS of the CTA is the producer: per
+ * token, its lanes hold the token's entries (lane l: slot l / tp on tp rank
+ * l % tp of the slot's group, combine_lane_*), each takes its place in the
+ * (group, tp rank, slot) order of pull_combine, writes its weight and group
+ * into the stage's header and copies its row's segment of BULK_CW columns.
+ * Warps 0..BULK_CONSUMERS-1 reduce a stage, 4 columns a thread: an fmaf chain
+ * per (group, tp rank) from 0, the chains' sums added in order, as
+ * rank_partial and pull_combine do. The other warps of the CTA idle.
+ * Work items: (token, column segment), a CTA's tokens b, b + grid, ...
+ * ------------------------------------------------------------------------- */
+
+#define BULK_CW 1024
+#define BULK_CONSUMERS 8 /* 256 threads x 4 columns = BULK_CW */
+#define BULK_HEADER 256  /* 32 fp32 weights, 32 int32 groups */
+static_assert(COMM_THREADS >= 32 * (BULK_CONSUMERS + 1), "a producer warp beside the consumers");
+
+typedef struct {
+    uint64_t full[COMET_CUDA_BULK_STAGES], empty[COMET_CUDA_BULK_STAGES];
+    uint32_t seq; /* items the CTA has taken in earlier calls (the barriers' phases go on) */
+} bulk_ring_t;
+
+/* Thread 0: the barriers, once a kernel; the caller synchronises. */
+__device__ static void bulk_init(bulk_ring_t *r, int stages) {
+    for (int s = 0; s < stages; s++) gm_mbar_init(&r->full[s], 1), gm_mbar_init(&r->empty[s], BULK_CONSUMERS);
+    r->seq = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Parity wait with the layer's timeout (then the rank, role and item are named and the kernel traps). */
+__device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_t timeout_ns, int rank, const char *role,
+                                              uint32_t item) {
+    const uint64_t start = globaltimer();
+    uint32_t done = 0;
+    while (true) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(gm_smem(bar)), "r"(parity)
+                     : "memory");
+        if (done) return;
+        if (globaltimer() - start > timeout_ns) {
+            printf("comet: rank %d %s, item %u: timed out after %llu ms on a shared-memory barrier\n", rank, role, item,
+                   (unsigned long long)(timeout_ns / 1000000));
+            __trap();
+        }
+    }
+}
+
+/* Columns [c0, c1) of y for every local token (c0, c1 and H multiples of 8;
+ * topk x tp <= 32; no partials), by the whole CTA; r initialised by
+ * bulk_init. The ring (dynamic shared memory) holds c->combine_stages stages
+ * of BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
+__device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
+                                    bulk_ring_t *r, int64_t c0, int64_t c1) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    const int64_t hd = c->d.hidden, n = c->num_tokens, k = c->d.topk;
+    const int tp = c->d.tp, ents = (int)(k * tp), stages = c->combine_stages;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const size_t stage_bytes = BULK_HEADER + (size_t)ents * BULK_CW * 2;
+    const int64_t segs = (c1 - c0 + BULK_CW - 1) / BULK_CW;
+    const uint32_t seq0 = r->seq;
+    uint32_t items = 0; /* this call's items of the CTA */
+    for (int64_t t = blockIdx.x; t < n; t += gridDim.x) items += (uint32_t)segs;
+    if (warp == BULK_CONSUMERS) { /* the producer */
+        const int64_t s = gridDim.x;
+        int64_t t = blockIdx.x;
+        combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
+        combine_lane_row(c, src, t < n, &x0);
+        uint32_t it = seq0;
+        for (; t < n; t += s) {
+            combine_lane_t x2 = combine_lane_local(c, p, src, t + 2 * s, t + 2 * s < n);
+            combine_lane_row(c, src, t + s < n, &x1);
+            /* the entry's place: its (group, tp rank, slot) among the token's entries */
+            const int mine = lane < ents;
+            const int tpi = lane % tp, j = lane / tp;
+            const int32_t key = mine ? (x0.g * tp + tpi) * (int32_t)k + j : 0x7fffffff;
+            int pos = 0;
+            for (int l = 0; l < 32; l++) pos += __shfl_sync(0xffffffffu, key, l) < key;
+            const int q = x0.g * tp + tpi, has = mine && x0.row >= 0;
+            const uint32_t rows = (uint32_t)__popc(__ballot_sync(0xffffffffu, has));
+            for (int64_t sg = 0; sg < segs; sg++, it++) {
+                const int st = (int)(it % (uint32_t)stages);
+                unsigned char *stage = ring + (size_t)st * stage_bytes;
+                const int64_t col = c0 + sg * BULK_CW, cols = c1 - col < BULK_CW ? c1 - col : BULK_CW;
+                if (lane == 0) bulk_wait(&r->empty[st], (int)((it / (uint32_t)stages) & 1) ^ 1, c->timeout_ns, c->d.rank,
+                                         "combine producer", it);
+                __syncwarp();
+                if (mine) {
+                    ((float *)stage)[pos] = x0.w;
+                    ((int32_t *)stage)[32 + pos] = has ? q : -1 - q;
+                }
+                __syncwarp();
+                if (lane == 0) gm_mbar_expect_tx(&r->full[st], rows * (uint32_t)(cols * 2)); /* after the header */
+                __syncwarp();
+                if (has)
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                                     gm_smem(stage + BULK_HEADER + (size_t)pos * BULK_CW * 2)),
+                                 "l"(src->o_of[q] + (int64_t)x0.row * hd + col), "r"((uint32_t)(cols * 2)),
+                                 "r"(gm_smem(&r->full[st]))
+                                 : "memory");
+            }
+            x0 = x1, x1 = x2;
+        }
+    } else if (warp < BULK_CONSUMERS) { /* the reducers: thread threadIdx.x takes 4 columns of a segment */
+        const int vec = ((uintptr_t)c->y % 8) == 0;
+        uint32_t it = seq0;
+        for (int64_t t = blockIdx.x; t < n; t += gridDim.x)
+            for (int64_t sg = 0; sg < segs; sg++, it++) {
+                const int st = (int)(it % (uint32_t)stages);
+                const unsigned char *stage = ring + (size_t)st * stage_bytes;
+                bulk_wait(&r->full[st], (int)((it / (uint32_t)stages) & 1), c->timeout_ns, c->d.rank, "combine", it);
+                const int64_t col = c0 + sg * BULK_CW + threadIdx.x * 4;
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                int32_t prev = 0;
+                for (int e = 0; e < ents; e++) {
+                    const int32_t gq = ((const int32_t *)stage)[32 + e], q = gq < 0 ? -1 - gq : gq;
+                    if (e > 0 && q != prev) /* a new (group, tp rank): the finished chain's sum into acc */
+                        for (int i = 0; i < 4; i++) acc[i] += part[i], part[i] = 0.0f;
+                    prev = q;
+                    if (gq < 0 || col >= c1) continue; /* no row there; or beyond the segment */
+                    const uint2 v = *(const uint2 *)(stage + BULK_HEADER + (size_t)e * BULK_CW * 2 + threadIdx.x * 8);
+                    const float we = ((const float *)stage)[e];
+                    part[0] = fmaf(we, __uint_as_float(v.x << 16), part[0]);
+                    part[1] = fmaf(we, __uint_as_float(v.x & 0xffff0000u), part[1]);
+                    part[2] = fmaf(we, __uint_as_float(v.y << 16), part[2]);
+                    part[3] = fmaf(we, __uint_as_float(v.y & 0xffff0000u), part[3]);
+                }
+                for (int i = 0; i < 4; i++) acc[i] += part[i];
+                __syncwarp();
+                if (lane == 0) gm_mbar_arrive(&r->empty[st]); /* the warp is done with the stage */
+                if (col < c1) {
+                    comet_bf16_t *yo = c->y + t * hd + col;
+                    if (vec)
+                        *(uint2 *)yo = make_uint2((uint32_t)comet_f32_to_bf16(acc[0]) | (uint32_t)comet_f32_to_bf16(acc[1]) << 16,
+                                                  (uint32_t)comet_f32_to_bf16(acc[2]) | (uint32_t)comet_f32_to_bf16(acc[3]) << 16);
+                    else
+                        for (int i = 0; i < 4; i++) yo[i] = comet_f32_to_bf16(acc[i]);
+                }
+            }
+    }
+    __syncthreads(); /* every thread's next call starts after this one */
+    if (threadIdx.x == 0) r->seq = seq0 + items;
+    __syncthreads();
+}
+
 /* My o (and plan, and with partials the partials I sent) are complete: tell every rank. */
 __global__ void k_signal(comet_cuda_ctx_t c) {
     __threadfence_system();
     for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->o_ready[c.d.rank], c.state->epoch);
 }
 
-/* The combine of the sequential chain: once every rank's o is complete, y of
- * every local token over all columns. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
+/* The combine of the sequential chain (and of the overlapped mode with push):
+ * once every rank's o is complete, y of every local token over all columns;
+ * bulk (a literal in each kernel): by bulk copies (bulk_combine), else by
+ * the register mover (pull_combine). */
+__device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, const int bulk) {
     if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return; /* the measurement without communication */
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
@@ -782,12 +934,22 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) {
     combine_src_init(&c, &src);
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    pull_combine(&c, &p, &src, 0, c.d.hidden);
+    if (bulk) {
+        __shared__ bulk_ring_t ring;
+        if (threadIdx.x == 0) bulk_init(&ring, c.combine_stages);
+        __syncthreads();
+        bulk_combine(&c, &p, &src, &ring, 0, c.d.hidden);
+    } else {
+        pull_combine(&c, &p, &src, 0, c.d.hidden);
+    }
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, -1, -1, t0);
     }
 }
+
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) { final_body(c, 0); }
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_final_bulk(comet_cuda_ctx_t c) { final_body(c, 1); }
 
 /* Trace: mark where a step starts (end 0) or record it (end 1) as one
  * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
@@ -1018,7 +1180,8 @@ extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_signal, (const void *)k_send_partials, (const void *)k_final, (const void *)k_exit,
+                         (const void *)k_signal, (const void *)k_send_partials, (const void *)k_final,
+                         (const void *)k_final_bulk, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -1026,6 +1189,17 @@ extern "C" int comet_cuda_layer_warm(void) {
         if (e != cudaSuccess) return (int)e;
     }
     return comet_gemm_warm();
+}
+
+extern "C" int comet_cuda_combine_bulk_setup(comet_cuda_ctx_t *c) {
+    const int64_t ents = c->d.topk * c->d.tp;
+    const size_t stage = BULK_HEADER + (size_t)ents * BULK_CW * 2;
+    int stages = ents <= 32 && c->d.hidden % 8 == 0 && !c->partial ? (int)((200 * 1024) / stage) : 0;
+    if (stages > COMET_CUDA_BULK_STAGES) stages = COMET_CUDA_BULK_STAGES;
+    c->combine_bulk = stages >= 2, c->combine_stages = stages, c->combine_smem = 0;
+    if (!c->combine_bulk) return cudaSuccess;
+    c->combine_smem = (int)(stages * stage);
+    return (int)cudaFuncSetAttribute(k_final_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, c->combine_smem);
 }
 
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
@@ -1179,7 +1353,10 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     if (combine) {
         if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);
         k_signal<<<1, 1, 0, stream>>>(c);
-        k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+        if (c.combine_bulk)
+            k_final_bulk<<<grid, COMM_THREADS, c.combine_smem, stream>>>(c);
+        else
+            k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     }
     return (int)cudaGetLastError();
 }
