@@ -465,11 +465,13 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
-    /* the combine by bulk copies (measurement knob, rank-local: the protocol is the same) */
+    /* the combine by bulk copies (measurement knob, rank-local: the protocol is the same; where its
+     * shared memory cannot be had, the register mover runs: the ranks have agreed on the layer already) */
     const char *bulk_env = getenv("COMET_COMBINE_BULK");
-    if (st == COMET_SUCCESS && bulk_env && strcmp(bulk_env, "1") == 0) {
-        const cudaError_t be = (cudaError_t)comet_cuda_combine_bulk_setup(&L->ctx);
-        if (be != cudaSuccess) st = cuda_fail(rank, be, "the bulk combine's shared memory");
+    if (st == COMET_SUCCESS && bulk_env && strcmp(bulk_env, "1") == 0 &&
+        comet_cuda_combine_bulk_setup(&L->ctx) != (int)cudaSuccess) {
+        L->ctx.combine_bulk = 0, L->ctx.combine_smem = 0;
+        cudaGetLastError();
     }
     if (st != COMET_SUCCESS) {
         char msg[1024]; /* the clean-up's own failures must not replace the reason */

@@ -833,6 +833,9 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
     uint32_t items = 0; /* this call's items of the CTA */
     for (int64_t t = blockIdx.x; t < n; t += gridDim.x) items += (uint32_t)segs;
     if (warp == BULK_CONSUMERS) { /* the producer */
+        /* the rows were written by other GPUs and kernels (generic proxy, seen through thread 0's
+         * acquire and the CTA barrier); the bulk copies read them through the async proxy */
+        asm volatile("fence.proxy.async.global;" ::: "memory");
         const int64_t s = gridDim.x;
         int64_t t = blockIdx.x;
         combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
@@ -1199,7 +1202,17 @@ extern "C" int comet_cuda_combine_bulk_setup(comet_cuda_ctx_t *c) {
     c->combine_bulk = stages >= 2, c->combine_stages = stages, c->combine_smem = 0;
     if (!c->combine_bulk) return cudaSuccess;
     c->combine_smem = (int)(stages * stage);
-    return (int)cudaFuncSetAttribute(k_final_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, c->combine_smem);
+    /* the limit is the device's, for every layer of the process: set it to the most the kernel can
+     * have, never lower, so that a later layer with smaller stages cannot cut an earlier one's */
+    int dev = 0, optin = 0;
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, k_final_bulk);
+    if (e == cudaSuccess && c->combine_smem > optin - (int)fa.sharedSizeBytes) e = cudaErrorInvalidValue;
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_final_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)fa.sharedSizeBytes);
+    return (int)e;
 }
 
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
