@@ -561,22 +561,25 @@ static int tune(int argc, char **argv) {
         if (c > cfg.hidden) c = (int)cfg.hidden;
         if (n_chunks == 0 || chunks[n_chunks - 1] != c) chunks[n_chunks++] = c;
     }
-    /* on a GPU the sequential chain first: the table records it as n_comm 0 when it wins */
+    /* on a GPU the sequential chain first: the table records it as n_comm 0 when it wins; the
+     * layer's modes then say what the grid can change: with push the overlapped combine runs after
+     * GEMM1, so the chunk width does nothing (one column); the SIMT GEMM has no overlapped mode */
     const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
-    printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns)\n%8s", iters, "n_comm");
-    for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
-    printf("\n");
     comet_tuning_t best = {0, 0};
     double best_ms = -1, best_ov_ms = -1;
     int best_ov_chunk = chunks[0]; /* recorded with a sequential win: what n_comm > 0 calls then use */
+    int pushed = 0;                /* GPU: the layer pushes (one chunk column) */
     for (int i = 0; i < rows; i++) {
         const int seq = use_cuda && i == 0, n_comm = seq ? COMET_SEQUENTIAL : n_comms[i - (use_cuda ? 1 : 0)];
-        if (seq)
-            printf("%8s", "seq");
-        else
-            printf("%8d", n_comm);
+        comet_run_t r;
+        if (i == (use_cuda ? 1 : 0)) { /* the grid's header, once the sequential run (GPU) said the modes */
+            printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns%s)\n%8s", iters,
+                   pushed ? "; with push it does nothing: one" : "", "n_comm");
+            for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
+            printf("\n");
+        }
+        if (!seq) printf("%8d", n_comm);
         for (int c = 0; c < (seq ? 1 : n_chunks); c++) {
-            comet_run_t r;
             memset(&r, 0, sizeof r);
             r.n_comm = n_comm, r.chunk_cols = chunks[c], r.repeats = warmup + iters;
             comet_status_t st = comet_problem_run(p, w, &r, warmup);
@@ -586,12 +589,17 @@ static int tune(int argc, char **argv) {
                 comet_problem_destroy(p);
                 return 1;
             }
-            printf(" %9.3f", r.ms_median);
+            if (seq)
+                printf("\nthe sequential chain: %.3f ms%s\n", r.ms_median, has_mode(r.modes, "simt") ? " (SIMT GEMM: no overlapped mode)" : "");
+            else
+                printf(" %9.3f", r.ms_median);
             if (best_ms < 0 || r.ms_median < best_ms)
                 best.n_comm = seq ? 0 : n_comm, best.chunk_cols = chunks[c], best_ms = r.ms_median;
             if (!seq && (best_ov_ms < 0 || r.ms_median < best_ov_ms)) best_ov_ms = r.ms_median, best_ov_chunk = chunks[c];
         }
-        printf(seq ? "  (the sequential chain: no chunks)\n" : "\n");
+        if (seq && has_mode(r.modes, "simt")) break; /* every n_comm would run the same sequential chain */
+        if (seq && has_mode(r.modes, "push")) n_chunks = 1, pushed = 1;
+        if (!seq) printf("\n");
         fflush(stdout);
     }
     if (best.n_comm == 0) best.chunk_cols = best_ov_chunk;
