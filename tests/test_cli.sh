@@ -2,7 +2,8 @@
 # test_cli.sh BUILD_DIR - the command-line tool: help on every subcommand,
 # bad flags rejected with exit status 2, `comet check` and `comet bench` run
 # on the CPU engine and report a bitwise match (GPU runs are covered by
-# test_layer_gpu). Prints "test_cli: N passed, N failed".
+# test_layer_gpu); bench/report.py's columns on a made-up row. Prints
+# "test_cli: N passed, N failed".
 set -u
 comet=${1:-build}/comet
 passed=0 failed=0
@@ -67,5 +68,18 @@ expect tune-json 2 'are for bench and check' -- "$comet" tune --backend cpu --js
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
 [ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }
 rm -f "$tune_out"
+# bench/report.py: the roofline column (rate / 804, GB/s / 348: the larger) and comm hidden
+# (-1 = not measured, printed "-"; other values below 0 are measurements)
+if command -v python3 >/dev/null; then
+    rj=$(mktemp /tmp/comet-report-XXXXXX)
+    row='{"baseline": "comet-cuda", "date": "2026-11-22T00:00:00Z", "commit": "t", "model": "m", "M": 16, "tp": 1, "ep": 2, "skew": 0, "ms": 2.0, "rate": 402.0, "link_gbps": 10.0, "wrong": 0, "checked": 8, "n_comm": 0'
+    printf '%s, "comm_hidden": -0.0287}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
+    report="$(dirname "$0")/../bench/report.py"
+    expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    rm -f "$rj"
+else
+    echo "test_cli: bench/report.py skipped (no python3)"
+fi
 echo "test_cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
