@@ -823,7 +823,7 @@ __device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_
  * of BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
 __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
                                     bulk_ring_t *r, int64_t c0, int64_t c1) {
-    extern __shared__ __align__(128) unsigned char ring[];
+    extern __shared__ __align__(128) unsigned char bulk_smem[];
     const int64_t hd = c->d.hidden, n = c->num_tokens, k = c->d.topk;
     const int tp = c->d.tp, ents = (int)(k * tp), stages = c->combine_stages;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -854,7 +854,7 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
             const uint32_t rows = (uint32_t)__popc(__ballot_sync(0xffffffffu, has));
             for (int64_t sg = 0; sg < segs; sg++, it++) {
                 const int st = (int)(it % (uint32_t)stages);
-                unsigned char *stage = ring + (size_t)st * stage_bytes;
+                unsigned char *stage = bulk_smem + (size_t)st * stage_bytes;
                 const int64_t col = c0 + sg * BULK_CW, cols = c1 - col < BULK_CW ? c1 - col : BULK_CW;
                 if (lane == 0) bulk_wait(&r->empty[st], (int)((it / (uint32_t)stages) & 1) ^ 1, c->timeout_ns, c->d.rank,
                                          "combine producer", it);
@@ -881,7 +881,7 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
         for (int64_t t = blockIdx.x; t < n; t += gridDim.x)
             for (int64_t sg = 0; sg < segs; sg++, it++) {
                 const int st = (int)(it % (uint32_t)stages);
-                const unsigned char *stage = ring + (size_t)st * stage_bytes;
+                const unsigned char *stage = bulk_smem + (size_t)st * stage_bytes;
                 bulk_wait(&r->full[st], (int)((it / (uint32_t)stages) & 1), c->timeout_ns, c->d.rank, "combine", it);
                 const int64_t col = c0 + sg * BULK_CW + threadIdx.x * 4;
                 float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -938,10 +938,10 @@ __device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, con
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
     if (bulk) {
-        __shared__ bulk_ring_t ring;
-        if (threadIdx.x == 0) bulk_init(&ring, c.combine_stages);
+        __shared__ bulk_ring_t bars;
+        if (threadIdx.x == 0) bulk_init(&bars, c.combine_stages);
         __syncthreads();
-        bulk_combine(&c, &p, &src, &ring, 0, c.d.hidden);
+        bulk_combine(&c, &p, &src, &bars, 0, c.d.hidden);
     } else {
         pull_combine(&c, &p, &src, 0, c.d.hidden);
     }
