@@ -28,8 +28,8 @@
 #include <string.h>
 #include <math.h>
 
-#include "../../src/core/numerics.h"
 #include "../../src/cuda/tma.h"
+#include "../../src/cuda/vec8.h"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); exit(1); } } while (0)
 
@@ -53,15 +53,10 @@ typedef struct {
 // ---------------------------------------------------------------------------------------------
 // register movers (versions 1-3)
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ float bf_at(uint4 r, int i) {
-    const uint32_t w = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
-    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
-}
-__device__ __forceinline__ void store8(uint16_t *p, const float *v) {
-    uint32_t w[4];
-    for (int i = 0; i < 4; i++)
-        w[i] = (uint32_t)comet_f32_to_bf16(v[2 * i]) | (uint32_t)comet_f32_to_bf16(v[2 * i + 1]) << 16;
-    *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
+// the token's entry `lane` (row, weight), or (-1, 0) past the tokens or the entries
+__device__ __forceinline__ void entry_of(const prob_t &p, int64_t t, int lane, int32_t *row, float *w) {
+    *row = -1, *w = 0.0f;
+    if (t < p.T && lane < p.K) *row = p.row[t * p.K + lane], *w = p.w[t * p.K + lane];
 }
 
 // Version 1: per group, batches of 2 entries x 2 column groups (the library's SLOT_BATCH x COL_GROUPS).
@@ -69,11 +64,11 @@ __global__ void __launch_bounds__(512, 1) v1_kernel(prob_t p) {
     const int lane = threadIdx.x % 32, wpc = blockDim.x / 32;
     const int64_t s = (int64_t)gridDim.x * wpc;
     int64_t t = (int64_t)blockIdx.x * wpc + threadIdx.x / 32;
-    int32_t row = -1, nrow = -1;
-    float w = 0, nw = 0;
-    if (t < p.T && lane < p.K) row = p.row[t * p.K + lane], w = p.w[t * p.K + lane];
+    int32_t row, nrow;
+    float w, nw;
+    entry_of(p, t, lane, &row, &w);
     for (; t < p.T; t += s) {
-        if (t + s < p.T && lane < p.K) nrow = p.row[(t + s) * p.K + lane], nw = p.w[(t + s) * p.K + lane];
+        entry_of(p, t + s, lane, &nrow, &nw);
         for (int g0 = 0; g0 < p.H; g0 += 512) {
             float acc[16];
             for (int i = 0; i < 16; i++) acc[i] = 0.0f;
@@ -98,11 +93,11 @@ __global__ void __launch_bounds__(512, 1) v1_kernel(prob_t p) {
 #pragma unroll
                         for (int gi = 0; gi < 2; gi++)
                             if (r[u] >= 0)
-                                for (int i = 0; i < 8; i++) part[gi * 8 + i] = fmaf(wj[u], bf_at(v[u][gi], i), part[gi * 8 + i]);
+                                for (int i = 0; i < 8; i++) part[gi * 8 + i] = fmaf(wj[u], bf16_at(v[u][gi], i), part[gi * 8 + i]);
                 }
                 for (int i = 0; i < 16; i++) acc[i] += part[i];
             }
-            for (int gi = 0; gi < 2; gi++) store8(p.y + t * p.H + g0 + gi * 256 + lane * 8, acc + gi * 8);
+            for (int gi = 0; gi < 2; gi++) st8_bf16(p.y + t * p.H + g0 + gi * 256 + lane * 8, acc + gi * 8, 8, 1);
         }
         row = nrow, w = nw;
     }
@@ -114,11 +109,11 @@ __global__ void __launch_bounds__(512, 1) flat_kernel(prob_t p) {
     const int lane = threadIdx.x % 32, wpc = blockDim.x / 32;
     const int64_t s = (int64_t)gridDim.x * wpc;
     int64_t t = (int64_t)blockIdx.x * wpc + threadIdx.x / 32;
-    int32_t row = -1, nrow = -1;
-    float w = 0, nw = 0;
-    if (t < p.T && lane < p.K) row = p.row[t * p.K + lane], w = p.w[t * p.K + lane];
+    int32_t row, nrow;
+    float w, nw;
+    entry_of(p, t, lane, &row, &w);
     for (; t < p.T; t += s) {
-        if (t + s < p.T && lane < p.K) nrow = p.row[(t + s) * p.K + lane], nw = p.w[(t + s) * p.K + lane];
+        entry_of(p, t + s, lane, &nrow, &nw);
         for (int g0 = 0; g0 < p.H; g0 += 256 * CG) {
             float acc[8 * CG], part[8 * CG];
 #pragma unroll
@@ -145,13 +140,13 @@ __global__ void __launch_bounds__(512, 1) flat_kernel(prob_t p) {
                     }
 #pragma unroll
                     for (int gi = 0; gi < CG; gi++)
-                        for (int i = 0; i < 8; i++) part[gi * 8 + i] = fmaf(wj[u], bf_at(v[u][gi], i), part[gi * 8 + i]);
+                        for (int i = 0; i < 8; i++) part[gi * 8 + i] = fmaf(wj[u], bf16_at(v[u][gi], i), part[gi * 8 + i]);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 8 * CG; i++) acc[i] += part[i];
 #pragma unroll
-            for (int gi = 0; gi < CG; gi++) store8(p.y + t * p.H + g0 + gi * 256 + lane * 8, acc + gi * 8);
+            for (int gi = 0; gi < CG; gi++) st8_bf16(p.y + t * p.H + g0 + gi * 256 + lane * 8, acc + gi * 8, 8, 1);
         }
         row = nrow, w = nw;
     }
@@ -168,6 +163,12 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(gm_smem(dst)),
                  "l"(src), "r"(bytes), "r"(gm_smem(bar))
                  : "memory");
+}
+
+// The token of the CTA's n-th item (item blockIdx.x + n * grid), or T (no entries) past the items.
+__device__ __forceinline__ int64_t item_token(const prob_t &p, int64_t n, int64_t items, int chunks) {
+    const int64_t it = (int64_t)blockIdx.x + n * gridDim.x;
+    return it < items ? it / chunks : p.T;
 }
 
 // Work item i = (token i / chunks, column chunk i % chunks); CTA b takes items b, b + grid, ...
@@ -189,20 +190,11 @@ __global__ void __launch_bounds__(32 * (BK_CONSUMERS + 1), 1) v4_kernel(prob_t p
         // while this group's copies are issued, so the loads have 4 items of issue to land
         int32_t cur[4], nxt[4];
         float cw[4], nw[4];
-#define BK_FETCH(n, rr, ww)                                                                   \
-        do {                                                                                  \
-            const int64_t it_ = (int64_t)blockIdx.x + (int64_t)(n) * gridDim.x;              \
-            rr = -1, ww = 0.0f;                                                               \
-            if (it_ < items && lane < p.K) {                                                  \
-                const int64_t t_ = it_ / chunks;                                              \
-                rr = p.row[t_ * p.K + lane], ww = p.w[t_ * p.K + lane];                       \
-            }                                                                                 \
-        } while (0)
 #pragma unroll
-        for (int u = 0; u < 4; u++) BK_FETCH(u, cur[u], cw[u]);
+        for (int u = 0; u < 4; u++) entry_of(p, item_token(p, u, items, chunks), lane, &cur[u], &cw[u]);
         for (int64_t g = 0;; g++) {
 #pragma unroll
-            for (int u = 0; u < 4; u++) BK_FETCH(4 * (g + 1) + u, nxt[u], nw[u]);
+            for (int u = 0; u < 4; u++) entry_of(p, item_token(p, 4 * (g + 1) + u, items, chunks), lane, &nxt[u], &nw[u]);
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const int64_t n = 4 * g + u, it = (int64_t)blockIdx.x + n * gridDim.x;
@@ -221,7 +213,6 @@ __global__ void __launch_bounds__(32 * (BK_CONSUMERS + 1), 1) v4_kernel(prob_t p
 #pragma unroll
             for (int u = 0; u < 4; u++) cur[u] = nxt[u], cw[u] = nw[u];
         }
-#undef BK_FETCH
     }
     /* reducing warps: thread x of 256 takes columns 4x .. 4x+3 of the chunk */
     const int x = threadIdx.x;
@@ -236,20 +227,13 @@ __global__ void __launch_bounds__(32 * (BK_CONSUMERS + 1), 1) v4_kernel(prob_t p
         for (int e = 0; e < p.K; e++) {
             if (e > 0 && e % p.gs == 0)
                 for (int i = 0; i < 4; i++) acc[i] += part[i], part[i] = 0.0f;
-            const uint2 v = *(const uint2 *)(st + e * seg + x * 8);
-            const float we = wt[e];
-            part[0] = fmaf(we, __uint_as_float(v.x << 16), part[0]);
-            part[1] = fmaf(we, __uint_as_float(v.x & 0xffff0000u), part[1]);
-            part[2] = fmaf(we, __uint_as_float(v.y << 16), part[2]);
-            part[3] = fmaf(we, __uint_as_float(v.y & 0xffff0000u), part[3]);
+            fmaf4_bf16(wt[e], *(const uint2 *)(st + e * seg + x * 8), part);
         }
         for (int i = 0; i < 4; i++) acc[i] += part[i];
         __syncwarp();
         if (lane == 0) gm_mbar_arrive(&empty[s]); /* the warp's reads of the stage are done */
         const int64_t t = it / chunks, c = (it % chunks) * BK_CW + x * 4;
-        const uint32_t lo = (uint32_t)comet_f32_to_bf16(acc[0]) | (uint32_t)comet_f32_to_bf16(acc[1]) << 16;
-        const uint32_t hi = (uint32_t)comet_f32_to_bf16(acc[2]) | (uint32_t)comet_f32_to_bf16(acc[3]) << 16;
-        *(uint2 *)(p.y + t * p.H + c) = make_uint2(lo, hi);
+        *(uint2 *)(p.y + t * p.H + c) = pack4_bf16(acc);
     }
 }
 

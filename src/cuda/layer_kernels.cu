@@ -22,6 +22,7 @@
 #include "gemm.h"
 #include "plan_kernel.h"
 #include "tma.h"
+#include "vec8.h"
 #include "../trace/trace.h"
 #include "comet.h"
 
@@ -192,61 +193,6 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
                                    : 0u;
     trace_rec(&c, 0, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, t0);
     /* the plan itself: comet_cuda_plan_build, launched next */
-}
-
-/* ---------------------------------------------------------------------------
- * Vector accesses: 8 bf16 columns at once. vec: the address is
- * 16-byte aligned and all 8 columns exist; else n (<= 8) scalar accesses.
- * ------------------------------------------------------------------------- */
-
-__device__ static inline uint4 ld8_bf16(const comet_bf16_t *p, int n, int vec) {
-    if (vec) return *(const uint4 *)p;
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-        if (i < n) w[i / 2] |= (uint32_t)p[i] << (16 * (i % 2));
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-/* Element i (0..7) of 8 packed bf16, as a float (exact). */
-__device__ static inline float bf16_at(uint4 r, int i) {
-    const uint32_t w = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
-    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
-}
-
-/* 8 fp32 (the n that exist; two 16-byte accesses when vec). */
-__device__ static inline void ld8_f32(const float *p, float v[8], int n, int vec) {
-    if (vec) {
-        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = i < n ? p[i] : 0.0f;
-}
-
-__device__ static inline void st8_f32(float *p, const float v[8], int n, int vec) {
-    if (vec) {
-        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-        if (i < n) p[i] = v[i];
-}
-
-__device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n, int vec) {
-    if (vec) {
-        uint32_t w[4];
-        for (int i = 0; i < 4; i++)
-            w[i] = (uint32_t)comet_f32_to_bf16(v[2 * i]) | (uint32_t)comet_f32_to_bf16(v[2 * i + 1]) << 16;
-        *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            if (i < n) p[i] = comet_f32_to_bf16(v[i]);
-    }
 }
 
 /* 16-byte loads of a pull in flight per thread: bytes outstanding per CTA
@@ -892,12 +838,8 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
                         for (int i = 0; i < 4; i++) acc[i] += part[i], part[i] = 0.0f;
                     prev = q;
                     if (gq < 0 || col >= c1) continue; /* no row there; or beyond the segment */
-                    const uint2 v = *(const uint2 *)(stage + BULK_HEADER + (size_t)e * BULK_CW * 2 + threadIdx.x * 8);
-                    const float we = ((const float *)stage)[e];
-                    part[0] = fmaf(we, __uint_as_float(v.x << 16), part[0]);
-                    part[1] = fmaf(we, __uint_as_float(v.x & 0xffff0000u), part[1]);
-                    part[2] = fmaf(we, __uint_as_float(v.y << 16), part[2]);
-                    part[3] = fmaf(we, __uint_as_float(v.y & 0xffff0000u), part[3]);
+                    fmaf4_bf16(((const float *)stage)[e],
+                               *(const uint2 *)(stage + BULK_HEADER + (size_t)e * BULK_CW * 2 + threadIdx.x * 8), part);
                 }
                 for (int i = 0; i < 4; i++) acc[i] += part[i];
                 __syncwarp();
@@ -905,8 +847,7 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
                 if (col < c1) {
                     comet_bf16_t *yo = c->y + t * hd + col;
                     if (vec)
-                        *(uint2 *)yo = make_uint2((uint32_t)comet_f32_to_bf16(acc[0]) | (uint32_t)comet_f32_to_bf16(acc[1]) << 16,
-                                                  (uint32_t)comet_f32_to_bf16(acc[2]) | (uint32_t)comet_f32_to_bf16(acc[3]) << 16);
+                        *(uint2 *)yo = pack4_bf16(acc);
                     else
                         for (int i = 0; i < 4; i++) yo[i] = comet_f32_to_bf16(acc[i]);
                 }
