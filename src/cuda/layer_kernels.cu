@@ -734,13 +734,11 @@ static_assert(COMM_THREADS >= 32 * (BULK_CONSUMERS + 1), "a producer warp beside
 
 typedef struct {
     uint64_t full[COMET_CUDA_BULK_STAGES], empty[COMET_CUDA_BULK_STAGES];
-    uint32_t seq; /* items the CTA has taken in earlier calls (the barriers' phases go on) */
 } bulk_ring_t;
 
 /* Thread 0: the barriers, once a kernel; the caller synchronises. */
 __device__ static void bulk_init(bulk_ring_t *r, int stages) {
     for (int s = 0; s < stages; s++) gm_mbar_init(&r->full[s], 1), gm_mbar_init(&r->empty[s], BULK_CONSUMERS);
-    r->seq = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
@@ -765,7 +763,7 @@ __device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_
 
 /* Columns [c0, c1) of y for every local token (c0, c1 and H multiples of 8;
  * topk x tp <= 32; no partials), by the whole CTA; r initialised by
- * bulk_init. The ring (dynamic shared memory) holds c->combine_stages stages
+ * bulk_init just before (the phases start at item 0: one call a kernel). The ring (dynamic shared memory) holds c->combine_stages stages
  * of BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
 __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
                                     bulk_ring_t *r, int64_t c0, int64_t c1) {
@@ -775,9 +773,6 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const size_t stage_bytes = BULK_HEADER + (size_t)ents * BULK_CW * 2;
     const int64_t segs = (c1 - c0 + BULK_CW - 1) / BULK_CW;
-    const uint32_t seq0 = r->seq;
-    uint32_t items = 0; /* this call's items of the CTA */
-    for (int64_t t = blockIdx.x; t < n; t += gridDim.x) items += (uint32_t)segs;
     if (warp == BULK_CONSUMERS) { /* the producer */
         /* the rows were written by other GPUs and kernels (generic proxy, seen through thread 0's
          * acquire and the CTA barrier); the bulk copies read them through the async proxy */
@@ -786,7 +781,7 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
         int64_t t = blockIdx.x;
         combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
         combine_lane_row(c, src, t < n, &x0);
-        uint32_t it = seq0;
+        uint32_t it = 0;
         for (; t < n; t += s) {
             combine_lane_t x2 = combine_lane_local(c, p, src, t + 2 * s, t + 2 * s < n);
             combine_lane_row(c, src, t + s < n, &x1);
@@ -823,7 +818,7 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
         }
     } else if (warp < BULK_CONSUMERS) { /* the reducers: thread threadIdx.x takes 4 columns of a segment */
         const int vec = ((uintptr_t)c->y % 8) == 0;
-        uint32_t it = seq0;
+        uint32_t it = 0;
         for (int64_t t = blockIdx.x; t < n; t += gridDim.x)
             for (int64_t sg = 0; sg < segs; sg++, it++) {
                 const int st = (int)(it % (uint32_t)stages);
@@ -853,9 +848,6 @@ __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_
                 }
             }
     }
-    __syncthreads(); /* every thread's next call starts after this one */
-    if (threadIdx.x == 0) r->seq = seq0 + items;
-    __syncthreads();
 }
 
 /* My o (and plan, and with partials the partials I sent) are complete: tell every rank. */
