@@ -215,16 +215,23 @@ static void test_epochs(int tp, int ep) {
     comet_problem_destroy(p);
 }
 
+/* The small two-rank problem of the --comm-hidden tests (12 and 9 tokens,
+ * H 32), routing drawn from seed; NULL if it cannot be made. */
+static comet_problem_t *sides_problem(uint64_t seed) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
+    int64_t tokens[2] = {12, 9};
+    comet_routing_opts_t ro = {0.2, 0, seed};
+    comet_problem_t *p;
+    return comet_problem_create(&p, &cfg, 2, tokens, &ro) == COMET_SUCCESS ? p : NULL;
+}
+
 /* The measurement modes of --comm-hidden: either side left out, the protocol
  * still completes on every rank (no wait is left hanging); without
  * communication nothing is summed into y, so y keeps its poison. */
 static void test_disable(void) {
-    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
-    int64_t tokens[2] = {12, 9};
-    comet_routing_opts_t ro = {0.2, 0, 3};
-    comet_problem_t *p;
-    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) return;
+    comet_problem_t *p = sides_problem(3);
+    if (!p) return;
     const int modes[] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, COMET_DISABLE_COMM | COMET_DISABLE_GEMM};
     for (int m = 0; m < 3; m++) {
         comet_world_t *world;
@@ -250,12 +257,8 @@ static void test_disable(void) {
  * swapped: 2); the runner refuses interleave with disable bits, a graph, or
  * fewer than 3 timed calls. */
 static void test_interleave(void) {
-    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    cfg.hidden = 32, cfg.ffn = 16, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 12;
-    int64_t tokens[2] = {12, 9};
-    comet_routing_opts_t ro = {0.2, 0, 4};
-    comet_problem_t *p;
-    if (comet_problem_create(&p, &cfg, 2, tokens, &ro)) return;
+    comet_problem_t *p = sides_problem(4);
+    if (!p) return;
     for (int n_comm = 1; n_comm <= 2; n_comm++) {
         comet_world_t *world;
         comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
