@@ -746,13 +746,7 @@ __device__ static void bulk_init(bulk_ring_t *r, int stages) {
 __device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_t timeout_ns, int rank, const char *role,
                                               uint32_t item) {
     const uint64_t start = globaltimer();
-    uint32_t done = 0;
-    while (true) {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(gm_smem(bar)), "r"(parity)
-                     : "memory");
-        if (done) return;
+    while (!gm_mbar_try_wait(bar, parity)) {
         if (globaltimer() - start > timeout_ns) {
             printf("comet: rank %d %s, item %u: timed out after %llu ms on a shared-memory barrier\n", rank, role, item,
                    (unsigned long long)(timeout_ns / 1000000));
@@ -763,8 +757,9 @@ __device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_
 
 /* Columns [c0, c1) of y for every local token (c0, c1 and H multiples of 8;
  * topk x tp <= 32; no partials), by the whole CTA; r initialised by
- * bulk_init just before (the phases start at item 0: one call a kernel). The ring (dynamic shared memory) holds c->combine_stages stages
- * of BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
+ * bulk_init just before (the phases start at item 0: one call a kernel).
+ * The ring (dynamic shared memory) holds c->combine_stages stages of
+ * BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
 __device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
                                     bulk_ring_t *r, int64_t c0, int64_t c1) {
     extern __shared__ __align__(128) unsigned char bulk_smem[];

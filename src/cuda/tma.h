@@ -26,14 +26,18 @@ __device__ __forceinline__ void gm_mbar_expect_tx(uint64_t *bar, uint32_t bytes)
 __device__ __forceinline__ void gm_mbar_arrive(uint64_t *bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gm_smem(bar)) : "memory");
 }
-__device__ __forceinline__ void gm_mbar_wait(uint64_t *bar, int parity) {
+/* 1 once the phase of the given parity has completed (one try: the hardware may suspend a while). */
+__device__ __forceinline__ uint32_t gm_mbar_try_wait(uint64_t *bar, int parity) {
     uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(gm_smem(bar)), "r"(parity)
-                     : "memory");
-    } while (!done);
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(gm_smem(bar)), "r"(parity)
+                 : "memory");
+    return done;
+}
+__device__ __forceinline__ void gm_mbar_wait(uint64_t *bar, int parity) {
+    while (!gm_mbar_try_wait(bar, parity)) {
+    }
 }
 /* 2D tile load, coordinates innermost first (k, row). */
 __device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
