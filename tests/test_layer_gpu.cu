@@ -58,6 +58,14 @@ static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, co
     return run_with_env(p, world, run, push);
 }
 
+/* A copy of every rank's y into first[rank] (malloc; the caller frees), for same_output. */
+static void keep_outputs(const comet_problem_t *p, uint16_t **first, int w, int64_t hidden) {
+    for (int s = 0; s < w; s++) {
+        first[s] = (uint16_t *)malloc((size_t)(p->tokens[s] * hidden) * 2 + 2);
+        memcpy(first[s], p->y[s], (size_t)(p->tokens[s] * hidden) * 2);
+    }
+}
+
 /* st succeeded and every rank's y equals first[rank] bitwise. */
 static int same_output(const comet_problem_t *p, uint16_t *const *first, int w, int64_t hidden, comet_status_t st) {
     int same = st == COMET_SUCCESS;
@@ -95,10 +103,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 
     /* determinism: a fresh run gives the same bits */
     uint16_t *first[8];
-    for (int s = 0; s < w; s++) {
-        first[s] = (uint16_t *)malloc((size_t)(p->tokens[s] * cfg->hidden) * 2 + 2);
-        memcpy(first[s], p->y[s], (size_t)(p->tokens[s] * cfg->hidden) * 2);
-    }
+    keep_outputs(p, first, w, cfg->hidden);
     comet_problem_poison(p);
     st = comet_problem_run(p, world, &run, 0);
     int same = same_output(p, first, w, cfg->hidden, st);
@@ -313,11 +318,8 @@ static void bulk_case(int w) {
             run.repeats = 2, run.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL;
             comet_problem_poison(p);
             comet_status_t st = run_with_env(p, world, &run, v >= 2 ? plain_push : plain_pull);
-            uint16_t *first[4] = {NULL, NULL, NULL, NULL};
-            for (int s = 0; s < w; s++) {
-                first[s] = (uint16_t *)malloc((size_t)(p->tokens[s] * cfg.hidden) * 2 + 2);
-                memcpy(first[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2);
-            }
+            uint16_t *first[4];
+            keep_outputs(p, first, w, cfg.hidden);
             comet_problem_poison(p);
             comet_status_t sb = run_with_env(p, world, &run, v >= 2 ? bulk_push : bulk_pull);
             const int same = st == COMET_SUCCESS && same_output(p, first, w, cfg.hidden, sb);
