@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_count(comet_dims_t d,
     for (int64_t e = tid; e <= el; e += PLAN_THREADS) scount[e] = 0;
     __syncthreads();
     int any = 0;
+#pragma unroll 4 /* the index loads of several slots in flight at once */
     for (int64_t j = 0; j < topk; j++) { /* every thread takes each step: full-warp match */
         const int64_t e = t < n ? (int64_t)idx[t * topk + j] - e0 : -1;
         const int key = e >= 0 && e < el ? (int)e : -1;
@@ -138,28 +139,51 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_count(comet_dims_t d,
     p.home_group_count[t] = ng;
 }
 
-/* Per local expert e (thread e): the expert's total rows, and, for the
- * chunk (s, c), the rows before it in the expert's (stage, token, slot)
- * order. */
-__device__ static void expert_sums(const comet_dims_t &d, const int32_t *cnt, int chunks, int s, int c, int64_t e,
-                                   int *total, int *before) {
-    const int w = d.world_size, r = d.rank, keys = (int)d.experts_local + 1;
-    const int q = comet_stage_of(r, s, w);
-    int tot = 0, bef = 0;
-    for (int s2 = 0; s2 < w; s2++) {
-        const int q2 = comet_stage_of(r, s2, w);
-        for (int c2 = 0; c2 < chunks; c2++) {
-            const int v = cnt[((int64_t)s2 * chunks + c2) * keys + e];
-            tot += v;
-            bef += q2 < q || (q2 == q && c2 < c) ? v : 0;
-        }
+/* The count table's sums for every key k (local experts, then the send key
+ * el), by the whole block: the table's (rank, chunk) entries are dealt out
+ * to blockDim / keys groups of threads (a group reads one entry's keys, so
+ * the loads coalesce and a thread has few of them in flight, not a chain of
+ * W x chunks), and the groups' partial sums meet in shared memory.
+ *   tot[k]: the key's rows (tokens for the send key) over the whole table;
+ *   bef[k] (when not NULL): those before chunk (s, c) in the key's order,
+ *     for experts (stage, chunk), for the send key rank s's earlier chunks;
+ *   by_rank[s2] (when not NULL): the send key's tokens of source rank s2.
+ * The arrays are shared memory ([keys], [keys], [W]); ends with a barrier. */
+__device__ static void table_sums(const comet_dims_t &d, const int32_t *cnt, int chunks, int s, int c, int *tot,
+                                  int *bef, int *by_rank) {
+    const int w = d.world_size, r = d.rank, keys = (int)d.experts_local + 1, tid = threadIdx.x;
+    const int groups = blockDim.x / keys, entries = w * chunks;
+    for (int k = tid; k < keys; k += blockDim.x) {
+        tot[k] = 0;
+        if (bef) bef[k] = 0;
     }
-    *total = tot, *before = bef;
+    if (by_rank)
+        for (int q = tid; q < w; q += blockDim.x) by_rank[q] = 0;
+    __syncthreads();
+    const int k = tid % keys, g = tid / keys, q = comet_stage_of(r, s, w);
+    if (g < groups) {
+        int t = 0, b = 0;
+#pragma unroll 4
+        for (int i = g; i < entries; i += groups) {
+            const int v = cnt[(int64_t)i * keys + k], s2 = i / chunks, c2 = i % chunks;
+            const int q2 = comet_stage_of(r, s2, w);
+            t += v;
+            if (k == keys - 1) { /* the send key */
+                b += s2 == s && c2 < c ? v : 0;
+                if (by_rank && v) atomicAdd(&by_rank[s2], v);
+            } else {
+                b += q2 < q || (q2 == q && c2 < c) ? v : 0;
+            }
+        }
+        if (t) atomicAdd(&tot[k], t);
+        if (bef && b) atomicAdd(&bef[k], b);
+    }
+    __syncthreads();
 }
 
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, comet_plan_input_t in, void *workspace,
                                                                 const int32_t *cnt, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_WORDS], then base[el + 1] */
+    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_WORDS], then tot[el + 1], base[el + 1] */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     const int s = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
@@ -167,20 +191,16 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
     const int64_t n = in.token_count[s];
     if ((int64_t)c * PLAN_THREADS >= n) return; /* the whole block: nothing to write */
     const int send_key = (int)el;
-    int32_t *base = (int32_t *)(bits + (el + 1) * PLAN_WORDS);
+    int32_t *tot = (int32_t *)(bits + (el + 1) * PLAN_WORDS), *base = tot + el + 1;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
 
-    /* where this chunk's rows of each expert start; where its send-list entries start */
-    int total = 0, before = 0, all;
-    if (tid < el) expert_sums(d, cnt, chunks, s, c, tid, &total, &before);
-    const int start = block_scan(tid < el ? (int)((total + tm - 1) / tm * tm) : 0, wsum, &all);
-    if (tid < el) base[tid] = start + before;
-    if (tid == 0) {
-        int sb = 0;
-        for (int c2 = 0; c2 < c; c2++) sb += cnt[((int64_t)s * chunks + c2) * (el + 1) + el];
-        base[el] = sb;
-    }
+    /* where this chunk's rows of each expert start (the expert's padded
+     * start, then the rows before this chunk); where its send-list entries start */
+    table_sums(d, cnt, chunks, s, c, tot, base, NULL);
+    int all;
+    const int start = block_scan(tid < el ? (int)((tot[tid] + tm - 1) / tm * tm) : 0, wsum, &all);
+    if (tid < el) base[tid] += start;
     clear_bits(bits, (int)el + 1);
     __syncthreads();
 
@@ -217,18 +237,19 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
 
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d, void *workspace, const int32_t *cnt,
                                                                   int chunks, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [W][PLAN_WORDS], then aux[max(el + 1, W)] */
+    extern __shared__ uint32_t bits[]; /* [W][PLAN_WORDS], then aux[max(el + 1, W)], tot[el + 1], by_rank[W] */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
     const int64_t el = d.experts_local, tm = d.tile_m;
-    int32_t *aux = (int32_t *)(bits + w * PLAN_WORDS);
+    int32_t *aux = (int32_t *)(bits + w * PLAN_WORDS), *tot = aux + (el + 1 > w ? el + 1 : w), *by_rank = tot + el + 1;
 
     /* counts, padded starts, totals; the fill's end of each expert (cursor) */
-    int total = 0, before = 0, padded_all, rows_all, blocks_all;
-    if (tid < el) expert_sums(d, cnt, chunks, 0, 0, tid, &total, &before);
+    table_sums(d, cnt, chunks, 0, 0, tot, NULL, by_rank);
+    const int total = tid < el ? tot[tid] : 0;
+    int padded_all, rows_all, blocks_all;
     const int padded = tid < el ? (int)((total + tm - 1) / tm * tm) : 0;
     const int start = block_scan(padded, wsum, &padded_all);
     block_scan(total, wsum, &rows_all);
@@ -251,11 +272,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d
         p.totals->num_rows_padded = padded_all;
         p.totals->num_blocks = blocks_all;
     }
-    for (int s = tid; s < w; s += nt) {
-        int sc = 0;
-        for (int c = 0; c < chunks; c++) sc += cnt[((int64_t)s * chunks + c) * (el + 1) + el];
-        p.send_count[s] = sc;
-    }
+    for (int s = tid; s < w; s += nt) p.send_count[s] = by_rank[s];
     __syncthreads();
 
     /* row blocks in expert order, one thread per block (its expert: the last
@@ -279,17 +296,18 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d
     }
     __syncthreads();
 
-    /* local-first order: stable ranking of blocks by stage */
-    for (int q = tid; q < w; q += nt) p.stage_end[q] = 0;
+    /* local-first order: stable ranking of blocks by stage (counts in
+     * by_rank, whose send counts are stored) */
+    for (int q = tid; q < w; q += nt) by_rank[q] = 0;
     __syncthreads();
-    for (int32_t bb = 0; bb < nb; bb += nt) { /* stage counts */
-        if (bb + tid < nb) atomicAdd(&p.stage_end[p.blocks[bb + tid].stage], 1);
-    }
+    for (int32_t b = tid; b < nb; b += nt) atomicAdd(&by_rank[p.blocks[b].stage], 1);
     __syncthreads();
     if (tid == 0)
-        for (int q = 1; q < w; q++) p.stage_end[q] += p.stage_end[q - 1];
-    __syncthreads();
-    for (int q = tid; q < w; q += nt) aux[q] = q ? p.stage_end[q - 1] : 0;
+        for (int q = 0, end = 0; q < w; q++) {
+            aux[q] = end;
+            end += by_rank[q];
+            p.stage_end[q] = end;
+        }
     __syncthreads();
     for (int32_t bb = 0; bb < nb; bb += nt) {
         const int32_t b = bb + tid;
@@ -327,9 +345,9 @@ extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_
         return cudaGetLastError();
     }
     /* the shared-memory limit is per device: raise it on the current one */
-    const int most = COMET_PLAN_MAX_KEYS * (PLAN_WORDS + 1) * (int)sizeof(uint32_t);
-    const size_t fill_smem = (size_t)(el + 1) * (PLAN_WORDS + 1) * sizeof(uint32_t);
-    const size_t finish_smem = (size_t)keys * (PLAN_WORDS + 1) * sizeof(uint32_t);
+    const int most = COMET_PLAN_MAX_KEYS * (PLAN_WORDS + 3) * (int)sizeof(uint32_t);
+    const size_t fill_smem = (size_t)(el + 1) * (PLAN_WORDS + 2) * sizeof(uint32_t);
+    const size_t finish_smem = (size_t)keys * (PLAN_WORDS + 3) * sizeof(uint32_t);
     cudaError_t e = cudaSuccess;
     if (fill_smem > 48 * 1024) e = cudaFuncSetAttribute(comet_plan_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
     if (e == cudaSuccess && finish_smem > 48 * 1024)
