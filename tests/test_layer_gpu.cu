@@ -20,8 +20,7 @@
  * (COMET_PARTIALS=1) in place of rows; one layer
  * run 100 times in each mode,
  * launched directly and replayed from a captured CUDA graph, gives the same
- * bits every time; the combine by bulk copies (COMET_COMBINE_BULK=1) gives
- * the register mover's bits. Ranks asking for different protocols get an error and
+ * bits every time. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)".
@@ -277,70 +276,6 @@ static void repeat_case(int w) {
 
 /* Ranks that ask for different protocols (one overlapped, one sequential):
  * every rank reports it, nothing is written, nothing hangs. */
-/* The combine by bulk copies (COMET_COMBINE_BULK=1 at layer create,
- * k_final_bulk): the same bits as the register mover, sequential and
- * overlapped (k_final runs there with push; without push the overlapped
- * combine is k_combine_ov's register mover), with push and with the pull
- * combine; every shape allows it (the layer's modes must say "bulk"; with
- * the SIMT GEMM too). Shapes: the entries a token sums from 2 to 32 (topk x
- * tp), a hidden size with a short last 1024-column segment, tokens 0 and 1
- * on a rank, enough tokens for the ring to wrap, and (W = 4) tokens with
- * several (group, tp rank) pairs. Run last: a barrier wait that times out
- * traps the process. */
-static void bulk_case(int w) {
-    /* the last two: many tokens a CTA, so the ring wraps (stages of 3 and 12) */
-    static const struct { int64_t hidden, ffn, experts, topk, tp, t0, t1; } shapes[] = {
-        {512, 448, 8, 2, 1, 96, 77},       {2048, 176, 60, 4, 2, 96, 80},   {1032, 128, 16, 8, 2, 64, 1},
-        {1024, 256, 64, 16, 2, 40, 0},     {448, 64, 32, 16, 1, 33, 57},    {4096, 128, 16, 16, 2, 1200, 1100},
-        {2048, 128, 16, 8, 1, 1500, 1400},
-    };
-    static const char *const bulk_pull[] = {"COMET_COMBINE_BULK", "1", "COMET_PUSH", "0", "COMET_PARTIALS", "0", NULL};
-    static const char *const bulk_push[] = {"COMET_COMBINE_BULK", "1", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
-    static const char *const plain_pull[] = {"COMET_COMBINE_BULK", "0", "COMET_PUSH", "0", "COMET_PARTIALS", "0", NULL};
-    static const char *const plain_push[] = {"COMET_COMBINE_BULK", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        if (w % shapes[i].tp || (w == 1 && shapes[i].tp > 1)) continue;
-        comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-        cfg.hidden = shapes[i].hidden, cfg.ffn = shapes[i].ffn, cfg.num_experts = shapes[i].experts;
-        cfg.topk = shapes[i].topk, cfg.tp = (int)shapes[i].tp, cfg.ep = w / (int)shapes[i].tp;
-        cfg.max_tokens_per_rank = shapes[i].t0 > shapes[i].t1 ? shapes[i].t0 : shapes[i].t1;
-        int64_t tokens[4] = {shapes[i].t0, shapes[i].t1, shapes[i].t1, shapes[i].t0};
-        comet_routing_opts_t ro = {0.2, 0, (uint64_t)(900 + i)};
-        comet_problem_t *p;
-        comet_world_t *world;
-        if (comet_problem_create(&p, &cfg, w, tokens, &ro) || comet_world_create_local(&world, w, COMET_BACKEND_CUDA)) {
-            CHECK(0, "bulk setup: %s", comet_last_error());
-            return;
-        }
-        for (int v = 0; v < (w > 1 ? 4 : 2); v++) { /* sequential, overlapped; pull, then (W > 1) push */
-            comet_run_t run;
-            memset(&run, 0, sizeof run);
-            run.repeats = 2, run.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL;
-            comet_problem_poison(p);
-            comet_status_t st = run_with_env(p, world, &run, v >= 2 ? plain_push : plain_pull);
-            uint16_t *first[4];
-            keep_outputs(p, first, w, cfg.hidden);
-            comet_problem_poison(p);
-            comet_status_t sb = run_with_env(p, world, &run, v >= 2 ? bulk_push : bulk_pull);
-            const int same = st == COMET_SUCCESS && same_output(p, first, w, cfg.hidden, sb);
-            const int bulk = strstr(run.modes, "bulk") != NULL;
-            comet_check_t chk;
-            comet_problem_check(p, 16, -1, &chk); /* 16 tokens a rank: the bits are checked against the mover's */
-            CHECK(same && bulk && chk.wrong == 0 && comet_problem_count_poison(p) == 0,
-                  "bulk combine W=%d H=%lld topk=%lld TP=%d %s %s (%s): %s, output %s, %lld wrong", w,
-                  (long long)cfg.hidden, (long long)cfg.topk, cfg.tp, v % 2 ? "overlapped" : "sequential",
-                  v >= 2 ? "push" : "pull", bulk ? "bulk" : "bulk not set up", comet_status_string(sb),
-                  same ? "equal" : "differs from the register mover's", (long long)chk.wrong);
-            printf("test_layer_gpu: bulk combine W=%d H=%lld topk=%lld TP=%d %-10s %-4s %s\n", w, (long long)cfg.hidden,
-                   (long long)cfg.topk, cfg.tp, v % 2 ? "overlapped" : "sequential", v >= 2 ? "push" : "pull",
-                   v == 1 ? "(the overlapped pull combine is k_combine_ov's register mover)" : "equal");
-            for (int s = 0; s < w; s++) free(first[s]);
-        }
-        comet_world_destroy(world);
-        comet_problem_destroy(p);
-    }
-}
-
 static void mismatch_case(void) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 256, cfg.ffn = 256, cfg.num_experts = 4, cfg.topk = 2, cfg.ep = 2, cfg.max_tokens_per_rank = 64;
@@ -470,8 +405,5 @@ int main(void) {
     if (gpus >= 2 && hopper) mismatch_case(); /* the overlapped mode needs the Hopper GEMM */
     bad_routing(1);
     if (gpus >= 2) bad_routing(2);
-    bulk_case(1); /* last: a timed-out barrier wait traps the process */
-    if (gpus >= 2) bulk_case(2);
-    if (gpus >= 4) bulk_case(4);
     return check_summary("test_layer_gpu");
 }

@@ -155,6 +155,22 @@ __global__ void __launch_bounds__(512, 1) flat_kernel(prob_t p) {
 // ---------------------------------------------------------------------------------------------
 // version 4: TMA bulk copies into a ring of shared-memory stages
 // ---------------------------------------------------------------------------------------------
+// (its 4-column steps; the library's combine by bulk copies, which used them, measured slower and
+// was removed: dev/NOTES.md, session 8)
+// part[i] = fmaf(w, element i of the 4 packed bf16 v, part[i]), i ascending.
+__device__ static inline void fmaf4_bf16(float w, uint2 v, float part[4]) {
+    part[0] = fmaf(w, __uint_as_float(v.x << 16), part[0]);
+    part[1] = fmaf(w, __uint_as_float(v.x & 0xffff0000u), part[1]);
+    part[2] = fmaf(w, __uint_as_float(v.y << 16), part[2]);
+    part[3] = fmaf(w, __uint_as_float(v.y & 0xffff0000u), part[3]);
+}
+
+// 4 floats as packed bf16 (round to nearest even).
+__device__ static inline uint2 pack4_bf16(const float v[4]) {
+    return make_uint2((uint32_t)comet_f32_to_bf16(v[0]) | (uint32_t)comet_f32_to_bf16(v[1]) << 16,
+                      (uint32_t)comet_f32_to_bf16(v[2]) | (uint32_t)comet_f32_to_bf16(v[3]) << 16);
+}
+
 #define BK_CW 1024           // columns a work item (one row segment = 2 KiB)
 #define BK_CONSUMERS 8       // reducing warps; 256 threads x 4 columns = 1024
 #define BK_SMEM (200 * 1024) // ring bytes at most

@@ -64,7 +64,7 @@ void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 /* The create-time knobs a layer runs with (cuda_layer.h), as comma-separated
  * words into buf: "push", "partials", "ce" (the overlapped mode's
  * copy-engine dispatch), "simt" (the SIMT GEMM fallback instead of the
- * Hopper GEMM), "bulk" (the combine by bulk copies); "" if none. */
+ * Hopper GEMM); "" if none. */
 void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
 
 /* CPU backend (src/cpu/engine.c). */

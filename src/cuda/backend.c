@@ -438,8 +438,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->use_hopper_gemm ? "" : "simt,", L->ctx.combine_bulk ? "bulk," : "");
+    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
+             L->use_hopper_gemm ? "" : "simt,");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }
@@ -465,14 +465,6 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
-    /* the combine by bulk copies (measurement knob, rank-local: the protocol is the same; where its
-     * shared memory cannot be had, the register mover runs: the ranks have agreed on the layer already) */
-    const char *bulk_env = getenv("COMET_COMBINE_BULK");
-    if (st == COMET_SUCCESS && bulk_env && strcmp(bulk_env, "1") == 0 &&
-        comet_cuda_combine_bulk_setup(&L->ctx) != (int)cudaSuccess) {
-        L->ctx.combine_bulk = 0, L->ctx.combine_smem = 0;
-        cudaGetLastError();
-    }
     if (st != COMET_SUCCESS) {
         char msg[1024]; /* the clean-up's own failures must not replace the reason */
         snprintf(msg, sizeof msg, "%s", comet_last_error());

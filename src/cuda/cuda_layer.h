@@ -104,8 +104,6 @@ typedef struct {
 } comet_sym_layout_t;
 
 /* Private device state of one rank's layer. */
-#define COMET_CUDA_BULK_STAGES 16 /* most stages of the bulk combine's ring */
-
 typedef struct {
     uint64_t epoch;           /* current epoch */
     uint32_t own_status;      /* routing check of this call (atomicMax of status codes) */
@@ -166,12 +164,6 @@ typedef struct {
                                     * home's part (sequential: k_send_partials after GEMM1; overlapped:
                                     * k_combine_ov chunk by chunk beside it); the combine reads it there */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
-    /* k_final by TMA bulk copies into shared memory (k_final_bulk;
-     * COMET_COMBINE_BULK=1 at layer create, where topk x tp <= 32, H % 8 == 0
-     * and no partials; a measurement knob until measured, dev/combine):
-     * combine_stages stages of the ring, combine_smem bytes of dynamic shared
-     * memory. 0: the register mover (pull_combine), as k_combine_ov always */
-    int combine_bulk, combine_stages, combine_smem;
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */
     uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */
@@ -204,11 +196,6 @@ typedef struct {
 int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream);
 /* Load every kernel of the layer (and the GEMM) on the current device. */
 int comet_cuda_layer_warm(void);
-/* The bulk combine for c (asked for): its ring's stages and bytes, and
- * k_final_bulk's shared-memory limit raised on the current device;
- * combine_bulk 0 where the shape does not allow it. Returns the CUDA status
- * as an int. */
-int comet_cuda_combine_bulk_setup(comet_cuda_ctx_t *c);
 
 #ifdef __cplusplus
 }

@@ -669,15 +669,107 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
     }
 }
 
+/* Entries whose rows a lane of the flat combine loads before it uses them:
+ * FLAT_BATCH x COL_GROUPS x 16 B = 128 B in flight a lane, twice the group
+ * by group batches' (dev/combine: 3.5-3.9 TB/s against 2.9-3.1). */
+#define FLAT_BATCH 4
+
+/* A token's entries in the order of the combine's sums, lane e holding the
+ * e-th: its row's address (NULL: no row) and weight; bit e of start: the
+ * entry opens a new (group, tp index) partial; of has: it has a row. */
+typedef struct {
+    const comet_bf16_t *row;
+    float w;
+    uint32_t start, has;
+} flat_entry_t;
+
+/* The token's entries (topk x tp <= 32) put in the (group, tp index, slot)
+ * order of pull_combine's sums. Every lane calls it. */
+__device__ static inline flat_entry_t flat_entry(const comet_cuda_ctx_t *c, const combine_src_t *src,
+                                                 const combine_lane_t *x) {
+    const int64_t k = c->d.topk;
+    const int lane = threadIdx.x % 32, tp = c->d.tp, ents = (int)(k * tp), mine = lane < ents;
+    const int32_t q = x->g * tp + lane % tp;
+    const int32_t key = mine ? q * (int32_t)k + lane / tp : 0x7fffffff; /* unique: a slot has one group */
+    int pos = 0, from = 0;
+    for (int l = 0; l < ents; l++) pos += __shfl_sync(0xffffffffu, key, l) < key;
+    for (int l = 0; l < ents; l++) from = __shfl_sync(0xffffffffu, pos, l) == lane ? l : from;
+    const comet_bf16_t *row = mine && x->row >= 0 ? src->o_of[q] + (int64_t)x->row * c->d.hidden : NULL;
+    flat_entry_t f;
+    f.row = (const comet_bf16_t *)__shfl_sync(0xffffffffu, (unsigned long long)row, from);
+    f.w = __shfl_sync(0xffffffffu, x->w, from);
+    const int32_t fq = __shfl_sync(0xffffffffu, q, from), pq = __shfl_up_sync(0xffffffffu, fq, 1);
+    f.start = __ballot_sync(0xffffffffu, lane > 0 && lane < ents && fq != pq);
+    f.has = __ballot_sync(0xffffffffu, lane < ents && f.row != NULL);
+    return f;
+}
+
+/* Columns [c0, c1) of token t's y from its ents entries in flat order (f):
+ * batches of FLAT_BATCH entries across the (group, tp index) boundaries,
+ * each boundary adding the finished partial (an fmaf chain from 0) to acc --
+ * the sums of rank_partial and pull_combine, bit for bit, with the loads of
+ * a whole batch in flight. Every lane calls it. */
+__device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int ents, int64_t t, int64_t c0,
+                                  int64_t c1, int vec_out) {
+    const int64_t hd = c->d.hidden;
+    const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
+    for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
+        float acc[COL_GROUPS * 8], part[COL_GROUPS * 8];
+#pragma unroll
+        for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] = 0.0f, part[i] = 0.0f;
+        for (int b0 = 0; b0 < ents; b0 += FLAT_BATCH) {
+            uint4 v[FLAT_BATCH][COL_GROUPS];
+#pragma unroll
+            for (int u = 0; u < FLAT_BATCH; u++) {
+                const int e = b0 + u;
+                const comet_bf16_t *row =
+                    (const comet_bf16_t *)__shfl_sync(0xffffffffu, (unsigned long long)f.row, e & 31);
+#pragma unroll
+                for (int gi = 0; gi < COL_GROUPS; gi++) {
+                    const int64_t col = g0 + gi * 256 + lane * 8;
+                    const int cn = cols_below(col, c1);
+                    if (e < ents && row && cn) v[u][gi] = ld8_bf16(row + col, cn, vec && cn == 8);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < FLAT_BATCH; u++) {
+                const int e = b0 + u;
+                if (e >= ents) break;
+                if (f.start >> e & 1) { /* a new (group, tp index): the finished partial into acc */
+#pragma unroll
+                    for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] += part[i], part[i] = 0.0f;
+                }
+                const float wj = __shfl_sync(0xffffffffu, f.w, e & 31);
+#pragma unroll
+                for (int gi = 0; gi < COL_GROUPS; gi++) {
+                    const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
+                    if (f.has >> e & 1 && cn)
+                        for (int i = 0; i < 8; i++) part[gi * 8 + i] = fmaf(wj, bf16_at(v[u][gi], i), part[gi * 8 + i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] += part[i];
+#pragma unroll
+        for (int gi = 0; gi < COL_GROUPS; gi++) {
+            const int64_t col = g0 + gi * 256 + lane * 8;
+            const int cn = cols_below(col, c1);
+            if (cn) st8_bf16(c->y + t * hd + col, acc + gi * 8, cn, vec_out && cn == 8);
+        }
+    }
+}
+
 /* Columns [c0, c1) of y for every local token: each contributing rank's
  * partial (rank_partial: from that rank's o rows, pulled or pushed here, or
  * the partial it sent) summed in
- * ascending rank order (fp32, from 0), stored bf16. One warp a token, 8
+ * ascending rank order (fp32, from 0), stored bf16; flat (a literal at
+ * each call, for topk x tp <= 32 and no partials): the same sums by
+ * flat_token, whose registers need the group loop's compiled out. One warp a token, 8
  * columns a lane; a token's routing is fetched over the two tokens before it
  * (local loads two ahead, the rows on the slots' ranks one ahead), so no load
  * is waited on where it was issued. */
-__device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
-                                    int64_t c0, int64_t c1) {
+__device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p,
+                                                    const combine_src_t *src, int64_t c0, int64_t c1, const int flat) {
     const int64_t hd = c->d.hidden, n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32, tp = c->d.tp;
     const int vec_out = hd % 8 == 0 && ((uintptr_t)c->y % 16) == 0;
@@ -687,6 +779,11 @@ __device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_
     for (; t < n; t += s) {
         combine_lane_t x2 = combine_lane_local(c, p, src, t + 2 * s, t + 2 * s < n);
         combine_lane_row(c, src, t + s < n, &x1);
+        if (flat) {
+            flat_token(c, flat_entry(c, src, &x0), (int)(c->d.topk * tp), t, c0, c1, vec_out);
+            x0 = x1, x1 = x2;
+            continue;
+        }
         for (int64_t g0 = c0; g0 < c1; g0 += 256 * COL_GROUPS) {
             float acc[COL_GROUPS * 8], part[COL_GROUPS * 8];
 #pragma unroll
@@ -711,140 +808,6 @@ __device__ static void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_
     }
 }
 
-/* ---------------------------------------------------------------------------
- * The combine by bulk copies (k_final_bulk; COMET_COMBINE_BULK=1 at layer
- * create; cuda_layer.h combine_smem): the same sums as pull_combine, in the same order, but the
- * rows come into shared memory by TMA bulk copies (cp.async.bulk) instead of
- * registers, so ~200 KB an SM are in flight where the register mover keeps
- * 32 KB (dev/combine). Warp BULK_CONSUMERS of the CTA is the producer: per
- * token, its lanes hold the token's entries (lane l: slot l / tp on tp rank
- * l % tp of the slot's group, combine_lane_*), each takes its place in the
- * (group, tp rank, slot) order of pull_combine, writes its weight and group
- * into the stage's header and copies its row's segment of BULK_CW columns.
- * Warps 0..BULK_CONSUMERS-1 reduce a stage, 4 columns a thread: an fmaf chain
- * per (group, tp rank) from 0, the chains' sums added in order, as
- * rank_partial and pull_combine do. The other warps of the CTA idle.
- * Work items: (token, column segment), a CTA's tokens b, b + grid, ...
- * ------------------------------------------------------------------------- */
-
-#define BULK_CW 1024
-#define BULK_CONSUMERS 8 /* 256 threads x 4 columns = BULK_CW */
-#define BULK_HEADER 256  /* 32 fp32 weights, 32 int32 groups */
-static_assert(COMM_THREADS >= 32 * (BULK_CONSUMERS + 1), "a producer warp beside the consumers");
-
-typedef struct {
-    uint64_t full[COMET_CUDA_BULK_STAGES], empty[COMET_CUDA_BULK_STAGES];
-} bulk_ring_t;
-
-/* Thread 0: the barriers, once a kernel; the caller synchronises. */
-__device__ static void bulk_init(bulk_ring_t *r, int stages) {
-    for (int s = 0; s < stages; s++) gm_mbar_init(&r->full[s], 1), gm_mbar_init(&r->empty[s], BULK_CONSUMERS);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-/* Parity wait with the layer's timeout (then the rank, role and item are named and the kernel traps). */
-__device__ static __noinline__ void bulk_wait(uint64_t *bar, int parity, uint64_t timeout_ns, int rank, const char *role,
-                                              uint32_t item) {
-    const uint64_t start = globaltimer();
-    while (!gm_mbar_try_wait(bar, parity)) {
-        if (globaltimer() - start > timeout_ns) {
-            printf("comet: rank %d %s, item %u: timed out after %llu ms on a shared-memory barrier\n", rank, role, item,
-                   (unsigned long long)(timeout_ns / 1000000));
-            __trap();
-        }
-    }
-}
-
-/* Columns [c0, c1) of y for every local token (c0, c1 and H multiples of 8;
- * topk x tp <= 32; no partials), by the whole CTA; r initialised by
- * bulk_init just before (the phases start at item 0: one call a kernel).
- * The ring (dynamic shared memory) holds c->combine_stages stages of
- * BULK_HEADER + topk x tp x BULK_CW x 2 bytes. */
-__device__ static void bulk_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p, const combine_src_t *src,
-                                    bulk_ring_t *r, int64_t c0, int64_t c1) {
-    extern __shared__ __align__(128) unsigned char bulk_smem[];
-    const int64_t hd = c->d.hidden, n = c->num_tokens, k = c->d.topk;
-    const int tp = c->d.tp, ents = (int)(k * tp), stages = c->combine_stages;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const size_t stage_bytes = BULK_HEADER + (size_t)ents * BULK_CW * 2;
-    const int64_t segs = (c1 - c0 + BULK_CW - 1) / BULK_CW;
-    if (warp == BULK_CONSUMERS) { /* the producer */
-        /* the rows were written by other GPUs and kernels (generic proxy, seen through thread 0's
-         * acquire and the CTA barrier); the bulk copies read them through the async proxy */
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        const int64_t s = gridDim.x;
-        int64_t t = blockIdx.x;
-        combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
-        combine_lane_row(c, src, t < n, &x0);
-        uint32_t it = 0;
-        for (; t < n; t += s) {
-            combine_lane_t x2 = combine_lane_local(c, p, src, t + 2 * s, t + 2 * s < n);
-            combine_lane_row(c, src, t + s < n, &x1);
-            /* the entry's place: its (group, tp rank, slot) among the token's entries */
-            const int mine = lane < ents;
-            const int tpi = lane % tp, j = lane / tp;
-            const int32_t key = mine ? (x0.g * tp + tpi) * (int32_t)k + j : 0x7fffffff;
-            int pos = 0;
-            for (int l = 0; l < 32; l++) pos += __shfl_sync(0xffffffffu, key, l) < key;
-            const int q = x0.g * tp + tpi, has = mine && x0.row >= 0;
-            const uint32_t rows = (uint32_t)__popc(__ballot_sync(0xffffffffu, has));
-            for (int64_t sg = 0; sg < segs; sg++, it++) {
-                const int st = (int)(it % (uint32_t)stages);
-                unsigned char *stage = bulk_smem + (size_t)st * stage_bytes;
-                const int64_t col = c0 + sg * BULK_CW, cols = c1 - col < BULK_CW ? c1 - col : BULK_CW;
-                if (lane == 0) bulk_wait(&r->empty[st], (int)((it / (uint32_t)stages) & 1) ^ 1, c->timeout_ns, c->d.rank,
-                                         "combine producer", it);
-                __syncwarp();
-                if (mine) {
-                    ((float *)stage)[pos] = x0.w;
-                    ((int32_t *)stage)[32 + pos] = has ? q : -1 - q;
-                }
-                __syncwarp();
-                if (lane == 0) gm_mbar_expect_tx(&r->full[st], rows * (uint32_t)(cols * 2)); /* after the header */
-                __syncwarp();
-                if (has)
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                                     gm_smem(stage + BULK_HEADER + (size_t)pos * BULK_CW * 2)),
-                                 "l"(src->o_of[q] + (int64_t)x0.row * hd + col), "r"((uint32_t)(cols * 2)),
-                                 "r"(gm_smem(&r->full[st]))
-                                 : "memory");
-            }
-            x0 = x1, x1 = x2;
-        }
-    } else if (warp < BULK_CONSUMERS) { /* the reducers: thread threadIdx.x takes 4 columns of a segment */
-        const int vec = ((uintptr_t)c->y % 8) == 0;
-        uint32_t it = 0;
-        for (int64_t t = blockIdx.x; t < n; t += gridDim.x)
-            for (int64_t sg = 0; sg < segs; sg++, it++) {
-                const int st = (int)(it % (uint32_t)stages);
-                const unsigned char *stage = bulk_smem + (size_t)st * stage_bytes;
-                bulk_wait(&r->full[st], (int)((it / (uint32_t)stages) & 1), c->timeout_ns, c->d.rank, "combine", it);
-                const int64_t col = c0 + sg * BULK_CW + threadIdx.x * 4;
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                int32_t prev = 0;
-                for (int e = 0; e < ents; e++) {
-                    const int32_t gq = ((const int32_t *)stage)[32 + e], q = gq < 0 ? -1 - gq : gq;
-                    if (e > 0 && q != prev) /* a new (group, tp rank): the finished chain's sum into acc */
-                        for (int i = 0; i < 4; i++) acc[i] += part[i], part[i] = 0.0f;
-                    prev = q;
-                    if (gq < 0 || col >= c1) continue; /* no row there; or beyond the segment */
-                    fmaf4_bf16(((const float *)stage)[e],
-                               *(const uint2 *)(stage + BULK_HEADER + (size_t)e * BULK_CW * 2 + threadIdx.x * 8), part);
-                }
-                for (int i = 0; i < 4; i++) acc[i] += part[i];
-                __syncwarp();
-                if (lane == 0) gm_mbar_arrive(&r->empty[st]); /* the warp is done with the stage */
-                if (col < c1) {
-                    comet_bf16_t *yo = c->y + t * hd + col;
-                    if (vec)
-                        *(uint2 *)yo = pack4_bf16(acc);
-                    else
-                        for (int i = 0; i < 4; i++) yo[i] = comet_f32_to_bf16(acc[i]);
-                }
-            }
-    }
-}
-
 /* My o (and plan, and with partials the partials I sent) are complete: tell every rank. */
 __global__ void k_signal(comet_cuda_ctx_t c) {
     __threadfence_system();
@@ -853,9 +816,9 @@ __global__ void k_signal(comet_cuda_ctx_t c) {
 
 /* The combine of the sequential chain (and of the overlapped mode with push):
  * once every rank's o is complete, y of every local token over all columns;
- * bulk (a literal in each kernel): by bulk copies (bulk_combine), else by
- * the register mover (pull_combine). */
-__device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, const int bulk) {
+ * flat (a literal in each kernel): k_final_flat, where the layer's shape
+ * allows it (final_flat). */
+__device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, const int flat) {
     if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return; /* the measurement without communication */
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
@@ -865,14 +828,7 @@ __device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, con
     combine_src_init(&c, &src);
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    if (bulk) {
-        __shared__ bulk_ring_t bars;
-        if (threadIdx.x == 0) bulk_init(&bars, c.combine_stages);
-        __syncthreads();
-        bulk_combine(&c, &p, &src, &bars, 0, c.d.hidden);
-    } else {
-        pull_combine(&c, &p, &src, 0, c.d.hidden);
-    }
+    pull_combine(&c, &p, &src, 0, c.d.hidden, flat);
     if (c.tr_events) {
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, -1, -1, t0);
@@ -880,7 +836,10 @@ __device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, con
 }
 
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) { final_body(c, 0); }
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_final_bulk(comet_cuda_ctx_t c) { final_body(c, 1); }
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_final_flat(comet_cuda_ctx_t c) { final_body(c, 1); }
+
+/* The combine's entries of a token fit a warp, and no partials are read. */
+static inline int final_flat(const comet_cuda_ctx_t *c) { return !c->partial && c->d.topk * c->d.tp <= 32; }
 
 /* Trace: mark where a step starts (end 0) or record it (end 1) as one
  * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
@@ -1095,7 +1054,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
         }
         __syncthreads();
         t0 = TRACE_T0;
-        if (!(c.disable & COMET_DISABLE_COMM)) pull_combine(&c, &p, &src, c0, c1);
+        if (!(c.disable & COMET_DISABLE_COMM)) pull_combine(&c, &p, &src, c0, c1, 0);
         __syncthreads();
         if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
     }
@@ -1112,7 +1071,7 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_signal, (const void *)k_send_partials, (const void *)k_final,
-                         (const void *)k_final_bulk, (const void *)k_exit,
+                         (const void *)k_final_flat, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -1120,27 +1079,6 @@ extern "C" int comet_cuda_layer_warm(void) {
         if (e != cudaSuccess) return (int)e;
     }
     return comet_gemm_warm();
-}
-
-extern "C" int comet_cuda_combine_bulk_setup(comet_cuda_ctx_t *c) {
-    const int64_t ents = c->d.topk * c->d.tp;
-    const size_t stage = BULK_HEADER + (size_t)ents * BULK_CW * 2;
-    int stages = ents <= 32 && c->d.hidden % 8 == 0 && !c->partial ? (int)((200 * 1024) / stage) : 0;
-    if (stages > COMET_CUDA_BULK_STAGES) stages = COMET_CUDA_BULK_STAGES;
-    c->combine_bulk = stages >= 2, c->combine_stages = stages, c->combine_smem = 0;
-    if (!c->combine_bulk) return cudaSuccess;
-    c->combine_smem = (int)(stages * stage);
-    /* the limit is the device's, for every layer of the process: set it to the most the kernel can
-     * have, never lower, so that a later layer with smaller stages cannot cut an earlier one's */
-    int dev = 0, optin = 0;
-    cudaFuncAttributes fa;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, k_final_bulk);
-    if (e == cudaSuccess && c->combine_smem > optin - (int)fa.sharedSizeBytes) e = cudaErrorInvalidValue;
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_final_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)fa.sharedSizeBytes);
-    return (int)e;
 }
 
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
@@ -1294,8 +1232,8 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     if (combine) {
         if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);
         k_signal<<<1, 1, 0, stream>>>(c);
-        if (c.combine_bulk)
-            k_final_bulk<<<grid, COMM_THREADS, c.combine_smem, stream>>>(c);
+        if (final_flat(&c))
+            k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
         else
             k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     }

@@ -2,11 +2,10 @@
  * tma.h - the Hopper (sm_90a) pieces that load tiles into shared memory:
  * mbarrier init / arrive / expect_tx / parity wait, the 2D TMA load, and the
  * host-side tensor map of a row-major bf16 matrix (box of 64 columns, 128B
- * swizzle). Used by the grouped GEMM (gemm.cu), the bulk combine
- * (layer_kernels.cu) and by dev/gather's probe, so the probe measures the
- * loads the GEMM issues. CUDA C++ only (inline
- * device code, CUtensorMap from cuda.h; the encoder comes from the driver
- * through the runtime, no -lcuda).
+ * swizzle). Used by the grouped GEMM (gemm.cu), by dev/gather's probe, so
+ * the probe measures the loads the GEMM issues, and by dev/combine. CUDA
+ * C++ only (inline device code, CUtensorMap from cuda.h; the encoder comes
+ * from the driver through the runtime, no -lcuda).
  */
 #ifndef COMET_CUDA_TMA_H
 #define COMET_CUDA_TMA_H

@@ -1,9 +1,8 @@
 /*
  * vec8.h - vector accesses of the data movers: 8 columns at once (one
  * 16-byte bf16 access, two for fp32; with vec 0, n <= 8 scalar accesses),
- * element i of 8 packed bf16, and the 4-column steps of the combine by bulk
- * copies (fmaf of 4 packed bf16, 4 floats to packed bf16, RNE). Device
- * code (src/cuda/layer_kernels.cu, dev/combine), CUDA C++.
+ * element i of 8 packed bf16. Device code (src/cuda/layer_kernels.cu,
+ * dev/combine), CUDA C++.
  */
 #ifndef COMET_CUDA_VEC8_H
 #define COMET_CUDA_VEC8_H
@@ -61,20 +60,6 @@ __device__ static inline void st8_bf16(comet_bf16_t *p, const float v[8], int n,
         for (int i = 0; i < 8; i++)
             if (i < n) p[i] = comet_f32_to_bf16(v[i]);
     }
-}
-
-/* part[i] = fmaf(w, element i of the 4 packed bf16 v, part[i]), i ascending. */
-__device__ static inline void fmaf4_bf16(float w, uint2 v, float part[4]) {
-    part[0] = fmaf(w, __uint_as_float(v.x << 16), part[0]);
-    part[1] = fmaf(w, __uint_as_float(v.x & 0xffff0000u), part[1]);
-    part[2] = fmaf(w, __uint_as_float(v.y << 16), part[2]);
-    part[3] = fmaf(w, __uint_as_float(v.y & 0xffff0000u), part[3]);
-}
-
-/* 4 floats as packed bf16 (round to nearest even). */
-__device__ static inline uint2 pack4_bf16(const float v[4]) {
-    return make_uint2((uint32_t)comet_f32_to_bf16(v[0]) | (uint32_t)comet_f32_to_bf16(v[1]) << 16,
-                      (uint32_t)comet_f32_to_bf16(v[2]) | (uint32_t)comet_f32_to_bf16(v[3]) << 16);
 }
 
 #endif /* COMET_CUDA_VEC8_H */
