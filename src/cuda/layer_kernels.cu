@@ -163,21 +163,19 @@ __global__ void k_stage(comet_cuda_ctx_t c) {
     __threadfence_system();
 }
 
-__global__ void k_publish(comet_cuda_ctx_t c) {
-    comet_sym_flags_t *f = flags_of(&c, c.d.rank);
-    f->status = c.state->own_status;
-    f->token_count = (uint64_t)c.num_tokens;
-    f->mode = comet_cuda_mode(&c);
-    __threadfence_system();
-    st_release_sys(&f->entry, c.state->epoch);
-}
-
-/* Wait for every rank's staged inputs; decide whether this epoch runs. */
+/* Publish my staged inputs, wait for every rank's; decide whether this
+ * epoch runs. */
 __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
     const uint64_t e = s->epoch, t0 = TRACE_T0;
     const uint64_t mode = comet_cuda_mode(&c);
+    comet_sym_flags_t *own = flags_of(&c, c.d.rank);
+    own->status = s->own_status;
+    own->token_count = (uint64_t)c.num_tokens;
+    own->mode = mode;
+    __threadfence_system();
+    st_release_sys(&own->entry, e);
     uint32_t bad = 0, other_mode = 0;
     for (int q = 0; q < c.d.world_size; q++) {
         comet_sym_flags_t *f = flags_of(&c, q);
@@ -655,7 +653,7 @@ __device__ static __forceinline__ void send_partials(const comet_cuda_ctx_t *c, 
 }
 
 /* The sequential chain's partials: all columns on every SM after GEMM1;
- * k_signal then tells the home ranks. */
+ * k_final's signal then tells the home ranks. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ctx_t c) {
     if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return;
     const uint64_t t0 = TRACE_T0;
@@ -808,19 +806,20 @@ __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, c
     }
 }
 
-/* My o (and plan, and with partials the partials I sent) are complete: tell every rank. */
-__global__ void k_signal(comet_cuda_ctx_t c) {
-    __threadfence_system();
-    for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->o_ready[c.d.rank], c.state->epoch);
-}
-
 /* The combine of the sequential chain (and of the overlapped mode with push):
- * once every rank's o is complete, y of every local token over all columns;
+ * first the signal (every CTA's thread 0, so that none waits on a CTA not
+ * yet resident): my o (and plan, and with partials the partials I sent),
+ * complete as the kernels before this one ended, announced to every rank;
+ * then, once every rank's o is complete, y of every local token over all columns;
  * flat (a literal in each kernel): k_final_flat, where the layer's shape
  * allows it (final_flat). */
 __device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, const int flat) {
-    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return; /* the measurement without communication */
     const uint64_t e = c.state->epoch, t0 = TRACE_T0;
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (int q = 0; q < c.d.world_size; q++) st_release_sys(&flags_of(&c, q)->o_ready[c.d.rank], e);
+    }
+    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return; /* the measurement without communication */
     comet_sym_flags_t *mine = flags_of(&c, c.d.rank);
     if (threadIdx.x == 0)
         for (int q = 0; q < c.d.world_size; q++) wait_geq(&mine->o_ready[q], e, &c, "combine: o of rank", q);
@@ -1067,10 +1066,10 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
 /* Load every kernel of the layer now: with lazy module loading, a kernel
  * loaded for the first time while another spins on a flag can deadlock. */
 extern "C" int comet_cuda_layer_warm(void) {
-    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_publish, (const void *)k_plan,
+    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_plan,
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_signal, (const void *)k_send_partials, (const void *)k_final,
+                         (const void *)k_send_partials, (const void *)k_final,
                          (const void *)k_final_flat, (const void *)k_exit,
                          (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
@@ -1124,7 +1123,6 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stre
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
     k_enter<<<1, 1, 0, stream>>>(c);
     k_stage<<<grid, 256, 0, stream>>>(c);
-    k_publish<<<1, 1, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
     const int ce = c.gemm && c.n_comm > 0 && c.ce_stage; /* every peer's stage is complete (k_plan waited for it) */
     int e = ce ? ce_copies(&c, stream) : cudaSuccess;
@@ -1166,7 +1164,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
                                            c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 3);
-    int combine = 1; /* the signal and combine kernels after GEMM1 (all but the chunked overlapped combine) */
+    int combine = 1; /* k_final (signal, then combine) after GEMM1 (all but the chunked overlapped combine) */
     if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
@@ -1231,7 +1229,6 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     }
     if (combine) {
         if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);
-        k_signal<<<1, 1, 0, stream>>>(c);
         if (final_flat(&c))
             k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
         else
