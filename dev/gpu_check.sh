@@ -90,12 +90,15 @@ for step in $STEPS; do
         done; done; done
         ;;
     ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
-        # drift under sustained load hits every variant alike; one summary line per run
+        # drift under sustained load hits every variant alike; one summary line per run. COMET_BIN=DIR
+        # in a variant runs DIR/comet instead of build/comet (two builds compared: carry both)
         IFS=';' read -ra variants <<<"${AB:-COMET_PARTIALS=0;COMET_PARTIALS=1}"
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
-                line=$(env $v timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                bin=build
+                for kv in $v; do case $kv in COMET_BIN=*) bin=${kv#COMET_BIN=} ;; esac; done
+                line=$(env $v timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
             done; done
