@@ -32,6 +32,7 @@
  *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
  *            with push, 3 overlapped with push, 5 sequential with partials,
  *            else the overlapped mode's chunk width, + 1 with partials), entry = e
+ *            (k_plan's thread 0, before its wait)
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs), build my plan
@@ -43,7 +44,9 @@
  *   partials with partials: for each token of another rank with rows here,
  *            its partial (as the combine computes one) into its home's part
  *            (overlapped: by the comm CTAs beside GEMM1, chunk by chunk)
- *   signal   o_ready[me] = e on every rank (my o is complete)
+ *   signal   o_ready[me] = e on every rank (my o, and the partials I sent,
+ *            are complete; every k_final CTA's thread 0, before its skip
+ *            check and its wait)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce
  *            (ascending slot, fmaf) over the o rows of its slots on q, pulled

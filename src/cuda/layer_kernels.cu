@@ -21,7 +21,6 @@
 #include "cuda_layer.h"
 #include "gemm.h"
 #include "plan_kernel.h"
-#include "tma.h"
 #include "vec8.h"
 #include "../trace/trace.h"
 #include "comet.h"
