@@ -33,28 +33,32 @@
 
 #define PLAN_THREADS 1024
 #define PLAN_WORDS (PLAN_THREADS / 32) /* bitmask words per key and chunk */
+/* A key's words lie PLAN_STRIDE apart: the lanes of a warp read word w of
+ * different keys at once, which with a stride of 32 words all fall into one
+ * bank (a 32-way conflict every read) */
+#define PLAN_STRIDE (PLAN_WORDS + 1)
 
 /* Rank of this thread's item among the chunk's items with the same key and a
  * lower thread index: popcount of the key's bits below the thread. */
 __device__ static inline int rank_below(const uint32_t *bits, int key) {
     const int w = threadIdx.x / 32, b = threadIdx.x % 32;
-    int r = __popc(bits[key * PLAN_WORDS + w] & ((1u << b) - 1u));
-    for (int i = 0; i < w; i++) r += __popc(bits[key * PLAN_WORDS + i]);
+    int r = __popc(bits[key * PLAN_STRIDE + w] & ((1u << b) - 1u));
+    for (int i = 0; i < w; i++) r += __popc(bits[key * PLAN_STRIDE + i]);
     return r;
 }
 
 __device__ static inline int key_total(const uint32_t *bits, int key) {
     int n = 0;
-    for (int i = 0; i < PLAN_WORDS; i++) n += __popc(bits[key * PLAN_WORDS + i]);
+    for (int i = 0; i < PLAN_WORDS; i++) n += __popc(bits[key * PLAN_STRIDE + i]);
     return n;
 }
 
 __device__ static inline void clear_bits(uint32_t *bits, int keys) {
-    for (int i = threadIdx.x; i < keys * PLAN_WORDS; i += blockDim.x) bits[i] = 0;
+    for (int i = threadIdx.x; i < keys * PLAN_STRIDE; i += blockDim.x) bits[i] = 0;
 }
 
 __device__ static inline void set_bit(uint32_t *bits, int key) {
-    atomicOr(&bits[key * PLAN_WORDS + threadIdx.x / 32], 1u << (threadIdx.x % 32));
+    atomicOr(&bits[key * PLAN_STRIDE + threadIdx.x / 32], 1u << (threadIdx.x % 32));
 }
 
 /* Chunks of PLAN_THREADS tokens per source rank (at least one). */
@@ -183,7 +187,7 @@ __device__ static void table_sums(const comet_dims_t &d, const int32_t *cnt, int
 
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, comet_plan_input_t in, void *workspace,
                                                                 const int32_t *cnt, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_WORDS], then tot[el + 1], base[el + 1] */
+    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_STRIDE], then tot[el + 1], base[el + 1] */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     const int s = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
@@ -191,7 +195,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
     const int64_t n = in.token_count[s];
     if ((int64_t)c * PLAN_THREADS >= n) return; /* the whole block: nothing to write */
     const int send_key = (int)el;
-    int32_t *tot = (int32_t *)(bits + (el + 1) * PLAN_WORDS), *base = tot + el + 1;
+    int32_t *tot = (int32_t *)(bits + (el + 1) * PLAN_STRIDE), *base = tot + el + 1;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
 
@@ -237,14 +241,14 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
 
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d, void *workspace, const int32_t *cnt,
                                                                   int chunks, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [W][PLAN_WORDS], then aux[max(el + 1, W)], tot[el + 1], by_rank[W] */
+    extern __shared__ uint32_t bits[]; /* [W][PLAN_STRIDE], then aux[max(el + 1, W)], tot[el + 1], by_rank[W] */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
     const int64_t el = d.experts_local, tm = d.tile_m;
-    int32_t *aux = (int32_t *)(bits + w * PLAN_WORDS), *tot = aux + (el + 1 > w ? el + 1 : w), *by_rank = tot + el + 1;
+    int32_t *aux = (int32_t *)(bits + w * PLAN_STRIDE), *tot = aux + (el + 1 > w ? el + 1 : w), *by_rank = tot + el + 1;
 
     /* counts, padded starts, totals; the fill's end of each expert (cursor) */
     table_sums(d, cnt, chunks, 0, 0, tot, NULL, by_rank);
@@ -345,9 +349,9 @@ extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_
         return cudaGetLastError();
     }
     /* the shared-memory limit is per device: raise it on the current one */
-    const int most = COMET_PLAN_MAX_KEYS * (PLAN_WORDS + 3) * (int)sizeof(uint32_t);
-    const size_t fill_smem = (size_t)(el + 1) * (PLAN_WORDS + 2) * sizeof(uint32_t);
-    const size_t finish_smem = (size_t)keys * (PLAN_WORDS + 3) * sizeof(uint32_t);
+    const int most = COMET_PLAN_MAX_KEYS * (PLAN_STRIDE + 3) * (int)sizeof(uint32_t);
+    const size_t fill_smem = (size_t)(el + 1) * (PLAN_STRIDE + 2) * sizeof(uint32_t);
+    const size_t finish_smem = (size_t)keys * (PLAN_STRIDE + 3) * sizeof(uint32_t);
     cudaError_t e = cudaSuccess;
     if (fill_smem > 48 * 1024) e = cudaFuncSetAttribute(comet_plan_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
     if (e == cudaSuccess && finish_smem > 48 * 1024)
