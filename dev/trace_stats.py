@@ -6,8 +6,9 @@ to the last end. Pull intervals are split by their aux field: on the CUDA
 path "pull aux=-1" is a dispatch batch (sequential chain, or the overlapped
 mode's local copies) and "pull aux=1" a pass of the overlapped mode's
 remote pulls (src/trace/trace.h); on the CPU engine aux is a stage. The
-CUDA path's plan comes in four intervals (routing copy, the builder's
-count, fill and finish kernels, each with the launch gap before it). With two or more files
+CUDA path's plan comes in three intervals (routing copy, the builder's
+count and fill-and-finish kernels, each with the launch gap before it;
+older traces have four: fill and finish apart). With two or more files
 (e.g. the same call under two settings, same seed) each row shows every
 file's figures side by side, so a change in the remote pulls' pass length is
 a change in their rate (the passes move the same rows).
@@ -22,7 +23,7 @@ import statistics
 import sys
 
 # the CUDA path's plan intervals by index (src/trace/trace.h)
-PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill", 3: "finish"}
+PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill (+finish)", 3: "finish"}
 
 
 def load(path):

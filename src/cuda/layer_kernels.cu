@@ -841,9 +841,9 @@ static inline int final_flat(const comet_cuda_ctx_t *c) { return !c->partial && 
 
 /* Trace: mark where a step starts (end 0) or record it (end 1) as one
  * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
- * (the stream's lane; index: 0 the routing copy, 1-3 the builder's count,
- * fill and finish kernels, each with the launch gap before it; 3 the whole
- * builder where the sequential one runs). The kernels
+ * (the stream's lane; index: 0 the routing copy, 1 and 2 the builder's
+ * count and fill-and-finish kernels, each with the launch gap before it; 2
+ * the whole builder where the sequential one runs). The kernels
  * of those steps record nothing themselves. */
 __global__ void k_mark(comet_cuda_ctx_t c, int which, int end, int index) {
     if (!end) {
@@ -1162,7 +1162,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
                                            c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
-    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 3);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 2);
     int combine = 1; /* k_final (signal, then combine) after GEMM1 (all but the chunked overlapped combine) */
     if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;

@@ -4,8 +4,8 @@
  * checks it), so that a rank builds its plan from every rank's routing with
  * no host synchronisation.
  *
- * Three launches over chunks of 1024 tokens of every source rank (grid
- * chunks x W, one token per thread):
+ * Two launches over chunks of 1024 tokens of every source rank (grid
+ * chunks x W, one token per thread, and the fill's one more block):
  *   count:  rows per local expert and chunk, and tokens with a row here per
  *           chunk, into a small table in the caller's scratch (and the home
  *           groups of this rank's own tokens);
@@ -18,9 +18,11 @@
  *           its rank among the chunk's rows of that expert is the popcount of
  *           the bits below it; the send lists are one more key ("token has a
  *           row here");
- *   finish: one block: counts, starts, totals, padding rows, row blocks and
- *           the local-first block order (the same stable ranking with the
- *           stage as the key).
+ *   finish: one more block of the fill's launch, beside the chunks, from
+ *           the table alone: counts, starts, totals, padding rows, row
+ *           blocks (a block's stage, that of its last row, from the rows
+ *           each expert has up to each stage) and the local-first block
+ *           order (the same stable ranking with the stage as the key).
  * Experts per rank are limited by shared memory (COMET_PLAN_MAX_KEYS); above
  * it, and for the reference, the sequential builder of plan_impl.h runs in
  * one thread.
@@ -185,12 +187,22 @@ __device__ static void table_sums(const comet_dims_t &d, const int32_t *cnt, int
     __syncthreads();
 }
 
+__device__ static void plan_finish(const comet_dims_t &d, void *workspace, const int32_t *cnt, int32_t *stage_rows,
+                                   int chunks, uint32_t *bits, int *wsum);
+
+/* Grid (chunks, W + 1): blocks (c, s < W) fill chunk c of rank s's tokens;
+ * block (0, W) is the finish, which needs the count table only. */
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, comet_plan_input_t in, void *workspace,
-                                                                const int32_t *cnt, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_STRIDE], then tot[el + 1], base[el + 1] */
+                                                                const int32_t *cnt, int32_t *stage_rows,
+                                                                const uint32_t *skip) {
+    extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_STRIDE], then tot[el + 1], base[el + 1] (the finish: its own) */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
     const int s = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
+    if (s == d.world_size) {
+        if (c == 0) plan_finish(d, workspace, cnt, stage_rows, chunks, bits, wsum);
+        return;
+    }
     const int64_t el = d.experts_local, topk = d.topk, tm = d.tile_m, e0 = (int64_t)d.ep_rank * el;
     const int64_t n = in.token_count[s];
     if ((int64_t)c * PLAN_THREADS >= n) return; /* the whole block: nothing to write */
@@ -239,11 +251,13 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
     }
 }
 
-__global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d, void *workspace, const int32_t *cnt,
-                                                                  int chunks, const uint32_t *skip) {
-    extern __shared__ uint32_t bits[]; /* [W][PLAN_STRIDE], then aux[max(el + 1, W)], tot[el + 1], by_rank[W] */
-    __shared__ int wsum[PLAN_WORDS + 1];
-    if (skip && *skip) return;
+/* The finish, by one block of the fill's launch (bits: its dynamic shared
+ * memory, [W][PLAN_STRIDE], then aux[max(el + 1, W)], tot[el + 1],
+ * by_rank[W]; stage_rows: el x W ints of scratch). Reads nothing the fill
+ * writes, and writes only what the fill does not (the padding rows lie
+ * beyond each expert's filled rows). */
+__device__ static void plan_finish(const comet_dims_t &d, void *workspace, const int32_t *cnt, int32_t *stage_rows,
+                                   int chunks, uint32_t *bits, int *wsum) {
     comet_plan_t p;
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
@@ -277,11 +291,25 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d
         p.totals->num_blocks = blocks_all;
     }
     for (int s = tid; s < w; s += nt) p.send_count[s] = by_rank[s];
+    /* stage_rows[e * W + q]: expert e's rows from stages <= q (its rows lie
+     * in stage order, then by chunk: the fill's order) */
+    for (int64_t i = tid; i < el * w; i += nt) {
+        const int64_t e = i / w;
+        const int q = (int)(i % w);
+        int v = 0;
+        for (int q2 = 0; q2 <= q; q2++) {
+            const int32_t *col = cnt + (int64_t)comet_rank_of_stage(r, q2, w) * chunks * (el + 1) + e;
+#pragma unroll 4
+            for (int c = 0; c < chunks; c++) v += col[(int64_t)c * (el + 1)];
+        }
+        stage_rows[i] = v;
+    }
     __syncthreads();
 
     /* row blocks in expert order, one thread per block (its expert: the last
-     * with first block <= b, aux[e] being the first block of expert e); rows
-     * are in stage order, so a block's last row has its latest stage */
+     * with first block <= b, aux[e] being the first block of expert e); its
+     * stage is its last row's: the first stage up to which the expert has
+     * more rows than that row's index in it */
     const int32_t nb = blocks_all;
     for (int32_t b = tid; b < nb; b += nt) {
         int lo = 0, hi = (int)el - 1;
@@ -295,7 +323,14 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_finish(comet_dims_t d
         blk.expert = lo;
         blk.row_start = st;
         blk.num_rows = (int32_t)(end - st < tm ? end - st : tm);
-        blk.stage = comet_stage_of(r, p.rows[st + blk.num_rows - 1].src_rank, w);
+        const int32_t last = (b - aux[lo]) * (int32_t)tm + blk.num_rows - 1, *sr = stage_rows + (int64_t)lo * w;
+        int qlo = 0, qhi = w - 1; /* the first q with sr[q] > last (sr[w - 1], all its rows, is) */
+        while (qlo < qhi) {
+            const int mid = (qlo + qhi) / 2;
+            if (sr[mid] > last) qhi = mid;
+            else qlo = mid + 1;
+        }
+        blk.stage = qlo;
         p.blocks[b] = blk;
     }
     __syncthreads();
@@ -335,8 +370,11 @@ __global__ void comet_plan_build_serial(comet_dims_t d, comet_plan_input_t in, v
     comet_plan_build(&d, &in, &plan);
 }
 
+/* Scratch: the count table [W][chunks][el + 1], then the finish's
+ * stage_rows [el][W]. */
 extern "C" size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d) {
-    return (size_t)(d->world_size * plan_chunks(d) * (d->experts_local + 1)) * sizeof(int32_t);
+    const int64_t w = d->world_size, el = d->experts_local;
+    return (size_t)(w * plan_chunks(d) * (el + 1) + el * w) * sizeof(int32_t);
 }
 
 extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,
@@ -352,18 +390,16 @@ extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_
     const int most = COMET_PLAN_MAX_KEYS * (PLAN_STRIDE + 3) * (int)sizeof(uint32_t);
     const size_t fill_smem = (size_t)(el + 1) * (PLAN_STRIDE + 2) * sizeof(uint32_t);
     const size_t finish_smem = (size_t)keys * (PLAN_STRIDE + 3) * sizeof(uint32_t);
+    const size_t smem = fill_smem > finish_smem ? fill_smem : finish_smem; /* one launch runs both */
     cudaError_t e = cudaSuccess;
-    if (fill_smem > 48 * 1024) e = cudaFuncSetAttribute(comet_plan_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-    if (e == cudaSuccess && finish_smem > 48 * 1024)
-        e = cudaFuncSetAttribute(comet_plan_finish, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if (smem > 48 * 1024) e = cudaFuncSetAttribute(comet_plan_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
     if (e != cudaSuccess) return e;
     const int64_t chunks = plan_chunks(d);
-    int32_t *cnt = (int32_t *)scratch;
-    const dim3 grid((unsigned)chunks, (unsigned)w);
-    comet_plan_count<<<grid, PLAN_THREADS, (size_t)(el + 1) * sizeof(int32_t), stream>>>(*d, *in, workspace, cnt, skip);
+    int32_t *cnt = (int32_t *)scratch, *stage_rows = cnt + w * chunks * (el + 1);
+    comet_plan_count<<<dim3((unsigned)chunks, (unsigned)w), PLAN_THREADS, (size_t)(el + 1) * sizeof(int32_t), stream>>>(
+        *d, *in, workspace, cnt, skip);
     if (between && (e = between(arg, 1, stream)) != cudaSuccess) return e;
-    comet_plan_fill<<<grid, PLAN_THREADS, fill_smem, stream>>>(*d, *in, workspace, cnt, skip);
-    if (between && (e = between(arg, 2, stream)) != cudaSuccess) return e;
-    comet_plan_finish<<<1, PLAN_THREADS, finish_smem, stream>>>(*d, workspace, cnt, (int)chunks, skip);
+    comet_plan_fill<<<dim3((unsigned)chunks, (unsigned)w + 1), PLAN_THREADS, smem, stream>>>(*d, *in, workspace, cnt,
+                                                                                            stage_rows, skip);
     return cudaGetLastError();
 }

@@ -53,7 +53,7 @@ enum {
     COMET_TRACE_WAIT = 5,    /* any: spin on a flag; `aux` = kind of the step it waits to do, `index` its index */
     COMET_TRACE_BARRIER = 6, /* host: wait for every rank; index 0 = previous call done, 1 = entry */
     COMET_TRACE_PLAN = 7,    /* host: build the plan from every rank's staged routing (CPU: index -1;
-                              * CUDA: index 0 the routing copy, 1-3 the builder's kernels) */
+                              * CUDA: index 0 the routing copy, 1 and 2 the builder's kernels) */
     COMET_TRACE_NUM_KINDS = 8
 };
 
