@@ -666,6 +666,19 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
     }
 }
 
+/* A lane's sums (its 8 columns of each of COL_GROUPS 256-column groups
+ * from g0, those below c1) into token t's y as bf16. */
+__device__ static inline void store_y(const comet_cuda_ctx_t *c, int64_t t, int64_t g0, int64_t c1, const float *acc,
+                                      int vec_out) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int gi = 0; gi < COL_GROUPS; gi++) {
+        const int64_t col = g0 + gi * 256 + lane * 8;
+        const int cn = cols_below(col, c1);
+        if (cn) st8_bf16(c->y + t * c->d.hidden + col, acc + gi * 8, cn, vec_out && cn == 8);
+    }
+}
+
 /* Entries whose rows a lane of the flat combine loads before it uses them:
  * FLAT_BATCH x COL_GROUPS x 16 B = 128 B in flight a lane, twice the group
  * by group batches' (dev/combine: 3.5-3.9 TB/s against 2.9-3.1). */
@@ -747,12 +760,7 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
         }
 #pragma unroll
         for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] += part[i];
-#pragma unroll
-        for (int gi = 0; gi < COL_GROUPS; gi++) {
-            const int64_t col = g0 + gi * 256 + lane * 8;
-            const int cn = cols_below(col, c1);
-            if (cn) st8_bf16(c->y + t * hd + col, acc + gi * 8, cn, vec_out && cn == 8);
-        }
+        store_y(c, t, g0, c1, acc, vec_out);
     }
 }
 
@@ -768,7 +776,7 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
 __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p,
                                                     const combine_src_t *src, int64_t c0, int64_t c1, const int flat) {
     const int64_t hd = c->d.hidden, n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
-    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    const int tp = c->d.tp;
     const int vec_out = hd % 8 == 0 && ((uintptr_t)c->y % 16) == 0;
     int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
@@ -794,12 +802,7 @@ __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, c
                     for (int i = 0; i < COL_GROUPS * 8; i++) acc[i] += part[i];
                 }
             }
-#pragma unroll
-            for (int gi = 0; gi < COL_GROUPS; gi++) {
-                const int64_t col = g0 + gi * 256 + lane * 8;
-                const int cn = cols_below(col, c1);
-                if (cn) st8_bf16(c->y + t * hd + col, acc + gi * 8, cn, vec_out && cn == 8);
-            }
+            store_y(c, t, g0, c1, acc, vec_out);
         }
         x0 = x1, x1 = x2;
     }
