@@ -22,20 +22,23 @@ import json
 import statistics
 import sys
 
-# the CUDA path's plan intervals by index (src/trace/trace.h)
-PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill (+finish)", 3: "finish"}
+# the CUDA path's plan intervals by index (src/trace/trace.h); older traces, with an index 3, had
+# the fill and the finish apart (and index 3 the whole serial builder)
+PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill+finish"}
+PLAN_STEPS_OLD = {0: "routing copy", 1: "count", 2: "fill", 3: "finish"}
 
 
 def load(path):
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    old = any(e["name"] == "plan" and e["args"].get("index") == 3 for e in events)
     groups = {}
     for e in events:
         kind = e["args"]["kind"]
         if kind == "pull":
             kind = "pull aux=%d" % e["args"]["aux"]
         elif kind == "plan" and e["args"]["index"] >= 0:
-            kind = "plan %d %s" % (e["args"]["index"], PLAN_STEPS.get(e["args"]["index"], ""))
+            kind = "plan %d %s" % (e["args"]["index"], (PLAN_STEPS_OLD if old else PLAN_STEPS).get(e["args"]["index"], ""))
         groups.setdefault((e["pid"], kind), []).append((e["ts"], e["dur"]))
     return groups
 

@@ -36,7 +36,7 @@
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
  *            copy every rank's staged routing here (all SMs), build my plan
- *            from it (three launches, plan_kernel.cu)
+ *            from it (two launches, plan_kernel.cu)
  *   dispatch pull my experts' token rows from the peers' stages: each token
  *            once, stored into every row of its slots here (the overlapped
  *            mode pulls by row block)

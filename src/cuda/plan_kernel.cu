@@ -190,16 +190,17 @@ __device__ static void table_sums(const comet_dims_t &d, const int32_t *cnt, int
 __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const int32_t *cnt, int32_t *stage_rows,
                                    int chunks, uint32_t *bits, int *wsum);
 
-/* Grid (chunks, W + 1): blocks (c, s < W) fill chunk c of rank s's tokens;
- * block (0, W) is the finish, which needs the count table only. */
+/* Grid (chunks, W + 1): blocks (c, s + 1) fill chunk c of rank s's tokens;
+ * block (0, 0), the first the hardware starts (so never in a second wave
+ * behind the fill blocks), is the finish, which needs the count table only. */
 __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, comet_plan_input_t in, void *workspace,
                                                                 const int32_t *cnt, int32_t *stage_rows,
                                                                 const uint32_t *skip) {
     extern __shared__ uint32_t bits[]; /* [el + 1][PLAN_STRIDE], then tot[el + 1], base[el + 1] (the finish: its own) */
     __shared__ int wsum[PLAN_WORDS + 1];
     if (skip && *skip) return;
-    const int s = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
-    if (s == d.world_size) {
+    const int s = (int)blockIdx.y - 1, c = blockIdx.x, chunks = gridDim.x, tid = threadIdx.x;
+    if (s < 0) {
         if (c == 0) plan_finish(d, workspace, cnt, stage_rows, chunks, bits, wsum);
         return;
     }
@@ -292,18 +293,19 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
     }
     for (int s = tid; s < w; s += nt) p.send_count[s] = by_rank[s];
     /* stage_rows[e * W + q]: expert e's rows from stages <= q (its rows lie
-     * in stage order, then by chunk: the fill's order) */
+     * in stage order, then by chunk: the fill's order): its rows of each
+     * stage, then their running sums */
     for (int64_t i = tid; i < el * w; i += nt) {
         const int64_t e = i / w;
-        const int q = (int)(i % w);
+        const int32_t *col = cnt + (int64_t)comet_rank_of_stage(r, (int)(i % w), w) * chunks * (el + 1) + e;
         int v = 0;
-        for (int q2 = 0; q2 <= q; q2++) {
-            const int32_t *col = cnt + (int64_t)comet_rank_of_stage(r, q2, w) * chunks * (el + 1) + e;
 #pragma unroll 4
-            for (int c = 0; c < chunks; c++) v += col[(int64_t)c * (el + 1)];
-        }
+        for (int c = 0; c < chunks; c++) v += col[(int64_t)c * (el + 1)];
         stage_rows[i] = v;
     }
+    __syncthreads();
+    for (int64_t e = tid; e < el; e += nt)
+        for (int q = 1; q < w; q++) stage_rows[e * w + q] += stage_rows[e * w + q - 1];
     __syncthreads();
 
     /* row blocks in expert order, one thread per block (its expert: the last
