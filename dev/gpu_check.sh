@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -69,7 +69,7 @@ for step in $STEPS; do
     push) # push (the default) beside the pull combine (COMET_PUSH=0), sequential and overlapped
         for m in $MODELS; do for t in $TOKENS; do for layout in "--ep 2 --n-comm -1" "--ep 2 --n-comm 8 --comm-hidden"; do
             for push in 1 0; do
-                line=$(COMET_PUSH=$push timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                line=$(COMET_PUSH=$push timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                     2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("COMET_PUSH=$push $layout: ${line:-FAILED (see bench.log)}")
             done
@@ -78,14 +78,14 @@ for step in $STEPS; do
     bench)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
-            line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+            line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
         ;;
     ce) # the overlapped mode with the copy-engine dispatch (COMET_DISPATCH_CE=1), CE_LAYOUTS
         IFS=';' read -ra layouts <<<"${CE_LAYOUTS:---ep 2 --n-comm 16 --comm-hidden;--tp 2 --n-comm 16 --comm-hidden}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
-            line=$(COMET_DISPATCH_CE=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+            line=$(COMET_DISPATCH_CE=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench CE $layout: ${line:-FAILED (see bench.log)}")
         done; done; done
         ;;
@@ -98,7 +98,7 @@ for step in $STEPS; do
             for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
                 bin=build
                 for kv in $v; do case $kv in COMET_BIN=*) bin=${kv#COMET_BIN=} ;; esac; done
-                line=$(env $v timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-10} --warmup 2 \
+                line=$(env $v timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
             done; done
