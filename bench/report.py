@@ -65,8 +65,8 @@ def main(paths):
         # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch);
         # comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
-              "roofline | comm hidden | check (wrong/checked) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "roofline | comm hidden | net | check (wrong/checked) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
@@ -78,9 +78,11 @@ def main(paths):
             mode += ", graph" if r.get("graph") else ""
             # -1: not measured (no --comm-hidden); below 0 is a measurement: the layer slower than both parts
             hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) != -1 else "-"
+            # net of the steps every side keeps (the fourth side, rows since session 8; else "-")
+            net = f"{100 * r['comm_hidden_net']:.0f}%" if r.get("comm_hidden_net", -1) != -1 else "-"
             roof = max(r["rate"] / GEMM_PEAK_TFLOPS, r.get("link_gbps", 0.0) / LINK_GBPS)
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
-                  f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {r['wrong']}/{r['checked']} |")
+                  f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {net} | {r['wrong']}/{r['checked']} |")
     print()
     for m in machines:
         print(f"- {m}")

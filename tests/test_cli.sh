@@ -61,7 +61,7 @@ if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # torchrun-style launch needs GPUs; with
     expect launch-no-gpu 2 "launched world .*no CUDA device" -- env WORLD_SIZE=2 RANK=0 "$comet" check
 fi
 expect launch-bad-env 2 "not a valid launch" -- env WORLD_SIZE=2 RANK=5 "$comet" check
-expect comm-hidden 0 'communication hidden: -?[0-9.]+% \(gemm only [0-9.]+ ms, comm only [0-9.]+ ms' -- "$comet" bench --backend cpu --scale 64 --tokens 32 --iters 2 --warmup 0 --comm-hidden
+expect comm-hidden 0 'communication hidden: -?[0-9.]+%, -?[0-9.]+% net of the steps every side keeps \(gemm only [0-9.]+ ms, comm only [0-9.]+ ms, neither [0-9.]+ ms' -- "$comet" bench --backend cpu --scale 64 --tokens 32 --iters 2 --warmup 0 --comm-hidden
 tune_out=$(mktemp -u /tmp/comet-tune-cli-XXXXXX)
 expect tune-help 0 'usage: comet tune' -- "$comet" tune --help
 expect tune-json 2 'are for bench and check' -- "$comet" tune --backend cpu --json /tmp/x.jsonl
@@ -73,10 +73,10 @@ rm -f "$tune_out"
 if command -v python3 >/dev/null; then
     rj=$(mktemp /tmp/comet-report-XXXXXX)
     row='{"baseline": "comet-cuda", "date": "2026-11-22T00:00:00Z", "commit": "t", "model": "m", "M": 16, "tp": 1, "ep": 2, "skew": 0, "ms": 2.0, "rate": 402.0, "link_gbps": 10.0, "wrong": 0, "checked": 8, "n_comm": 0'
-    printf '%s, "comm_hidden": -0.0287}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
+    printf '%s, "comm_hidden": -0.0287, "comm_hidden_net": 0.5}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
     report="$(dirname "$0")/../bench/report.py"
-    expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 0/8 \|' -- python3 "$report" "$rj"
-    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| 0/8 \|' -- python3 "$report" "$rj"
     rm -f "$rj"
 else
     echo "test_cli: bench/report.py skipped (no python3)"

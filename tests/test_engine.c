@@ -252,10 +252,10 @@ static void test_disable(void) {
 /* --comm-hidden's sides interleaved call by call in one layer (the
  * runner's interleave): every side timed, the last call whole and bitwise
  * the reference's; with y poisoned before every call, exactly the calls
- * without communication (0 and 3 of 6) leave it poisoned, as the first
- * does, so 4 differ from the first (all whole: 0; the first two sides
- * swapped: 2); the runner refuses interleave with disable bits, a graph, or
- * fewer than 3 timed calls. */
+ * without communication (0, 2, 4 and 6 of 8: without it, and without
+ * both) leave it poisoned, as the first does, so 4 differ from the first
+ * (all whole: 0); the runner refuses interleave with disable bits, a
+ * graph, or fewer than 4 timed calls (one a side). */
 static void test_interleave(void) {
     comet_problem_t *p = sides_problem(4);
     if (!p) return;
@@ -265,11 +265,12 @@ static void test_interleave(void) {
         comet_problem_poison(p);
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.repeats = 6, run.interleave = 1, run.n_comm = n_comm;
-        comet_status_t st = comet_problem_run(p, world, &run, 3);
+        run.repeats = 8, run.interleave = 1, run.n_comm = n_comm;
+        comet_status_t st = comet_problem_run(p, world, &run, 4);
         CHECK(st == COMET_SUCCESS, "interleave n_comm %d: %s", n_comm, comet_last_error());
-        CHECK(run.ms_side[0] > 0 && run.ms_side[1] > 0 && run.ms_side[2] > 0,
-              "interleave n_comm %d: side medians %g %g %g", n_comm, run.ms_side[0], run.ms_side[1], run.ms_side[2]);
+        CHECK(run.ms_side[0] > 0 && run.ms_side[1] > 0 && run.ms_side[2] > 0 && run.ms_side[3] > 0,
+              "interleave n_comm %d: side medians %g %g %g %g", n_comm, run.ms_side[0], run.ms_side[1], run.ms_side[2],
+              run.ms_side[3]);
         comet_run_t each = run;
         each.compare_repeats = 1;
         st = comet_problem_run(p, world, &each, 0);
@@ -281,8 +282,8 @@ static void test_interleave(void) {
         CHECK(chk.differ == 0 && chk.elements == (12 + 9) * 32,
               "interleave n_comm %d: the last (whole) call: %lld of %lld elements differ from the reference", n_comm,
               (long long)chk.differ, (long long)chk.elements);
-        static const struct { int disable, graph, repeats, warmup; } bad[3] = {{COMET_DISABLE_COMM, 0, 6, 0},
-                                                                               {0, 1, 6, 0}, {0, 0, 6, 4}};
+        static const struct { int disable, graph, repeats, warmup; } bad[3] = {{COMET_DISABLE_COMM, 0, 8, 0},
+                                                                               {0, 1, 8, 0}, {0, 0, 7, 4}};
         for (int b = 0; b < 3; b++) {
             run.disable = bad[b].disable, run.graph = bad[b].graph, run.repeats = bad[b].repeats;
             st = comet_problem_run(p, world, &run, bad[b].warmup);

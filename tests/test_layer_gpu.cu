@@ -134,11 +134,12 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
           same ? "equal" : "differs from the sequential one");
 
     /* --comm-hidden's sides interleaved call by call in one layer (the
-     * runner's interleave: 6 calls, without communication, without GEMMs,
-     * whole, twice; the last whole), in both modes, with the pull combine and
-     * (W > 1) with push: no call fails or hangs, the last gives the same bits,
-     * and with y poisoned before every call the two without communication
-     * leave it poisoned (4 calls differ from the first; none where the SIMT
+     * runner's interleave: 8 calls, without communication, without GEMMs,
+     * without both, whole, twice; the last whole), in both modes, with the
+     * pull combine and (W > 1) with push: no call fails or hangs, the last
+     * gives the same bits, and with y poisoned before every call those
+     * without communication (it alone, and both) leave it poisoned (4 calls
+     * differ from the first; none where the SIMT
      * GEMM fallback runs, which ignores disable). The calls without
      * GEMMs find the previous call's o, so the bits alone cannot tell a
      * state a left-out side corrupts from a correct one: the hangs and
@@ -147,7 +148,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     static const char *const as_set[] = {NULL};
     for (int v = 0; v < (w > 1 ? 4 : 2); v++) {
         comet_run_t sides = run;
-        sides.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL, sides.interleave = 1, sides.repeats = 6;
+        sides.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL, sides.interleave = 1, sides.repeats = 8;
         comet_problem_poison(p);
         st = run_with_env(p, world, &sides, v >= 2 ? push_on : as_set);
         same = same_output(p, first, w, cfg->hidden, st);
@@ -159,11 +160,11 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
             for (int s = 0; s < w; s++) differ_ok &= sides.repeats_differ[s] == want;
         }
         CHECK(same && st == COMET_SUCCESS && differ_ok && sides.ms_side[0] > 0 && sides.ms_side[1] > 0 &&
-                  sides.ms_side[2] > 0,
-              "%s: %s%s, sides interleaved: %s, output %s, %s, times %.3f / %.3f / %.3f ms", tag,
+                  sides.ms_side[2] > 0 && sides.ms_side[3] > 0,
+              "%s: %s%s, sides interleaved: %s, output %s, %s, times %.3f / %.3f / %.3f / %.3f ms", tag,
               v % 2 ? "overlapped" : "sequential", v >= 2 ? " with push" : "", comet_status_string(st),
               same ? "equal" : "differs", differ_ok ? "sides in order" : "calls without communication wrote y",
-              sides.ms_side[0], sides.ms_side[1], sides.ms_side[2]);
+              sides.ms_side[0], sides.ms_side[1], sides.ms_side[2], sides.ms_side[3]);
     }
 
     /* push (COMET_PUSH=1 at layer create, W > 1): GEMM1 stores o rows into

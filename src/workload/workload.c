@@ -447,10 +447,16 @@ static void compare_call(rank_job_t *job, int call, const uint16_t *y, uint16_t 
     if (job->rank < 64 && (!*first || memcmp(*first, y, bytes) != 0)) job->run->repeats_differ[job->rank]++;
 }
 
-/* With run->interleave, the disable bits of call i (comet_run_t). */
+/* With run->interleave, the disable bits of call i (comet_run_t), and the
+ * ms_side slot of those bits. */
+#define SIDES 4
 static int interleave_side(int i) {
-    static const int side[3] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, 0};
-    return side[i % 3];
+    static const int side[SIDES] = {COMET_DISABLE_COMM, COMET_DISABLE_GEMM, COMET_DISABLE_COMM | COMET_DISABLE_GEMM, 0};
+    return side[i % SIDES];
+}
+static int side_slot(int i) {
+    static const int slot[SIDES] = {0, 1, 3, 2};
+    return slot[i % SIDES];
 }
 
 /* Before calls that leave one side out (run->disable): one whole forward,
@@ -613,9 +619,9 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (run->repeats < 1) run->repeats = 1;
     if (warmup < 0 || warmup >= run->repeats) warmup = 0;
     memset(run->ms_side, 0, sizeof run->ms_side);
-    if (run->interleave && (run->disable || run->graph || run->repeats - warmup < 3))
+    if (run->interleave && (run->disable || run->graph || run->repeats - warmup < SIDES))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "runner: interleaved sides need disable 0, no graph and 3 timed calls or more (%d)",
+                          "runner: interleaved sides need disable 0, no graph and %d timed calls or more (%d)", SIDES,
                           run->repeats - warmup);
     memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
@@ -654,12 +660,12 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     for (int i = 0; i < timed; i++)
         for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
-    for (int side = 0; run->interleave && side < 3; side++) { /* call warmup + i has side (warmup + i) % 3 */
+    for (int side = 0; run->interleave && side < SIDES; side++) { /* call warmup + i: side (warmup + i) % SIDES */
         int n = 0;
         for (int i = 0; i < timed; i++)
-            if ((warmup + i) % 3 == side) side_ms[n++] = slowest[i];
+            if ((warmup + i) % SIDES == side) side_ms[n++] = slowest[i];
         qsort(side_ms, (size_t)n, sizeof(double), cmp_double);
-        run->ms_side[side] = side_ms[n / 2]; /* n >= 1: 3 timed calls or more */
+        run->ms_side[side_slot(side)] = side_ms[n / 2]; /* n >= 1: SIDES timed calls or more */
     }
     qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
     run->ms_median = slowest[timed / 2];

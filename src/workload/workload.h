@@ -122,11 +122,12 @@ typedef struct {
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
-                             * call i leaves out side i % 3 of {communication (COMET_DISABLE_COMM),
-                             * GEMMs (COMET_DISABLE_GEMM), nothing}, so clock drift reaches the three
-                             * alike; repeats a multiple of 3 ends on a whole call, whose y is kept */
-    double ms_side[3];      /* out, with interleave: each side's median over its timed calls, slowest
-                             * rank of this process: [0] GEMMs only, [1] communication only, [2] whole */
+                             * call i leaves out, by i % 4: communication (COMET_DISABLE_COMM), the
+                             * GEMMs (COMET_DISABLE_GEMM), both, nothing, so clock drift reaches the
+                             * four alike; repeats a multiple of 4 ends on a whole call, whose y is kept */
+    double ms_side[4];      /* out, with interleave: each side's median over its timed calls, slowest
+                             * rank of this process: [0] GEMMs only, [1] communication only, [2] whole,
+                             * [3] neither (the steps every side keeps: staging, plan, launches, flags) */
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
@@ -139,7 +140,7 @@ typedef struct {
  * processes: only the rank this process holds), run the forward
  * run->repeats times, destroy the layers. The first `warmup` calls are left
  * out of ms_median (and ms_side). With interleave, every side needs a timed
- * call (repeats - warmup >= 3), and disable and graph must be 0. Returns the
+ * call (repeats - warmup >= 4), and disable and graph must be 0. Returns the
  * first failing rank's status, else COMET_SUCCESS. */
 comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run, int warmup);
 
