@@ -45,12 +45,14 @@
 __device__ static inline int rank_below(const uint32_t *bits, int key) {
     const int w = threadIdx.x / 32, b = threadIdx.x % 32;
     int r = __popc(bits[key * PLAN_STRIDE + w] & ((1u << b) - 1u));
+#pragma unroll 8 /* the words' loads in flight together */
     for (int i = 0; i < w; i++) r += __popc(bits[key * PLAN_STRIDE + i]);
     return r;
 }
 
 __device__ static inline int key_total(const uint32_t *bits, int key) {
     int n = 0;
+#pragma unroll 8
     for (int i = 0; i < PLAN_WORDS; i++) n += __popc(bits[key * PLAN_STRIDE + i]);
     return n;
 }
@@ -61,6 +63,13 @@ __device__ static inline void clear_bits(uint32_t *bits, int keys) {
 
 __device__ static inline void set_bit(uint32_t *bits, int key) {
     atomicOr(&bits[key * PLAN_STRIDE + threadIdx.x / 32], 1u << (threadIdx.x % 32));
+}
+
+/* One plan row by a single 16-byte store (rows lie 16-byte aligned: plan_impl.h). */
+__device__ static inline void store_row(comet_plan_row_t *row, int32_t src_rank, int32_t src_token, int32_t slot,
+                                        float weight) {
+    static_assert(sizeof(comet_plan_row_t) == 16 && COMET_PLAN_ALIGN % 16 == 0, "a row is one 16-byte store");
+    *(int4 *)row = make_int4(src_rank, src_token, slot, __float_as_int(weight));
 }
 
 /* Chunks of PLAN_THREADS tokens per source rank (at least one). */
@@ -242,12 +251,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
             continue;
         }
         const int32_t row = base[e] + rank_below(bits, (int)e);
-        comet_plan_row_t pr;
-        pr.src_rank = s;
-        pr.src_token = (int32_t)t;
-        pr.slot = (int32_t)j;
-        pr.weight = wt[t * topk + j];
-        p.rows[row] = pr;
+        store_row(&p.rows[row], s, (int32_t)t, (int32_t)j, wt[t * topk + j]);
         ros[t * topk + j] = row;
     }
 }
@@ -274,15 +278,14 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
     block_scan(total, wsum, &rows_all);
     const int nblk = tid < el ? (int)((total + tm - 1) / tm) : 0;
     const int first_block = block_scan(nblk, wsum, &blocks_all);
+    int pads_all; /* padding rows, spread over the block: tot[e] = those of experts <= e */
+    const int pads = padded - total, pads_end = block_scan(pads, wsum, &pads_all) + pads;
     if (tid < el) {
         p.expert_count[tid] = total;
         p.expert_start[tid] = start;
         p.cursor[tid] = start + total;
         aux[tid] = first_block;
-        for (int32_t i = start + total; i < start + padded; i++) { /* padding rows */
-            comet_plan_row_t pad = {-1, -1, -1, 0.0f};
-            p.rows[i] = pad;
-        }
+        tot[tid] = pads_end;
     }
     if (tid == 0) {
         aux[el] = blocks_all;
@@ -292,6 +295,16 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
         p.totals->num_blocks = blocks_all;
     }
     for (int s = tid; s < w; s += nt) p.send_count[s] = by_rank[s];
+    __syncthreads();
+    for (int32_t i = tid; i < pads_all; i += nt) { /* padding row i: expert e, the first with tot[e] > i */
+        int lo = 0, hi = (int)el - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (tot[mid] > i) hi = mid;
+            else lo = mid + 1;
+        }
+        store_row(&p.rows[p.cursor[lo] + i - (lo ? tot[lo - 1] : 0)], -1, -1, -1, 0.0f);
+    }
     /* stage_rows[e * W + q]: expert e's rows from stages <= q (its rows lie
      * in stage order, then by chunk: the fill's order): its rows of each
      * stage, then their running sums */
