@@ -25,7 +25,7 @@ import sys
 # the CUDA path's plan intervals by index (src/trace/trace.h); older traces, with an index 3, had
 # the fill and the finish apart (and index 3 the whole serial builder)
 PLAN_STEPS = {0: "routing copy", 1: "count", 2: "fill+finish"}
-PLAN_STEPS_OLD = {0: "routing copy", 1: "count", 2: "fill", 3: "finish"}
+PLAN_STEPS_OLD = {0: "routing copy", 1: "count", 2: "fill", 3: "finish (or the serial builder)"}
 
 
 def load(path):

@@ -496,10 +496,13 @@ static int run(const char *cmd, int argc, char **argv) {
                             : -1;
     if (o.hidden_metric && !sides_differ)
         printf("communication hidden: not measured (the SIMT GEMM fallback runs every call whole)\n");
-    else if (o.hidden_metric)
-        printf("communication hidden: %.1f%%, %.1f%% net of the steps every side keeps (gemm only %.3f ms, comm only "
+    else if (o.hidden_metric) {
+        char net[64] = "not measurable (comm only <= neither)";
+        if (hidden_net != -1) snprintf(net, sizeof net, "%.1f%%", 100 * hidden_net);
+        printf("communication hidden: %.1f%%, %s net of the steps every side keeps (gemm only %.3f ms, comm only "
                "%.3f ms, neither %.3f ms, both %.3f ms; medians of %d calls each, the four interleaved)\n",
-               100 * hidden, 100 * hidden_net, side_ms[0], side_ms[1], side_ms[3], side_ms[2], o.iters);
+               100 * hidden, net, side_ms[0], side_ms[1], side_ms[3], side_ms[2], o.iters);
+    }
     if (o.json) {
         FILE *f = fopen(o.json, "a");
         if (!f) {

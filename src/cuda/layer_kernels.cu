@@ -129,16 +129,18 @@ __device__ static void copy_bytes(void *dst, const void *src, size_t n, size_t t
  * TB/s with 256 threads an SM where HBM wants ~18 KB in flight an SM. */
 #define COPY_UNROLL 8
 
-/* copy_bytes for large copies by whole grids: COPY_UNROLL 16-byte loads in
- * flight a thread where both pointers and n allow 16-byte accesses. */
+/* copy_bytes for large copies by whole grids: where both pointers are
+ * 16-byte aligned, the whole 16-byte words with COPY_UNROLL loads in flight
+ * a thread, the tail (n % 16 bytes) by copy_bytes. */
 __device__ static void copy_wide(void *dst, const void *src, size_t n, size_t tid, size_t nthreads) {
-    if ((((uintptr_t)dst | (uintptr_t)src | n) & 15) != 0) {
+    if ((((uintptr_t)dst | (uintptr_t)src) & 15) != 0) {
         copy_bytes(dst, src, n, tid, nthreads);
         return;
     }
     uint4 *d = (uint4 *)dst;
     const uint4 *s = (const uint4 *)src;
     const size_t n16 = n / 16;
+    if (n % 16) copy_bytes((char *)dst + n16 * 16, (const char *)src + n16 * 16, n % 16, tid, nthreads);
     for (size_t base = tid; base < n16; base += nthreads * COPY_UNROLL) {
         uint4 v[COPY_UNROLL];
 #pragma unroll
