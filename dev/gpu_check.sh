@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -123,6 +123,17 @@ for step in $STEPS; do
         done
         # one file for all the pictures and JSON (the device tool returns at most 8 files)
         (cd "$OUT" && tar czf traces.tar.gz trace-gpu*.json trace-gpu*.svg && rm -f trace-gpu*.json trace-gpu*.svg)
+        ;;
+    ncu) # one GPU: Nsight Compute's duration (and shared-memory bank conflicts) of the layer's small
+         # kernels in one `comet bench --ep 1` (NCU_KERNELS regex, NCU_MODEL, NCU_TOKENS; a Firecracker
+         # machine: on gVisor ncu cannot read counters), the clocks left alone
+        timeout 200 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-comet_plan_|k_stage|k_gather_routing|k_plan|k_final|k_dispatch}" \
+            --launch-skip "${NCU_SKIP:-12}" --launch-count "${NCU_COUNT:-9}" \
+            --metrics gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum \
+            build/comet bench --model "${NCU_MODEL:-qwen2-moe}" --tokens "${NCU_TOKENS:-16384}" --ep 1 --iters 3 --warmup 1 \
+            > "$OUT/ncu.txt" 2>&1
+        summary+=("ncu: exit $? (ncu.txt)")
+        awk '/^  [a-z_]+\(/ {k=$1; sub(/\(.*/, "", k)} /gpu__time_duration/ {printf "  %-34s %8s us\n", k, $NF}' "$OUT/ncu.txt"
         ;;
     launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)
         n=$(nvidia-smi -L | wc -l)
