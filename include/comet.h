@@ -243,7 +243,7 @@ typedef struct {
 } comet_forward_args_t;
 
 /* For "communication hidden" (bench): run the protocol with one side's work
- * left out (its flags still go up, so the other side runs as in the real
+ * (or both sides') left out (its flags still go up, so the other side runs as in the real
  * call). The CPU engine and the CUDA layer with the Hopper GEMM (sequential
  * and overlapped) honour them; every rank must pass the same bits. */
 #define COMET_DISABLE_COMM 1 /* no rows copied, no partials reduced, sent or summed */

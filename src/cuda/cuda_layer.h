@@ -45,7 +45,7 @@
  *            its partial (as the combine computes one) into its home's part
  *            (overlapped: by the comm CTAs beside GEMM1, chunk by chunk)
  *   signal   o_ready[me] = e on every rank (my o, and the partials I sent,
- *            are complete; every k_final CTA's thread 0, before its skip
+ *            are complete; every k_final(_flat) CTA's thread 0, before its skip
  *            check and its wait)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce

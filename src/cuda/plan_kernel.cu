@@ -5,7 +5,8 @@
  * no host synchronisation.
  *
  * Two launches over chunks of 1024 tokens of every source rank (grid
- * chunks x W, one token per thread, and the fill's one more block):
+ * chunks x W, one token per thread; the fill's grid has one more row,
+ * whose block (0, 0) is the finish and whose other blocks exit):
  *   count:  rows per local expert and chunk, and tokens with a row here per
  *           chunk, into a small table in the caller's scratch (and the home
  *           groups of this rank's own tokens);
