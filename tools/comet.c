@@ -430,7 +430,9 @@ static int run(const char *cmd, int argc, char **argv) {
     }
     int64_t bad = use_cuda ? chk.wrong : chk.differ, total = 0;
     if (launch.on) { /* rank 0 reports for every rank: the slowest times, every check */
-        double mine[6] = {r.ms_median, (double)bad, (double)chk.elements, side_ms[0], side_ms[1], side_ms[2]}, all[6 * 64];
+        enum { N = 3 + 4 }; /* the row's time, the check's two counts, the four sides */
+        double mine[N] = {r.ms_median, (double)bad, (double)chk.elements, side_ms[0], side_ms[1], side_ms[2], side_ms[3]};
+        double all[N * 64];
         comet_status_t gs = comet_bootstrap_gather(bs, mine, sizeof mine, all);
         comet_bootstrap_close(bs);
         if (gs != COMET_SUCCESS) {
@@ -444,10 +446,10 @@ static int run(const char *cmd, int argc, char **argv) {
         }
         bad = 0, chk.elements = 0;
         for (int q = 0; q < launch.size; q++) {
-            if (all[6 * q] > r.ms_median) r.ms_median = all[6 * q];
-            bad += (int64_t)all[6 * q + 1], chk.elements += (int64_t)all[6 * q + 2];
-            for (int k = 0; k < 3; k++)
-                if (all[6 * q + 3 + k] > side_ms[k]) side_ms[k] = all[6 * q + 3 + k];
+            if (all[N * q] > r.ms_median) r.ms_median = all[N * q];
+            bad += (int64_t)all[N * q + 1], chk.elements += (int64_t)all[N * q + 2];
+            for (int k = 0; k < 4; k++)
+                if (all[N * q + 3 + k] > side_ms[k]) side_ms[k] = all[N * q + 3 + k];
         }
     }
     double flops = 0;
