@@ -1004,13 +1004,20 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
             }
         }
         __syncthreads();
-        const int nr = n;
+        const int nr = n, pass = (g - l0) / per_pass;
+        /* traced: the pass's lookup (aux 2) and copy (aux 3) as parts of it (the rest is the count) */
+        const uint64_t t1 = TRACE_T0;
+        if (c.tr_events && threadIdx.x == 0)
+            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, pass, 2, t0);
         if (copy) dispatch_copy(&c, &sm, nr);
+        if (c.tr_events) {
+            __syncthreads();
+            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, pass, 3, t1);
+        }
         dispatch_count(&c, &p, &sm, nr, e);
         if (c.tr_events) {
             __syncthreads();
-            if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, (g - l0) / per_pass, 1, t0);
+            if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, pass, 1, t0);
         }
     }
 }
