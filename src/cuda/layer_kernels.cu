@@ -918,6 +918,94 @@ __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_pla
         }
 }
 
+/* The overlapped mode's remote pulls by warps (c->pull_warps): comm CTA b
+ * takes the remote row blocks b, b + n_comm, ... in l0_order, its warps the
+ * block's rows; a warp looks up its row's token (its slots' rows, lane j
+ * slot j), and where this row is the token's first in l0_order it copies
+ * the token's row from its home (or the copy engine's staging) into all the
+ * token's rows here, 16 B x PULL_WARP_UNROLL a lane in flight, and counts
+ * them into their blocks. No CTA barrier: each warp's lookups overlap the
+ * other warps' copies, where the passes (the default) run lookup, copy and
+ * count one after another for 4 blocks at a time. Same rows, same counts,
+ * same flags. */
+#define PULL_WARP_UNROLL 8
+
+__device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_plan_t *p, uint64_t e, int copy) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int me = c->d.rank, w = c->d.world_size;
+    const int32_t nb = p->totals->num_blocks, l0 = p->stage_end[0], tm = (int32_t)c->d.tile_m;
+    const int64_t topk = c->d.topk, slots = c->d.max_tokens * topk;
+    const size_t row_bytes = (size_t)c->d.hidden * 2;
+    int ready = 0; /* copy-engine dispatch: stages 1..ready are in ce_stage (lane 0's view) */
+    for (int32_t g = l0 + (int32_t)blockIdx.x; g < nb; g += c->n_comm) {
+        const comet_plan_block_t blk = p->blocks[p->l0_order[g]];
+        for (int32_t k = warp; k < blk.num_rows; k += warps) {
+            const int32_t row = blk.row_start + k;
+            const comet_plan_row_t pr = p->rows[row];
+            if (pr.src_rank == me) continue; /* local rows: the other CTAs copy them */
+            /* the token comes with its first row in l0_order, (its block's stage, row) least */
+            const int32_t *ros = p->row_of_slot + pr.src_rank * slots + (int64_t)pr.src_token * topk;
+            const int64_t key = (int64_t)blk.stage << 32 | row;
+            int64_t lo = key;
+            int32_t mine = -1; /* lane j < 32: the row of slot j here, -1 if none */
+            for (int64_t j = lane; j < topk; j += 32) {
+                const int32_t r = ros[j];
+                if (j == lane) mine = r;
+                if (r < 0) continue;
+                const int64_t k2 = (int64_t)p->blocks[r / tm].stage << 32 | r;
+                lo = k2 < lo ? k2 : lo;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const int64_t x = __shfl_xor_sync(0xffffffffu, lo, o);
+                lo = x < lo ? x : lo;
+            }
+            if (lo != key) continue; /* the token came (or comes) with an earlier row */
+            const int q = comet_stage_of(me, pr.src_rank, w);
+            if (c->ce_stage) { /* its stage in ce_stage (stages arrive in order) */
+                if (lane == 0)
+                    for (; ready < q; ready++) wait_geq(&c->ov->ce_ready[ready + 1], 1, c, "dispatch: copy-engine stage", ready + 1);
+                __syncwarp();
+            }
+            const size_t at_row = c->ce_stage ? (size_t)(q - 1) * (size_t)c->d.max_tokens + (size_t)pr.src_token
+                                              : (size_t)pr.src_token;
+            const char *src = (c->ce_stage ? c->ce_stage : c->peers[pr.src_rank] + c->lay.x) + at_row * row_bytes;
+            if (copy && row_bytes % 16 == 0) {
+                const uint32_t chunks = (uint32_t)(row_bytes / 16);
+                for (uint32_t base = lane; base < chunks; base += 32 * PULL_WARP_UNROLL) {
+                    uint4 v[PULL_WARP_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < PULL_WARP_UNROLL; u++)
+                        if (base + 32 * u < chunks) v[u] = ((const uint4 *)src)[base + 32 * u];
+                    for (int64_t j = 0; j < topk; j++) {
+                        const int32_t r = j < 32 ? __shfl_sync(0xffffffffu, mine, (int)j) : ros[j];
+                        if (r < 0) continue;
+                        uint4 *dst = (uint4 *)((char *)c->a + (size_t)r * row_bytes);
+#pragma unroll
+                        for (int u = 0; u < PULL_WARP_UNROLL; u++)
+                            if (base + 32 * u < chunks) dst[base + 32 * u] = v[u];
+                    }
+                }
+            } else if (copy) { /* hidden % 8 != 0: narrower accesses */
+                for (int64_t j = 0; j < topk; j++) {
+                    const int32_t r = j < 32 ? __shfl_sync(0xffffffffu, mine, (int)j) : ros[j];
+                    if (r >= 0) copy_bytes((char *)c->a + (size_t)r * row_bytes, src, row_bytes, lane, 32);
+                }
+            }
+            __threadfence(); /* this lane's stores of the token's rows, before any count that includes them */
+            __syncwarp();
+            for (int64_t j = lane; j < topk; j += 32) {
+                const int32_t r = ros[j];
+                if (r < 0) continue;
+                const int32_t b = r / tm; /* blocks tile the padded rows in order (plan.h) */
+                if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
+                    __threadfence(); /* every row of the block (counted before), then the flag */
+                    st_release_gpu(&c->block_ready[b], e);
+                }
+            }
+        }
+    }
+}
+
 /* Layer 0 of the overlapped mode, one CTA per SM. CTAs n_comm.. copy the
  * local tokens (by token, as the sequential dispatch) and exit: GEMM0, the
  * programmatic dependent launched right after on every SM, starts on their
@@ -929,8 +1017,10 @@ __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_pla
  * GEMM0 takes them, and every token crosses NVLink once. Each batch's rows
  * are counted into their blocks (dispatch_count). All these CTAs are
  * resident before any GEMM0 CTA (which takes their SMs as they exit), so
- * GEMM0's waits cannot starve them. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
+ * GEMM0's waits cannot starve them. warps (a literal in each kernel):
+ * k_dispatch_ov_warps, the remote pulls by pull_remote_warps (c.pull_warps),
+ * with registers of its own. */
+__device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &c, const int warps) {
     __shared__ dispatch_smem_t sm;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (c.state->skip) return;
@@ -957,6 +1047,16 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
                 if (threadIdx.x == 0)
                     trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / per, -1, t0);
             }
+        }
+        return;
+    }
+    if (warps) {
+        const uint64_t t0 = TRACE_T0;
+        pull_remote_warps(&c, &p, e, copy);
+        if (c.tr_events) {
+            __syncthreads();
+            if (threadIdx.x == 0)
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, (int)blockIdx.x, 4, t0);
         }
         return;
     }
@@ -1021,6 +1121,9 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         }
     }
 }
+
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) { dispatch_ov_body(c, 0); }
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov_warps(comet_cuda_ctx_t c) { dispatch_ov_body(c, 1); }
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
  * 128 x 256 tile). */
@@ -1108,7 +1211,8 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_send_partials, (const void *)k_final,
                          (const void *)k_final_flat, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_combine_ov, (const void *)k_mark};
+                         (const void *)k_dispatch_ov, (const void *)k_dispatch_ov_warps, (const void *)k_combine_ov,
+                         (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
@@ -1214,7 +1318,10 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
-        k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
+        if (c.pull_warps)
+            k_dispatch_ov_warps<<<grid, COMM_THREADS, 0, stream>>>(c);
+        else
+            k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
