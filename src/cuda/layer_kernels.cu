@@ -971,7 +971,9 @@ __device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_
             const char *src = (c->ce_stage ? c->ce_stage : c->peers[pr.src_rank] + c->lay.x) + at_row * row_bytes;
             if (copy && row_bytes % 16 == 0) {
                 const uint32_t chunks = (uint32_t)(row_bytes / 16);
-                for (uint32_t base = lane; base < chunks; base += 32 * PULL_WARP_UNROLL) {
+                /* the same trip count in every lane (the shuffles below); the guards take the tail */
+                for (uint32_t b0 = 0; b0 < chunks; b0 += 32 * PULL_WARP_UNROLL) {
+                    const uint32_t base = b0 + (uint32_t)lane;
                     uint4 v[PULL_WARP_UNROLL];
 #pragma unroll
                     for (int u = 0; u < PULL_WARP_UNROLL; u++)
