@@ -901,21 +901,38 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
 /* Count the rows of the nr tokens in shared memory into their blocks
  * (block_rows); whoever completes a block releases block_ready[b] = epoch,
  * which GEMM0 waits for. */
+/* One stored row (>= 0) counted into its block; whoever completes the block
+ * releases block_ready[b] = e. The caller fenced the rows the count covers. */
+__device__ static inline void count_row(const comet_cuda_ctx_t *c, const comet_plan_t *p, int32_t row, uint64_t e) {
+    const int32_t b = row / (int32_t)c->d.tile_m; /* blocks tile the padded rows in order (plan.h) */
+    if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
+        __threadfence(); /* every row of the block (counted before), then the flag */
+        st_release_gpu(&c->block_ready[b], e);
+    }
+}
+
 __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_plan_t *p, const dispatch_smem_t *sm,
                                       int nr, uint64_t e) {
-    const int32_t tm = (int32_t)c->d.tile_m;
     __threadfence(); /* this CTA's rows, before any block count that includes them */
     __syncthreads();
     for (int k = threadIdx.x; k < nr; k += blockDim.x)
-        for (int64_t j = 0; j < c->d.topk; j++) {
-            const int32_t row = sm->rows[k][j];
-            if (row < 0) continue;
-            const int32_t b = row / tm; /* blocks tile the padded rows in order (plan.h) */
-            if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
-                __threadfence(); /* every CTA's rows of the block (counted before), then the flag */
-                st_release_gpu(&c->block_ready[b], e);
-            }
-        }
+        for (int64_t j = 0; j < c->d.topk; j++)
+            if (sm->rows[k][j] >= 0) count_row(c, p, sm->rows[k][j], e);
+}
+
+/* Where the overlapped dispatch reads the row of a remote token (home rank
+ * src_rank, stage q from me): that rank's stage over NVLink, or its region
+ * of the copy engine's staging. */
+__device__ static inline const char *remote_src(const comet_cuda_ctx_t *c, int q, int32_t src_rank, int32_t src_token) {
+    const size_t row_bytes = (size_t)c->d.hidden * 2;
+    if (c->ce_stage) return c->ce_stage + ((size_t)(q - 1) * (size_t)c->d.max_tokens + (size_t)src_token) * row_bytes;
+    return c->peers[src_rank] + c->lay.x + (size_t)src_token * row_bytes;
+}
+
+/* Copy-engine dispatch: wait until stages 1..q are in ce_stage (they arrive
+ * in order); *ready, this thread's view, is advanced. */
+__device__ static inline void ce_wait(const comet_cuda_ctx_t *c, int *ready, int q) {
+    for (; *ready < q; ++*ready) wait_geq(&c->ov->ce_ready[*ready + 1], 1, c, "dispatch: copy-engine stage", *ready + 1);
 }
 
 /* The overlapped mode's remote pulls by warps (c->pull_warps): comm CTA b
@@ -962,13 +979,10 @@ __device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_
             if (lo != key) continue; /* the token came (or comes) with an earlier row */
             const int q = comet_stage_of(me, pr.src_rank, w);
             if (c->ce_stage) { /* its stage in ce_stage (stages arrive in order) */
-                if (lane == 0)
-                    for (; ready < q; ready++) wait_geq(&c->ov->ce_ready[ready + 1], 1, c, "dispatch: copy-engine stage", ready + 1);
+                if (lane == 0) ce_wait(c, &ready, q);
                 __syncwarp();
             }
-            const size_t at_row = c->ce_stage ? (size_t)(q - 1) * (size_t)c->d.max_tokens + (size_t)pr.src_token
-                                              : (size_t)pr.src_token;
-            const char *src = (c->ce_stage ? c->ce_stage : c->peers[pr.src_rank] + c->lay.x) + at_row * row_bytes;
+            const char *src = remote_src(c, q, pr.src_rank, pr.src_token);
             if (copy && row_bytes % 16 == 0) {
                 const uint32_t chunks = (uint32_t)(row_bytes / 16);
                 /* the same trip count in every lane (the shuffles below); the guards take the tail */
@@ -995,15 +1009,8 @@ __device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_
             }
             __threadfence(); /* this lane's stores of the token's rows, before any count that includes them */
             __syncwarp();
-            for (int64_t j = lane; j < topk; j += 32) {
-                const int32_t r = ros[j];
-                if (r < 0) continue;
-                const int32_t b = r / tm; /* blocks tile the padded rows in order (plan.h) */
-                if (atomicAdd(&c->block_rows[b], 1u) + 1u == (uint32_t)p->blocks[b].num_rows) {
-                    __threadfence(); /* every row of the block (counted before), then the flag */
-                    st_release_gpu(&c->block_ready[b], e);
-                }
-            }
+            for (int64_t j = lane; j < topk; j += 32)
+                if (ros[j] >= 0) count_row(c, p, ros[j], e);
         }
     }
 }
@@ -1063,7 +1070,6 @@ __device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &
         return;
     }
     const int64_t topk = c.d.topk, slots = c.d.max_tokens * topk;
-    const size_t row_bytes = (size_t)c.d.hidden * 2;
     /* one row a thread: blockDim.x / tile_m blocks a pass (tile_m is 128: comet_gemm_check) */
     const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
     const int32_t per_pass = (int32_t)blockDim.x / tm;
@@ -1077,7 +1083,7 @@ __device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &
             n = 0;
             if (c.ce_stage) { /* blocks are in stage order: the pass's last block has its latest stage */
                 const int last = p.blocks[p.l0_order[g + per_pass - 1 < nb ? g + per_pass - 1 : nb - 1]].stage;
-                for (; ready < last; ready++) wait_geq(&c.ov->ce_ready[ready + 1], 1, &c, "dispatch: copy-engine stage", ready + 1);
+                ce_wait(&c, &ready, last);
             }
         }
         __syncthreads();
@@ -1098,10 +1104,7 @@ __device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &
             }
             if (lo == key) { /* it comes now, with all its rows */
                 const int at = atomicAdd(&n, 1);
-                const int q = comet_stage_of(me, pr.src_rank, w);
-                const size_t at_row = c.ce_stage ? (size_t)(q - 1) * (size_t)c.d.max_tokens + (size_t)pr.src_token
-                                                 : (size_t)pr.src_token;
-                sm.src[at] = (c.ce_stage ? c.ce_stage : c.peers[pr.src_rank] + c.lay.x) + at_row * row_bytes;
+                sm.src[at] = remote_src(&c, comet_stage_of(me, pr.src_rank, w), pr.src_rank, pr.src_token);
                 sm.rows[at] = ros;
             }
         }

@@ -73,6 +73,17 @@ __device__ static inline void store_row(comet_plan_row_t *row, int32_t src_rank,
     *(int4 *)row = make_int4(src_rank, src_token, slot, __float_as_int(weight));
 }
 
+/* The first i in [0, n) with a[i] > x, for ascending a with a[n - 1] > x. */
+__device__ static inline int first_above(const int32_t *a, int n, int32_t x) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (a[mid] > x) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
 /* Chunks of PLAN_THREADS tokens per source rank (at least one). */
 static int64_t plan_chunks(const comet_dims_t *d) {
     const int64_t c = (d->max_tokens + PLAN_THREADS - 1) / PLAN_THREADS;
@@ -298,13 +309,8 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
     for (int s = tid; s < w; s += nt) p.send_count[s] = by_rank[s];
     __syncthreads();
     for (int32_t i = tid; i < pads_all; i += nt) { /* padding row i: expert e, the first with tot[e] > i */
-        int lo = 0, hi = (int)el - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (tot[mid] > i) hi = mid;
-            else lo = mid + 1;
-        }
-        store_row(&p.rows[p.cursor[lo] + i - (lo ? tot[lo - 1] : 0)], -1, -1, -1, 0.0f);
+        const int e = first_above(tot, (int)el, i);
+        store_row(&p.rows[p.cursor[e] + i - (e ? tot[e - 1] : 0)], -1, -1, -1, 0.0f);
     }
     /* stage_rows[e * W + q]: expert e's rows from stages <= q (its rows lie
      * in stage order, then by chunk: the fill's order): its rows of each
@@ -328,25 +334,14 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
      * more rows than that row's index in it */
     const int32_t nb = blocks_all;
     for (int32_t b = tid; b < nb; b += nt) {
-        int lo = 0, hi = (int)el - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (aux[mid] <= b) lo = mid;
-            else hi = mid - 1;
-        }
+        const int lo = first_above(aux, (int)el + 1, b) - 1; /* aux[0] = 0 <= b < aux[el] = blocks_all */
         const int32_t st = p.expert_start[lo] + (b - aux[lo]) * (int32_t)tm, end = p.expert_start[lo] + p.expert_count[lo];
         comet_plan_block_t blk;
         blk.expert = lo;
         blk.row_start = st;
         blk.num_rows = (int32_t)(end - st < tm ? end - st : tm);
-        const int32_t last = (b - aux[lo]) * (int32_t)tm + blk.num_rows - 1, *sr = stage_rows + (int64_t)lo * w;
-        int qlo = 0, qhi = w - 1; /* the first q with sr[q] > last (sr[w - 1], all its rows, is) */
-        while (qlo < qhi) {
-            const int mid = (qlo + qhi) / 2;
-            if (sr[mid] > last) qhi = mid;
-            else qlo = mid + 1;
-        }
-        blk.stage = qlo;
+        const int32_t last = (b - aux[lo]) * (int32_t)tm + blk.num_rows - 1; /* its index in the expert */
+        blk.stage = first_above(stage_rows + (int64_t)lo * w, w, last); /* stage_rows[lo][w - 1], all its rows, is */
         p.blocks[b] = blk;
     }
     __syncthreads();
