@@ -30,9 +30,12 @@ for step in $STEPS; do
         cat "$OUT/probe.log"
         ;;
     gputests) # only the GPU test binaries (the CPU suite runs in CI), one log
+        # (stdout line-buffered, so that a test the timeout kills still shows how far it got)
         for t in build/tests/test_*_gpu; do
-            timeout "${COMET_TEST_TIMEOUT:-300}" "$t" >> "$OUT/gputests.log" 2>&1
-            summary+=("$(basename "$t"): exit $? $(grep -E '^[a-z_]+: [0-9]+ passed' "$OUT/gputests.log" | tail -n 1)")
+            start=$SECONDS
+            timeout "${COMET_TEST_TIMEOUT:-300}" stdbuf -oL "$t" >> "$OUT/gputests.log" 2>&1
+            rc=$?
+            summary+=("$(basename "$t"): exit $rc after $((SECONDS - start)) s: $(grep -E "^$(basename "$t"): [0-9]+ passed" "$OUT/gputests.log" | tail -n 1)")
         done
         grep -E "FAIL" "$OUT/gputests.log" | head -40
         ;;
