@@ -33,7 +33,7 @@ for step in $STEPS; do
         # (stdout line-buffered, so that a test the timeout kills still shows how far it got)
         for t in build/tests/test_*_gpu; do
             start=$SECONDS
-            timeout "${COMET_TEST_TIMEOUT:-300}" stdbuf -oL "$t" >> "$OUT/gputests.log" 2>&1
+            timeout "${COMET_TEST_TIMEOUT:-480}" stdbuf -oL "$t" >> "$OUT/gputests.log" 2>&1
             rc=$?
             summary+=("$(basename "$t"): exit $rc after $((SECONDS - start)) s: $(grep -E "^$(basename "$t"): [0-9]+ passed" "$OUT/gputests.log" | tail -n 1)")
         done
