@@ -6,8 +6,7 @@ to the last end. Pull intervals are split by their aux field: on the CUDA
 path "pull aux=-1" is a dispatch batch (sequential chain, or the overlapped
 mode's local copies) and "pull aux=1" a pass of the overlapped mode's
 remote pulls, "aux=2" and "aux=3" that pass's lookup and copy (the rest of
-it is the count), "aux=4" a CTA's remote pulls by warps (COMET_DISPATCH_WARP=1;
-src/trace/trace.h); on the CPU engine aux is a stage. The
+it is the count; src/trace/trace.h); on the CPU engine aux is a stage. The
 CUDA path's plan comes in three intervals (routing copy, the builder's
 count and fill-and-finish kernels, each with the launch gap before it;
 older traces have four: fill and finish apart). With two or more files

@@ -54,8 +54,6 @@ typedef struct {
                             * sent home in place of its rows (cuda_layer.h) */
     int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
                             * come through the copy engine (measurement knob, cuda_layer.h) */
-    int pull_warps;        /* at create, COMET_DISPATCH_WARP=1 and W > 1: the overlapped mode's remote
-                            * pulls by warps (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
 } cuda_layer_t;
@@ -440,8 +438,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->pull_warps ? "warp," : "", L->use_hopper_gemm ? "" : "simt,");
+    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
+             L->use_hopper_gemm ? "" : "simt,");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }
@@ -465,9 +463,6 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
-    /* the overlapped mode's remote pulls by warps (rank-local: same rows, counts and flags) */
-    const char *warp_env = getenv("COMET_DISPATCH_WARP");
-    L->pull_warps = warp_env && strcmp(warp_env, "1") == 0 && w > 1;
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
@@ -541,7 +536,6 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
             c.chunk_cols = (int)cc;
             c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
-            c.pull_warps = L->pull_warps;
         }
         c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
         if (c.gemm) c.disable = args->disable; /* both chains honour it with the Hopper GEMM */

@@ -161,10 +161,6 @@ typedef struct {
      * flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on every SM,
      * pushes, and the sequential chain's signal and combine follow. */
     int n_comm;                    /* 0: the sequential chain */
-    int pull_warps;                /* overlapped mode: the remote pulls by warps, each on its own rows with
-                                    * no CTA barrier (pull_remote_warps), instead of passes of 4 blocks
-                                    * (COMET_DISPATCH_WARP=1 at layer create; a measurement knob until
-                                    * measured against the passes) */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
                                     * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */
     int partial;                   /* instead of push: each remote token's partial is stored into its

@@ -220,10 +220,11 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     /* the plan itself: comet_cuda_plan_build, launched next */
 }
 
-/* 16-byte loads of a pull in flight per thread: bytes outstanding per CTA
- * (512 threads x 12 x 16 B = 96 KB) to cover NVLink latency with few CTAs
- * (8 a thread: 5-7 GB/s per CTA in the overlapped mode's trace; 16 spill). */
-#define PULL_UNROLL 12
+/* 16-byte loads of each of a warp's two tokens in flight a lane
+ * (dispatch_copy): up to 512 threads x 2 x 8 x 16 B = 128 KB outstanding a
+ * CTA (with 32 tokens or more, hidden a multiple of 2048), to cover NVLink
+ * latency with few CTAs; 2048 columns of a token per step. */
+#define PULL_UNROLL 8
 
 /* Tokens whose sources a CTA looks up at once (sequential dispatch). */
 #define PULL_ROWS 128
@@ -289,36 +290,55 @@ __device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_pl
     __syncthreads();
 }
 
-/* The nr tokens of shared memory by the whole CTA: every thread keeps
- * PULL_UNROLL 16-byte loads in flight before it stores each to the token's
- * rows. */
+/* The nr tokens of shared memory by the whole CTA, a warp two tokens at a
+ * time: each lane keeps PULL_UNROLL 16-byte loads of each token in flight,
+ * the tokens' slot rows are looked up once (lane j holds slot j's row), then
+ * every word is stored into each row. dev/pull/fanout measured this against
+ * the CTA-wide pattern it replaced (a word's token and slot rows looked up
+ * at each store): 16 CTAs store 1.7x more (894 against 534 GB/s, 4 rows a
+ * token, near those SMs' 957 GB/s store ceiling), 132 CTAs 1.6x. Loop trip
+ * counts depend on the warp only (the shuffles). */
 __device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_smem_t *sm, int nr) {
     const int64_t topk = c->d.topk;
     const size_t row_bytes = (size_t)c->d.hidden * 2;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     if (row_bytes % 16) { /* hidden % 8 != 0: one warp a token and row, narrower accesses */
-        for (int k = threadIdx.x / 32; k < nr; k += blockDim.x / 32)
+        for (int k = warp; k < nr; k += warps)
             for (int64_t j = 0; j < topk; j++) {
                 const int32_t row = sm->rows[k][j];
-                if (row >= 0) copy_bytes((char *)c->a + row * row_bytes, sm->src[k], row_bytes, threadIdx.x % 32, 32);
+                if (row >= 0) copy_bytes((char *)c->a + row * row_bytes, sm->src[k], row_bytes, lane, 32);
             }
         return;
     }
-    const uint32_t per_row = (uint32_t)(row_bytes / 16), total = per_row * (uint32_t)nr;
-    for (uint32_t base = 0; base < total; base += blockDim.x * PULL_UNROLL) {
-        uint4 v[PULL_UNROLL];
+    const uint32_t words = (uint32_t)(row_bytes / 16);
+    for (int k0 = 2 * warp; k0 < nr; k0 += 2 * warps) {
+        const int two = k0 + 1 < nr;
+        const int k1 = two ? k0 + 1 : k0;
+        const uint4 *s0 = (const uint4 *)sm->src[k0], *s1 = (const uint4 *)sm->src[k1];
+        const int32_t *r0 = sm->rows[k0], *r1 = sm->rows[k1];
+        const int32_t m0 = lane < topk ? r0[lane] : -1, m1 = two && lane < topk ? r1[lane] : -1;
+        for (uint32_t b0 = 0; b0 < words; b0 += 32 * PULL_UNROLL) {
+            uint4 v0[PULL_UNROLL], v1[PULL_UNROLL];
 #pragma unroll
-        for (int u = 0; u < PULL_UNROLL; u++) {
-            const uint32_t i = base + u * blockDim.x + threadIdx.x;
-            if (i < total) v[u] = ((const uint4 *)sm->src[i / per_row])[i % per_row];
-        }
-#pragma unroll
-        for (int u = 0; u < PULL_UNROLL; u++) {
-            const uint32_t i = base + u * blockDim.x + threadIdx.x;
-            if (i >= total) continue;
-            const int32_t *ros = sm->rows[i / per_row];
+            for (int u = 0; u < PULL_UNROLL; u++) {
+                const uint32_t i = b0 + 32 * u + (uint32_t)lane;
+                if (i < words) {
+                    v0[u] = s0[i];
+                    if (two) v1[u] = s1[i];
+                }
+            }
             for (int64_t j = 0; j < topk; j++) {
-                const int32_t row = ros[j];
-                if (row >= 0) ((uint4 *)((char *)c->a + row * row_bytes))[i % per_row] = v[u];
+                const int32_t d0 = j < 32 ? __shfl_sync(0xffffffffu, m0, (int)j) : r0[j];
+                const int32_t d1 = j < 32 ? __shfl_sync(0xffffffffu, m1, (int)j) : two ? r1[j] : -1;
+                uint4 *p0 = (uint4 *)((char *)c->a + (size_t)(d0 < 0 ? 0 : d0) * row_bytes); /* used where >= 0 */
+                uint4 *p1 = (uint4 *)((char *)c->a + (size_t)(d1 < 0 ? 0 : d1) * row_bytes);
+#pragma unroll
+                for (int u = 0; u < PULL_UNROLL; u++) {
+                    const uint32_t i = b0 + 32 * u + (uint32_t)lane;
+                    if (i >= words) continue;
+                    if (d0 >= 0) p0[i] = v0[u];
+                    if (d1 >= 0) p1[i] = v1[u];
+                }
             }
         }
     }
@@ -935,86 +955,6 @@ __device__ static inline void ce_wait(const comet_cuda_ctx_t *c, int *ready, int
     for (; *ready < q; ++*ready) wait_geq(&c->ov->ce_ready[*ready + 1], 1, c, "dispatch: copy-engine stage", *ready + 1);
 }
 
-/* The overlapped mode's remote pulls by warps (c->pull_warps): comm CTA b
- * takes the remote row blocks b, b + n_comm, ... in l0_order, its warps the
- * block's rows; a warp looks up its row's token (its slots' rows, lane j
- * slot j), and where this row is the token's first in l0_order it copies
- * the token's row from its home (or the copy engine's staging) into all the
- * token's rows here, 16 B x PULL_WARP_UNROLL a lane in flight, and counts
- * them into their blocks. No CTA barrier: each warp's lookups overlap the
- * other warps' copies, where the passes (the default) run lookup, copy and
- * count one after another for 4 blocks at a time. Same rows, same counts,
- * same flags. */
-#define PULL_WARP_UNROLL 8
-
-__device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_plan_t *p, uint64_t e, int copy) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    const int me = c->d.rank, w = c->d.world_size;
-    const int32_t nb = p->totals->num_blocks, l0 = p->stage_end[0], tm = (int32_t)c->d.tile_m;
-    const int64_t topk = c->d.topk, slots = c->d.max_tokens * topk;
-    const size_t row_bytes = (size_t)c->d.hidden * 2;
-    int ready = 0; /* copy-engine dispatch: stages 1..ready are in ce_stage (lane 0's view) */
-    for (int32_t g = l0 + (int32_t)blockIdx.x; g < nb; g += c->n_comm) {
-        const comet_plan_block_t blk = p->blocks[p->l0_order[g]];
-        for (int32_t k = warp; k < blk.num_rows; k += warps) {
-            const int32_t row = blk.row_start + k;
-            const comet_plan_row_t pr = p->rows[row];
-            if (pr.src_rank == me) continue; /* local rows: the other CTAs copy them */
-            /* the token comes with its first row in l0_order, (its block's stage, row) least */
-            const int32_t *ros = p->row_of_slot + pr.src_rank * slots + (int64_t)pr.src_token * topk;
-            const int64_t key = (int64_t)blk.stage << 32 | row;
-            int64_t lo = key;
-            int32_t mine = -1; /* lane j < 32: the row of slot j here, -1 if none */
-            for (int64_t j = lane; j < topk; j += 32) {
-                const int32_t r = ros[j];
-                if (j == lane) mine = r;
-                if (r < 0) continue;
-                const int64_t k2 = (int64_t)p->blocks[r / tm].stage << 32 | r;
-                lo = k2 < lo ? k2 : lo;
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                const int64_t x = __shfl_xor_sync(0xffffffffu, lo, o);
-                lo = x < lo ? x : lo;
-            }
-            if (lo != key) continue; /* the token came (or comes) with an earlier row */
-            const int q = comet_stage_of(me, pr.src_rank, w);
-            if (c->ce_stage) { /* its stage in ce_stage (stages arrive in order) */
-                if (lane == 0) ce_wait(c, &ready, q);
-                __syncwarp();
-            }
-            const char *src = remote_src(c, q, pr.src_rank, pr.src_token);
-            if (copy && row_bytes % 16 == 0) {
-                const uint32_t chunks = (uint32_t)(row_bytes / 16);
-                /* the same trip count in every lane (the shuffles below); the guards take the tail */
-                for (uint32_t b0 = 0; b0 < chunks; b0 += 32 * PULL_WARP_UNROLL) {
-                    const uint32_t base = b0 + (uint32_t)lane;
-                    uint4 v[PULL_WARP_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < PULL_WARP_UNROLL; u++)
-                        if (base + 32 * u < chunks) v[u] = ((const uint4 *)src)[base + 32 * u];
-                    for (int64_t j = 0; j < topk; j++) {
-                        const int32_t r = j < 32 ? __shfl_sync(0xffffffffu, mine, (int)j) : ros[j];
-                        if (r < 0) continue;
-                        uint4 *dst = (uint4 *)((char *)c->a + (size_t)r * row_bytes);
-#pragma unroll
-                        for (int u = 0; u < PULL_WARP_UNROLL; u++)
-                            if (base + 32 * u < chunks) dst[base + 32 * u] = v[u];
-                    }
-                }
-            } else if (copy) { /* hidden % 8 != 0: narrower accesses */
-                for (int64_t j = 0; j < topk; j++) {
-                    const int32_t r = j < 32 ? __shfl_sync(0xffffffffu, mine, (int)j) : ros[j];
-                    if (r >= 0) copy_bytes((char *)c->a + (size_t)r * row_bytes, src, row_bytes, lane, 32);
-                }
-            }
-            __threadfence(); /* this lane's stores of the token's rows, before any count that includes them */
-            __syncwarp();
-            for (int64_t j = lane; j < topk; j += 32)
-                if (ros[j] >= 0) count_row(c, p, ros[j], e);
-        }
-    }
-}
-
 /* Layer 0 of the overlapped mode, one CTA per SM. CTAs n_comm.. copy the
  * local tokens (by token, as the sequential dispatch) and exit: GEMM0, the
  * programmatic dependent launched right after on every SM, starts on their
@@ -1026,10 +966,8 @@ __device__ static void pull_remote_warps(const comet_cuda_ctx_t *c, const comet_
  * GEMM0 takes them, and every token crosses NVLink once. Each batch's rows
  * are counted into their blocks (dispatch_count). All these CTAs are
  * resident before any GEMM0 CTA (which takes their SMs as they exit), so
- * GEMM0's waits cannot starve them. warps (a literal in each kernel):
- * k_dispatch_ov_warps, the remote pulls by pull_remote_warps (c.pull_warps),
- * with registers of its own. */
-__device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &c, const int warps) {
+ * GEMM0's waits cannot starve them. */
+__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) {
     __shared__ dispatch_smem_t sm;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (c.state->skip) return;
@@ -1056,16 +994,6 @@ __device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &
                 if (threadIdx.x == 0)
                     trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / per, -1, t0);
             }
-        }
-        return;
-    }
-    if (warps) {
-        const uint64_t t0 = TRACE_T0;
-        pull_remote_warps(&c, &p, e, copy);
-        if (c.tr_events) {
-            __syncthreads();
-            if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, (int)blockIdx.x, 4, t0);
         }
         return;
     }
@@ -1127,8 +1055,6 @@ __device__ static __forceinline__ void dispatch_ov_body(const comet_cuda_ctx_t &
     }
 }
 
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_t c) { dispatch_ov_body(c, 0); }
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov_warps(comet_cuda_ctx_t c) { dispatch_ov_body(c, 1); }
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
  * 128 x 256 tile). */
@@ -1216,7 +1142,7 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
                          (const void *)k_send_partials, (const void *)k_final,
                          (const void *)k_final_flat, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_dispatch_ov_warps, (const void *)k_combine_ov,
+                         (const void *)k_dispatch_ov, (const void *)k_combine_ov,
                          (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -1323,10 +1249,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
         if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
-        if (c.pull_warps)
-            k_dispatch_ov_warps<<<grid, COMM_THREADS, 0, stream>>>(c);
-        else
-            k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
+        k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;

@@ -46,8 +46,7 @@ enum {
     COMET_TRACE_PULL = 0,    /* comm, layer 0: rows of block `index` (latest source stage `aux`) copied into a;
                               * CUDA dispatch: batch `index` of tokens (aux -1); overlapped mode's
                               * remote pulls: pass `index` over the remote row blocks (aux 1), and
-                              * inside it its lookup (aux 2) and its copy (aux 3); the rest is the count;
-                              * with COMET_DISPATCH_WARP=1 CTA `index`'s remote pulls, all (aux 4) */
+                              * inside it its lookup (aux 2) and its copy (aux 3); the rest is the count */
     COMET_TRACE_GEMM0 = 1,   /* gemm, layer 0: block `index`, column tile `aux` (GEMM0 + activation) */
     COMET_TRACE_GEMM1 = 2,   /* gemm, layer 1: block `index`, column chunk `aux` */
     COMET_TRACE_SEND = 3,    /* comm, layer 1: chunk `index` reduced and stored into home rank `aux` */
