@@ -291,7 +291,8 @@ __device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_pl
 }
 
 /* The nr tokens of shared memory by the whole CTA, a warp two tokens at a
- * time: each lane keeps PULL_UNROLL 16-byte loads of each token in flight,
+ * time (one, where fewer tokens than 2 x warps are left): each lane keeps
+ * PULL_UNROLL 16-byte loads of each token in flight,
  * the tokens' slot rows are looked up once (lane j holds slot j's row), then
  * every word is stored into each row. dev/pull/fanout measured this against
  * the CTA-wide pattern it replaced (a word's token and slot rows looked up
@@ -311,9 +312,11 @@ __device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_s
         return;
     }
     const uint32_t words = (uint32_t)(row_bytes / 16);
-    for (int k0 = 2 * warp; k0 < nr; k0 += 2 * warps) {
-        const int two = k0 + 1 < nr;
-        const int k1 = two ? k0 + 1 : k0;
+    /* tokens warp + q x warps: q even the first of the pair, q odd the second
+     * (so fewer tokens than 2 x warps still spread over all the warps) */
+    for (int k0 = warp; k0 < nr; k0 += 2 * warps) {
+        const int two = k0 + warps < nr;
+        const int k1 = two ? k0 + warps : k0;
         const uint4 *s0 = (const uint4 *)sm->src[k0], *s1 = (const uint4 *)sm->src[k1];
         const int32_t *r0 = sm->rows[k0], *r1 = sm->rows[k1];
         const int32_t m0 = lane < topk ? r0[lane] : -1, m1 = two && lane < topk ? r1[lane] : -1;
