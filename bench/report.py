@@ -11,10 +11,18 @@ peaks on H200 (environment GEMM_PEAK_TFLOPS, default 804: cuBLAS dense
 8192^3 on a cold H200, dev/gemm/NOTES.md; LINK_GBPS, default 348: one
 direction of the NVLink pair, bench/link_bench.cu's best rate with SMs).
 
+With a reference file (bench/reference-issue5.json: {"reference": ...,
+"rows": [...]}, the table of issue 5) it also prints, for each mode, the
+README's grid (model x M, EP2 / TP2 cells: ms and speedup over the
+reference) and the mean, geometric mean and range of those speedups over
+the cells both have (uniform routing).
+
   python3 bench/report.py bench/results/2026-11-22-torch-*.json
   python3 bench/report.py bench/results/*.json bench/results/*.jsonl
+  python3 bench/report.py bench/reference-issue5.json bench/results/<day>-comet-<commit>.jsonl
 """
 import json
+import math
 import os
 import sys
 
@@ -23,7 +31,7 @@ LINK_GBPS = float(os.environ.get("LINK_GBPS", "348"))
 
 
 def load(paths):
-    torch_rows, comet_rows, machines = [], [], set()
+    torch_rows, comet_rows, reference, machines = [], [], [], set()
     for path in paths:
         with open(path) as f:
             text = f.read()
@@ -33,6 +41,10 @@ def load(paths):
             doc = None
         if isinstance(doc, dict) and doc.get("baseline") == "torch._grouped_mm":
             continue  # GEMM-only figures (bench/torch_grouped_mm.py), not layer times
+        if isinstance(doc, dict) and "reference" in doc:
+            reference += doc["rows"]
+            machines.add(f"reference: {doc['reference']}")
+            continue
         if isinstance(doc, dict) and "records" in doc:
             m = doc["machine"]
             machines.add(f"{m['gpus']}x {m['gpu']}, driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
@@ -44,15 +56,63 @@ def load(paths):
                     r = json.loads(line)
                     comet_rows.append(r)
                     machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
-    return torch_rows, comet_rows, sorted(machines)
+    return torch_rows, comet_rows, reference, sorted(machines)
 
 
 def key(r):
     return (r["model"], r["M"], r["tp"], r["ep"], r.get("skew", 0.0))
 
 
+def mode_of(r):
+    """seq (the sequential chain) or the overlapped mode's n_comm, and the knobs that change the path"""
+    mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
+    mode += " ce" if r.get("ce") else ""  # the copy-engine dispatch
+    mode += " partials" if r.get("partials") else ""  # the combine by partials
+    mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
+    mode += ", graph" if r.get("graph") else ""
+    return mode
+
+
+def grids(comet_rows, reference):
+    """the README's grid for each mode: model x M, cells 'EP2 / TP2' (ms, speedup over the reference)"""
+    ref = {(r["model"], r["M"], r["tp"], r["ep"]): r["ms"] for r in reference}
+    models = list(dict.fromkeys(r["model"] for r in reference))
+    tokens = sorted({r["M"] for r in reference})
+    layouts = sorted({(r["tp"], r["ep"]) for r in reference})  # (1, 2) then (2, 1)
+    for mode in sorted({mode_of(r) for r in comet_rows}):
+        rows = {(r["model"], r["M"], r["tp"], r["ep"]): r for r in comet_rows
+                if mode_of(r) == mode and r.get("skew", 0.0) == 0}  # the last row of a cell counts
+        speedups, by_model = [], {}
+        lines = []
+        for m in models:
+            cells = []
+            for t in tokens:
+                parts = []
+                for lay in layouts:
+                    r, b = rows.get((m, t) + lay), ref.get((m, t) + lay)
+                    if r and b:
+                        speedups.append(b / r["ms"])
+                        by_model.setdefault(m, []).append(b / r["ms"])
+                        parts.append(f"{r['ms']:.2f} ms ({b / r['ms']:.2f}x)")
+                    else:
+                        parts.append("-")
+                cells.append(" / ".join(parts))
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        if not speedups:
+            continue
+        print(f"\n{mode}, against the reference:\n")
+        print("| model | " + " | ".join(f"M={t}" + (" (" + " / ".join(f"TP{a},EP{b}" for a, b in layouts) + ")"
+                                                   if i == 0 else "") for i, t in enumerate(tokens)) + " |")
+        print("|---|" + "---|" * len(tokens))
+        print("\n".join(lines))
+        geo = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
+        print(f"\nMean speedup over {len(speedups)} cells: {sum(speedups) / len(speedups):.2f}x (geometric {geo:.2f}x); "
+              f"lowest {min(speedups):.2f}x, highest {max(speedups):.2f}x; "
+              + ", ".join(f"{m} {min(v):.2f}-{max(v):.2f}x" for m, v in by_model.items()) + ".")
+
+
 def main(paths):
-    torch_rows, comet_rows, machines = load(paths)
+    torch_rows, comet_rows, reference, machines = load(paths)
     if not comet_rows:
         print("| model | M | TP | EP | skew | layer ms | GEMM ms | GEMM TFLOP/s | GEMM share | check rel err |")
         print("|---|---|---|---|---|---|---|---|---|---|")
@@ -71,11 +131,7 @@ def main(paths):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
             sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
-            mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
-            mode += " ce" if r.get("ce") else ""  # the copy-engine dispatch
-            mode += " partials" if r.get("partials") else ""  # the combine by partials
-            mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
-            mode += ", graph" if r.get("graph") else ""
+            mode = mode_of(r)
             # -1: not measured (no --comm-hidden); below 0 is a measurement: the layer slower than both parts
             hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) != -1 else "-"
             # net of the steps every side keeps (the fourth side, rows since session 8; else "-")
@@ -83,6 +139,8 @@ def main(paths):
             roof = max(r["rate"] / GEMM_PEAK_TFLOPS, r.get("link_gbps", 0.0) / LINK_GBPS)
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
                   f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {net} | {r['wrong']}/{r['checked']} |")
+        if reference:
+            grids(comet_rows, reference)
     print()
     for m in machines:
         print(f"- {m}")

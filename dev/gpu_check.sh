@@ -158,4 +158,4 @@ for step in $STEPS; do
     esac
 done
 printf '%s\n' "${summary[@]}"
-[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json "$OUT/comet.jsonl"
+[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json bench/reference-issue5.json "$OUT/comet.jsonl"

@@ -77,7 +77,12 @@ if command -v python3 >/dev/null; then
     report="$(dirname "$0")/../bench/report.py"
     expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| 0/8 \|' -- python3 "$report" "$rj"
     expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| 0/8 \|' -- python3 "$report" "$rj"
-    rm -f "$rj"
+    # and the grid against a reference table: 2.0 ms against 5.0 and 3.0 (M=16 and 32): 2.50x and 1.50x
+    ref=$(mktemp /tmp/comet-ref-XXXXXX)
+    printf '{"reference": "r", "rows": [{"model": "m", "M": 16, "tp": 1, "ep": 2, "ms": 5.0}, {"model": "m", "M": 32, "tp": 1, "ep": 2, "ms": 3.0}, {"model": "m", "M": 32, "tp": 2, "ep": 1, "ms": 3.0}]}' > "$ref"
+    expect report-grid 0 '\| m \| 2\.00 ms \(2\.50x\) / - \| 2\.00 ms \(1\.50x\) / - \|' -- python3 "$report" "$ref" "$rj"
+    expect report-mean 0 'Mean speedup over 2 cells: 2\.00x \(geometric 1\.94x\); lowest 1\.50x, highest 2\.50x' -- python3 "$report" "$ref" "$rj"
+    rm -f "$rj" "$ref"
 else
     echo "test_cli: bench/report.py skipped (no python3)"
 fi
