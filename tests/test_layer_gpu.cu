@@ -23,7 +23,10 @@
  * bits every time. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
- * Without a GPU it prints "skipped (no GPU)".
+ * Without a GPU it prints "skipped (no GPU)". COMET_LAYER_TEST_WORLDS (a
+ * list of world sizes, e.g. "4" or "1,2"; default every size the GPUs allow)
+ * limits the layouts, the repeat and the bad-routing cases to those worlds,
+ * so that the four-rank layouts fit one device call.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -309,7 +312,7 @@ static void bad_routing(int w) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 64, cfg.ffn = 64, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = w;
     cfg.max_tokens_per_rank = 8;
-    int64_t tokens[2] = {8, 8};
+    int64_t tokens[4] = {8, 8, 8, 8};
     comet_routing_opts_t ro = {0, 0, 9};
     comet_problem_t *p;
     comet_world_t *world;
@@ -331,6 +334,23 @@ static void bad_routing(int w) {
     comet_problem_destroy(p);
 }
 
+/* COMET_LAYER_TEST_WORLDS lists w (or is unset) */
+static int world_wanted(int w) {
+    const char *list = getenv("COMET_LAYER_TEST_WORLDS");
+    if (!list || !*list) return 1;
+    for (const char *s = list; *s;) {
+        char *end;
+        const long v = strtol(s, &end, 10);
+        if (end == s) { /* not a number: skip one character */
+            s++;
+            continue;
+        }
+        if (v == w) return 1;
+        s = end;
+    }
+    return 0;
+}
+
 int main(void) {
     const int gpus = comet_device_count();
     if (gpus == 0) {
@@ -346,7 +366,7 @@ int main(void) {
     /* worlds of 1, 2 and (with 4 GPUs or more) 4 ranks: EP, TP and EP x TP */
     for (int w = 1; w <= (gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1); w *= 2)
         for (int tp = 1; tp <= w; tp++) {
-            if (w % tp) continue;
+            if (w % tp || !world_wanted(w)) continue;
             const int ep = w / tp;
             char tag[160];
             /* the presets, scaled down */
@@ -403,11 +423,12 @@ int main(void) {
                 run_case(&cfg, tokens, &ro, tag);
             }
         }
-    if (!small) repeat_case(gpus >= 2 ? 2 : 1);
+    if (!small && world_wanted(gpus >= 2 ? 2 : 1)) repeat_case(gpus >= 2 ? 2 : 1);
     cudaDeviceProp prop;
     const int hopper = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && !getenv("COMET_SIMT_GEMM");
-    if (gpus >= 2 && hopper) mismatch_case(); /* the overlapped mode needs the Hopper GEMM */
-    bad_routing(1);
-    if (gpus >= 2) bad_routing(2);
+    if (gpus >= 2 && hopper && world_wanted(2)) mismatch_case(); /* the overlapped mode needs the Hopper GEMM */
+    if (world_wanted(1)) bad_routing(1);
+    if (gpus >= 2 && world_wanted(2)) bad_routing(2);
+    if (gpus >= 4 && world_wanted(4)) bad_routing(4);
     return check_summary("test_layer_gpu");
 }
