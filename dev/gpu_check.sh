@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -105,6 +105,16 @@ for step in $STEPS; do
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
             done; done
+        done; done; done
+        ;;
+    tune) # `comet tune` (the sequential chain, then n_comm 4..32) for each model, token count and
+          # TUNE_LAYOUTS ("--ep 2;--tp 2"), TUNE_ITERS (10) timed runs a point; the winners go
+          # to $OUT/tune.tsv (a table for COMET_TUNE_FILE), the curves to tune.log
+        IFS=';' read -ra layouts <<<"${TUNE_LAYOUTS:---ep 2;--tp 2}"
+        for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
+            line=$(timeout 300 build/comet tune --model "$m" --tokens "$t" $layout --iters ${TUNE_ITERS:-10} --warmup 2 \
+                --out "$OUT/tune.tsv" 2>&1 | tee -a "$OUT/tune.log" | grep '^best:')
+            summary+=("tune $m $t $layout: ${line:-FAILED (see tune.log)}")
         done; done; done
         ;;
     trace) # the overlap as a picture, and its numbers (dev/trace_stats.py): TRACE_MODEL (mixtral-8x7b),
