@@ -15,7 +15,9 @@ With a reference file (bench/reference-issue5.json: {"reference": ...,
 "rows": [...]}, the table of issue 5) it also prints, for each mode, the
 README's grid (model x M, EP2 / TP2 cells: ms and speedup over the
 reference) and the mean, geometric mean and range of those speedups over
-the cells both have (uniform routing).
+the cells both have (uniform routing, no element wrong). A cell with
+several rows of one mode (rounds of an A/B, variants the rows do not
+record) shows their median and how many.
 
   python3 bench/report.py bench/results/2026-11-22-torch-*.json
   python3 bench/report.py bench/results/*.json bench/results/*.jsonl
@@ -24,6 +26,7 @@ the cells both have (uniform routing).
 import json
 import math
 import os
+import statistics
 import sys
 
 GEMM_PEAK_TFLOPS = float(os.environ.get("GEMM_PEAK_TFLOPS", "804"))
@@ -79,9 +82,11 @@ def grids(comet_rows, reference):
     models = list(dict.fromkeys(r["model"] for r in reference))
     tokens = sorted({r["M"] for r in reference})
     layouts = sorted({(r["tp"], r["ep"]) for r in reference})  # (1, 2) then (2, 1)
-    for mode in sorted({mode_of(r) for r in comet_rows}):
-        rows = {(r["model"], r["M"], r["tp"], r["ep"]): r for r in comet_rows
-                if mode_of(r) == mode and r.get("skew", 0.0) == 0}  # the last row of a cell counts
+    for mode in sorted({mode_of(r) for r in comet_rows}, key=lambda m: (len(m), m)):  # seq, n_comm 8, n_comm 16
+        rows = {}
+        for r in comet_rows:
+            if mode_of(r) == mode and r.get("skew", 0.0) == 0 and r.get("wrong", 0) == 0:
+                rows.setdefault((r["model"], r["M"], r["tp"], r["ep"]), []).append(r["ms"])
         speedups, by_model = [], {}
         lines = []
         for m in models:
@@ -89,11 +94,13 @@ def grids(comet_rows, reference):
             for t in tokens:
                 parts = []
                 for lay in layouts:
-                    r, b = rows.get((m, t) + lay), ref.get((m, t) + lay)
-                    if r and b:
-                        speedups.append(b / r["ms"])
-                        by_model.setdefault(m, []).append(b / r["ms"])
-                        parts.append(f"{r['ms']:.2f} ms ({b / r['ms']:.2f}x)")
+                    ms, b = rows.get((m, t) + lay), ref.get((m, t) + lay)
+                    if ms and b:
+                        med = statistics.median(ms)
+                        speedups.append(b / med)
+                        by_model.setdefault(m, []).append(b / med)
+                        n = f", median of {len(ms)}" if len(ms) > 1 else ""
+                        parts.append(f"{med:.2f} ms ({b / med:.2f}x{n})")
                     else:
                         parts.append("-")
                 cells.append(" / ".join(parts))

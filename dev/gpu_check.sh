@@ -30,7 +30,9 @@ for step in $STEPS; do
         cat "$OUT/probe.log"
         ;;
     gputests) # only the GPU test binaries (the CPU suite runs in CI), one log
-        # (stdout line-buffered, so that a test the timeout kills still shows how far it got)
+        # (stdout line-buffered, so that a test the timeout kills still shows how far it got;
+        # the log starts empty, so a crashed test cannot show an earlier run's count)
+        : > "$OUT/gputests.log"
         for t in build/tests/test_*_gpu; do
             start=$SECONDS
             timeout "${COMET_TEST_TIMEOUT:-480}" stdbuf -oL "$t" >> "$OUT/gputests.log" 2>&1

@@ -25,8 +25,9 @@
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)". COMET_LAYER_TEST_WORLDS (a
  * list of world sizes, e.g. "4" or "1,2"; default every size the GPUs allow)
- * limits the layouts, the repeat and the bad-routing cases to those worlds,
- * so that the four-rank layouts fit one device call.
+ * limits the layouts, the repeat, mismatch and bad-routing cases to those
+ * worlds, so that the four-rank layouts fit one device call; a list that
+ * leaves no case (a typo, or 4 with two GPUs) fails.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -430,5 +431,10 @@ int main(void) {
     if (world_wanted(1)) bad_routing(1);
     if (gpus >= 2 && world_wanted(2)) bad_routing(2);
     if (gpus >= 4 && world_wanted(4)) bad_routing(4);
+    const char *worlds = getenv("COMET_LAYER_TEST_WORLDS");
+    int any = 0;
+    for (int w = 1; w <= (gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1); w *= 2) any |= world_wanted(w);
+    CHECK(any, "COMET_LAYER_TEST_WORLDS=%s selects no world of 1..%d ranks: nothing ran", worlds ? worlds : "",
+          gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1);
     return check_summary("test_layer_gpu");
 }
