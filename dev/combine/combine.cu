@@ -175,12 +175,6 @@ __device__ static inline uint2 pack4_bf16(const float v[4]) {
 #define BK_CONSUMERS 8       // reducing warps; 256 threads x 4 columns = 1024
 #define BK_SMEM (200 * 1024) // ring bytes at most
 
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(gm_smem(dst)),
-                 "l"(src), "r"(bytes), "r"(gm_smem(bar))
-                 : "memory");
-}
-
 // The token of the CTA's n-th item (item blockIdx.x + n * grid), or T (no entries) past the items.
 __device__ __forceinline__ int64_t item_token(const prob_t &p, int64_t n, int64_t items, int chunks) {
     const int64_t it = (int64_t)blockIdx.x + n * gridDim.x;
@@ -224,7 +218,7 @@ __global__ void __launch_bounds__(32 * (BK_CONSUMERS + 1), 1) v4_kernel(prob_t p
                 if (lane == 0) gm_mbar_expect_tx(&full[s], (uint32_t)p.K * seg); /* arrives: the weights' stores before it */
                 __syncwarp();
                 const int64_t c0 = (it % chunks) * BK_CW;
-                if (lane < p.K) bulk_load(st + lane * seg, p.o + (int64_t)cur[u] * p.H + c0, seg, &full[s]);
+                if (lane < p.K) gm_bulk_load(st + lane * seg, p.o + (int64_t)cur[u] * p.H + c0, seg, &full[s]);
             }
 #pragma unroll
             for (int u = 0; u < 4; u++) cur[u] = nxt[u], cw[u] = nw[u];

@@ -100,12 +100,6 @@ __global__ void __launch_bounds__(THREADS, 1) k_warp(prob_t p) {
     }
 }
 
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     gm_smem(dst)),
-                 "l"(src), "r"(bytes), "r"(gm_smem(bar))
-                 : "memory");
-}
 __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(gm_smem(src)), "r"(bytes)
                  : "memory");
@@ -122,7 +116,7 @@ __global__ void k_bulk(prob_t p) {
     const int mine = (p.n - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x; /* rows of this CTA */
     for (int r = 0; r < mine && r < STAGES; r++) { /* the first loads */
         gm_mbar_expect_tx(&bar[r], row_bytes);
-        bulk_load(stage + (size_t)r * row_bytes, p.src + (size_t)(blockIdx.x + r * gridDim.x) * p.row16, row_bytes, &bar[r]);
+        gm_bulk_load(stage + (size_t)r * row_bytes, p.src + (size_t)(blockIdx.x + r * gridDim.x) * p.row16, row_bytes, &bar[r]);
     }
     for (int r = 0; r < mine; r++) {
         const int s = r % STAGES, t = (int)blockIdx.x + r * (int)gridDim.x;
@@ -136,7 +130,7 @@ __global__ void k_bulk(prob_t p) {
         if (old >= 0 && next < mine) {
             const int so = old % STAGES;
             gm_mbar_expect_tx(&bar[so], row_bytes);
-            bulk_load(stage + (size_t)so * row_bytes, p.src + (size_t)(blockIdx.x + next * gridDim.x) * p.row16, row_bytes,
+            gm_bulk_load(stage + (size_t)so * row_bytes, p.src + (size_t)(blockIdx.x + next * gridDim.x) * p.row16, row_bytes,
                       &bar[so]);
         }
     }

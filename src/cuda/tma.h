@@ -1,9 +1,10 @@
 /*
  * tma.h - the Hopper (sm_90a) pieces that load tiles into shared memory:
- * mbarrier init / arrive / expect_tx / parity wait, the 2D TMA load, and the
- * host-side tensor map of a row-major bf16 matrix (box of 64 columns, 128B
- * swizzle). Used by the grouped GEMM (gemm.cu), by dev/gather's probe, so
- * the probe measures the loads the GEMM issues, and by dev/combine. CUDA
+ * mbarrier init / arrive / expect_tx / parity wait, the 2D TMA load, the 1D
+ * bulk copy of contiguous bytes, and the host-side tensor map of a row-major
+ * bf16 matrix (box of 64 columns, 128B swizzle). Used by the grouped GEMM
+ * (gemm.cu), by dev/gather's probe, so the probe measures the loads the GEMM
+ * issues, and by dev/combine and dev/pull. CUDA
  * C++ only (inline device code, CUtensorMap from cuda.h; the encoder comes
  * from the driver through the runtime, no -lcuda).
  */
@@ -45,6 +46,13 @@ __device__ __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, i
             gm_smem(dst)),
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(gm_smem(bar))
         : "memory");
+}
+/* 1D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory. */
+__device__ __forceinline__ void gm_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     gm_smem(dst)),
+                 "l"(src), "r"(bytes), "r"(gm_smem(bar))
+                 : "memory");
 }
 
 typedef CUresult (*gm_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
