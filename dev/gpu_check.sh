@@ -34,10 +34,10 @@ for step in $STEPS; do
         # the log starts empty, so a crashed test cannot show an earlier run's count)
         : > "$OUT/gputests.log"
         for t in build/tests/test_*_gpu; do
-            start=$SECONDS
+            start=$SECONDS name=$(basename "$t")
             timeout "${COMET_TEST_TIMEOUT:-480}" stdbuf -oL "$t" >> "$OUT/gputests.log" 2>&1
             rc=$?
-            summary+=("$(basename "$t"): exit $rc after $((SECONDS - start)) s: $(grep -E "^$(basename "$t"): [0-9]+ passed" "$OUT/gputests.log" | tail -n 1)")
+            summary+=("$name: exit $rc after $((SECONDS - start)) s: $(grep -E "^$name: [0-9]+ passed" "$OUT/gputests.log" | tail -n 1)")
         done
         grep -E "FAIL" "$OUT/gputests.log" | head -40
         ;;

@@ -365,7 +365,8 @@ int main(void) {
     setenv("COMET_PARTIALS", "0", 1); /* and where the partials passes ask for partials */
     comet_rng_t rng = {31};
     /* worlds of 1, 2 and (with 4 GPUs or more) 4 ranks: EP, TP and EP x TP */
-    for (int w = 1; w <= (gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1); w *= 2)
+    const int max_w = gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1;
+    for (int w = 1; w <= max_w; w *= 2)
         for (int tp = 1; tp <= w; tp++) {
             if (w % tp || !world_wanted(w)) continue;
             const int ep = w / tp;
@@ -433,8 +434,7 @@ int main(void) {
     if (gpus >= 4 && world_wanted(4)) bad_routing(4);
     const char *worlds = getenv("COMET_LAYER_TEST_WORLDS");
     int any = 0;
-    for (int w = 1; w <= (gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1); w *= 2) any |= world_wanted(w);
-    CHECK(any, "COMET_LAYER_TEST_WORLDS=%s selects no world of 1..%d ranks: nothing ran", worlds ? worlds : "",
-          gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1);
+    for (int w = 1; w <= max_w; w *= 2) any |= world_wanted(w);
+    CHECK(any, "COMET_LAYER_TEST_WORLDS=%s selects no world of 1..%d ranks: nothing ran", worlds ? worlds : "", max_w);
     return check_summary("test_layer_gpu");
 }

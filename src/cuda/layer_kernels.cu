@@ -921,9 +921,6 @@ __global__ void k_exit(comet_cuda_ctx_t c) {
  * Overlapped mode: communication CTAs beside the GEMM CTAs (cuda_layer.h)
  * ------------------------------------------------------------------------- */
 
-/* Count the rows of the nr tokens in shared memory into their blocks
- * (block_rows); whoever completes a block releases block_ready[b] = epoch,
- * which GEMM0 waits for. */
 /* One stored row (>= 0) counted into its block; whoever completes the block
  * releases block_ready[b] = e. The caller fenced the rows the count covers. */
 __device__ static inline void count_row(const comet_cuda_ctx_t *c, const comet_plan_t *p, int32_t row, uint64_t e) {
@@ -934,6 +931,9 @@ __device__ static inline void count_row(const comet_cuda_ctx_t *c, const comet_p
     }
 }
 
+/* Count the rows of the nr tokens in shared memory into their blocks
+ * (block_rows); whoever completes a block releases block_ready[b] = epoch,
+ * which GEMM0 waits for. */
 __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_plan_t *p, const dispatch_smem_t *sm,
                                       int nr, uint64_t e) {
     __threadfence(); /* this CTA's rows, before any block count that includes them */
@@ -1057,7 +1057,6 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         }
     }
 }
-
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
  * 128 x 256 tile). */
