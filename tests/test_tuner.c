@@ -13,14 +13,17 @@
 #include "../src/tuner/tuner.h"
 #include "check.h"
 
-static comet_dims_t dims(int64_t hidden, int64_t max_tokens) {
+/* EP over `world` ranks (1 or 2), 8 experts */
+static comet_dims_t dims_of(int64_t hidden, int64_t max_tokens, int64_t topk, int world) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    cfg.hidden = hidden, cfg.ffn = 1024, cfg.num_experts = 8, cfg.topk = 2, cfg.ep = 2;
+    cfg.hidden = hidden, cfg.ffn = 1024, cfg.num_experts = 8, cfg.topk = topk, cfg.ep = world;
     cfg.max_tokens_per_rank = max_tokens;
     comet_dims_t d;
-    comet_dims_from_config(&cfg, 2, 0, &d);
+    comet_dims_from_config(&cfg, world, 0, &d);
     return d;
 }
+
+static comet_dims_t dims(int64_t hidden, int64_t max_tokens) { return dims_of(hidden, max_tokens, 2, 2); }
 
 int main(void) {
     /* rule */
@@ -30,7 +33,22 @@ int main(void) {
     CHECK(t.chunk_cols == 512 && t.n_comm == 2, "rule at hidden 4096: %d %d", t.chunk_cols, t.n_comm);
     t = (comet_tuning_t){0, 0};
     comet_tuner_rule(&d, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.chunk_cols == 512 && t.n_comm == 0, "CUDA rule: the sequential chain: %d %d", t.chunk_cols, t.n_comm);
+    CHECK(t.chunk_cols == 512 && t.n_comm == 16, "CUDA rule: overlapped, 16 CTAs: %d %d", t.chunk_cols, t.n_comm);
+    const struct {
+        comet_dims_t d;
+        const char *what;
+    } seq_cases[] = {{dims(4096, 2048), "2048 tokens a rank"},
+                     {dims_of(7168, 4096, 8, 2), "topk 8 x hidden 7168 (DeepSeek-V3-style)"},
+                     {dims_of(4096, 4096, 2, 1), "one rank"}};
+    for (size_t i = 0; i < sizeof seq_cases / sizeof seq_cases[0]; i++) {
+        t = (comet_tuning_t){0, 0};
+        comet_tuner_rule(&seq_cases[i].d, COMET_BACKEND_CUDA, 4096, &t);
+        CHECK(t.n_comm == 0, "CUDA rule, %s: the sequential chain, not %d", seq_cases[i].what, t.n_comm);
+    }
+    comet_dims_t edge = dims_of(8192, 4096, 2, 2); /* topk x hidden 16384: still overlapped */
+    t = (comet_tuning_t){0, 0};
+    comet_tuner_rule(&edge, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 16, "CUDA rule at topk x hidden 16384: %d", t.n_comm);
     comet_dims_t small = dims(20, 8);
     t = (comet_tuning_t){0, 0};
     comet_tuner_rule(&small, COMET_BACKEND_CPU, 3, &t);
@@ -71,7 +89,8 @@ int main(void) {
     comet_dims_t seq = dims(2048, 4096);
     t = (comet_tuning_t){0, 0};
     comet_tuner_pick(&seq, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.n_comm == 0 && t.chunk_cols == 256, "a CUDA entry recording the sequential chain: %d %d", t.n_comm,
+    CHECK(t.n_comm == 0 && t.chunk_cols == 256,
+          "a CUDA entry recording the sequential chain, kept where the rule would overlap: %d %d", t.n_comm,
           t.chunk_cols);
     comet_dims_t other = dims(2048, 4096);
     t = (comet_tuning_t){0, 0};

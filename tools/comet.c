@@ -55,8 +55,8 @@ static const char *const flag_help =
     "  --activation A     silu (gated, default) or gelu\n"
     "  --skew S           relative std of expert popularity (0 = uniform, default)\n"
     "  --zero-experts N   N experts receive no tokens (default 0)\n"
-    "  --n-comm N         communication workers per rank (0 = tuner, default; -1 = the\n"
-    "                     sequential chain on GPUs, which the tuner picks unless measured otherwise)\n"
+    "  --n-comm N         communication workers per rank (0 = tuner, default: its table, else its\n"
+    "                     rule; -1 = the sequential chain on GPUs)\n"
     "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
     "  --seed S           random seed for inputs and routing (default 1)\n"
     "  --backend B        auto (default), cpu, cuda\n"
@@ -293,6 +293,18 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     return 0;
 }
 
+/* The n_comm a CUDA forward call with args.n_comm `asked` runs where the
+ * Hopper GEMM runs (backend.c): 0 asks the tuner (this process's table, else
+ * its rule, for max_tokens); > 0 the overlapped mode, 0 the sequential chain. */
+static int cuda_n_comm(const comet_layer_config_t *cfg, int world, int asked, int chunk_cols) {
+    if (asked != 0) return asked > 0 ? asked : 0;
+    comet_dims_t d;
+    if (comet_dims_from_config(cfg, world, 0, &d) != COMET_SUCCESS) return 0;
+    comet_tuning_t t = {0, chunk_cols};
+    comet_tuner_pick(&d, COMET_BACKEND_CUDA, d.max_tokens, &t);
+    return t.n_comm;
+}
+
 /* Whether the comma-separated words of modes (comet_run_t.modes) include word. */
 static int has_mode(const char *modes, const char *word) {
     const size_t n = strlen(word);
@@ -364,7 +376,8 @@ static int run(const char *cmd, int argc, char **argv) {
     r.graph = o.graph && use_cuda;
     if (o.graph && !use_cuda && speaks()) fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
     /* Lanes: the rank's thread, its comm workers, its compute workers. */
-    if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm > 0 ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
+    const int lanes_comm = use_cuda ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols) : o.n_comm;
+    if (o.trace && comet_trace_create(&r.trace, world, 1 + (lanes_comm > 0 ? lanes_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);
         comet_bootstrap_close(bs);
@@ -460,17 +473,23 @@ static int run(const char *cmd, int argc, char **argv) {
     }
     /* the layer's create-time knobs (CUDA): the copy-engine dispatch shows as "<n>ce" (overlapped calls),
      * the combine by partials as a trailing "p" */
-    const int ce = has_mode(r.modes, "ce") && o.n_comm > 0, partials = has_mode(r.modes, "partials");
+    /* CUDA with the Hopper GEMM: the mode that ran (n_comm 0: the tuner's pick, shown "auto:<n>" / "auto:seq") */
+    const int hopper = use_cuda && !has_mode(r.modes, "simt");
+    const int ran_comm = hopper ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols) : o.n_comm;
+    const int ce = has_mode(r.modes, "ce") && ran_comm > 0, partials = has_mode(r.modes, "partials");
     const double link_gbps =
         (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /
         (r.ms_median * 1e6);
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %8s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
-    char ncomm[24], how[16];
-    snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
+    char ncomm[32], how[16];
+    if (o.n_comm == 0 && hopper)
+        snprintf(how, sizeof how, ran_comm > 0 ? "auto:%d" : "auto:seq", ran_comm);
+    else
+        snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
     snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %8s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
            (long long)cfg.ffn, ncomm, r.ms_median, rate, link_gbps, bad ? "WRONG" : "ok", (long long)bad,
            (long long)chk.elements, use_cuda ? "sampled elements off" : "elements differ");
@@ -520,12 +539,12 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
+                "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
                 "\"comm_hidden_net\": %.4f, \"graph\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
-                (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements, o.n_comm,
-                ce, partials, hidden, hidden_net, r.graph, side_ms[0], side_ms[1], side_ms[2], side_ms[3]);
+                (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
+                hopper ? ran_comm : o.n_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, side_ms[0], side_ms[1], side_ms[2], side_ms[3]);
         fclose(f);
     }
     comet_problem_destroy(p);

@@ -524,8 +524,8 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
-        /* overlapped when asked for (n_comm > 0) or when the tuner's table says
-         * so for this configuration (n_comm 0; chosen for max_tokens, so the
+        /* overlapped when asked for (n_comm > 0) or when the tuner (its table,
+         * else its rule) picks it for this configuration (n_comm 0; chosen for max_tokens, so the
          * same on every rank), and the Hopper GEMM with its hooks runs */
         comet_tuning_t tune = {args->n_comm > 0 ? args->n_comm : 0, args->chunk_cols};
         if (c.gemm && args->n_comm != COMET_SEQUENTIAL) comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);

@@ -5,7 +5,14 @@
  * Rule: chunk_cols about hidden/8, a multiple of 8 columns, so the
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
  * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
- * the call is tiny, on the CUDA backend 0 (the sequential chain).
+ * the call is tiny; on the CUDA backend the overlapped mode with 16 CTAs
+ * where it measured faster on 2x H200: several ranks, at least 4096 tokens
+ * a rank (M >= 8192 on two), topk x hidden at most 16384 (Qwen2-MoE,
+ * Mixtral, Phi-3.5-MoE: 3-5% faster in 7 of their 9 such cells, 1-2% slower
+ * in 2); else 0, the sequential chain (DeepSeek-V3-style, topk 8 x hidden
+ * 7168: 1-7% slower overlapped; 2048 tokens a rank: even on average; one
+ * rank: not measured).
+ * bench/results/2026-11-22-comet-h200x2-5215af5.md has the 24 cells.
  */
 #include "tuner.h"
 
@@ -95,6 +102,9 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
         t->chunk_cols = (int)c;
     }
     if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
+    if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && d->world_size > 1 && d->max_tokens >= 4096 &&
+        d->topk * d->hidden <= 16384)
+        t->n_comm = 16;
 }
 
 void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t) {
@@ -103,8 +113,11 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
     if (t->chunk_cols == 0 && lookup(d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
         t->chunk_cols = m.chunk_cols;
     const int64_t for_n = backend == COMET_BACKEND_CUDA ? d->max_tokens : num_tokens; /* CUDA: one protocol */
-    if (t->n_comm == 0 && lookup(d, backend, for_n, &m)) t->n_comm = m.n_comm;
+    const int measured = t->n_comm == 0 && lookup(d, backend, for_n, &m);
+    if (measured) t->n_comm = m.n_comm; /* CUDA: 0 there is the sequential chain, which the rule must keep */
+    const int n_comm = t->n_comm;
     comet_tuner_rule(d, backend, num_tokens, t);
+    if (measured) t->n_comm = n_comm;
 }
 
 int comet_tuner_append(const char *path, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,

@@ -34,10 +34,10 @@ typedef struct {
 void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* The analytical rule alone (what the table falls back to): chunk_cols about
- * hidden/8; n_comm on the CPU engine 1 or 2 workers, on the CUDA backend 0,
- * the sequential chain (on 2x H200 within a few % of the best everywhere
- * measured; the overlapped mode won only Qwen2-MoE EP2, by ~4% with 16 CTAs:
- * bench/results/2026-11-22-overlap-h200x2-session4.md). */
+ * hidden/8; n_comm on the CPU engine 1 or 2 workers; on the CUDA backend 16
+ * (the overlapped mode) for several ranks, max_tokens >= 4096 and topk x
+ * hidden <= 16384, else 0 (the sequential chain): the 24 cells measured on
+ * 2x H200 (bench/results/2026-11-22-comet-h200x2-5215af5.md). */
 void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* Read a table file, replacing the process's table (NULL or "" clears it).
