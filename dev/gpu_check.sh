@@ -43,11 +43,12 @@ for step in $STEPS; do
         ;;
     sanitize) # compute-sanitizer on the small configurations (works on Firecracker
               # machines only: on gVisor it refuses the device, which the log shows); on
-              # SANITIZE_GPUS (default "0": one GPU; at e2ddd89 two GPUs did not finish in 125 s a tool)
+              # SANITIZE_GPUS (default "0": one GPU; at e2ddd89 two GPUs did not finish in 125 s a tool);
+              # at 5215af5 on one H200 memcheck took seconds, racecheck 285 s (SANITIZE_TIMEOUT > 300)
         for tool in memcheck racecheck; do
             CUDA_VISIBLE_DEVICES=${SANITIZE_GPUS:-0} COMET_TIMEOUT_MS=120000 COMET_LAYER_TEST_SMALL=1 COMET_GEMM_TEST_SMALL=1 \
                 timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool \
-                --error-exitcode 99 build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
+                --error-exitcode 99 stdbuf -oL build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
             summary+=("compute-sanitizer $tool test_layer_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_layer_gpu: [0-9]' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')")
         done
         ;;
