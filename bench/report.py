@@ -66,9 +66,15 @@ def key(r):
     return (r["model"], r["M"], r["tp"], r["ep"], r.get("skew", 0.0))
 
 
+def ran_of(r):
+    """the protocol that ran: seq (the sequential chain) or the overlapped mode's n_comm"""
+    return f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
+
+
 def mode_of(r):
-    """seq (the sequential chain) or the overlapped mode's n_comm, and the knobs that change the path"""
-    mode = f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
+    """ran_of, or auto where the tuner picked it (a run without --n-comm: `tuned`, rows since ed4c0bd),
+    and the knobs that change the path"""
+    mode = "auto" if r.get("tuned") else ran_of(r)
     mode += " ce" if r.get("ce") else ""  # the copy-engine dispatch
     mode += " partials" if r.get("partials") else ""  # the combine by partials
     mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
@@ -82,11 +88,14 @@ def grids(comet_rows, reference):
     models = list(dict.fromkeys(r["model"] for r in reference))
     tokens = sorted({r["M"] for r in reference})
     layouts = sorted({(r["tp"], r["ep"]) for r in reference})  # (1, 2) then (2, 1)
-    for mode in sorted({mode_of(r) for r in comet_rows}, key=lambda m: (len(m), m)):  # seq, n_comm 8, n_comm 16
-        rows = {}
+    # seq, auto, n_comm 8, n_comm 16
+    for mode in sorted({mode_of(r) for r in comet_rows}, key=lambda m: (len(m), m)):
+        rows, overlapped = {}, set()  # overlapped: auto cells where the tuner picked the overlapped mode ("ov")
         for r in comet_rows:
             if mode_of(r) == mode and r.get("skew", 0.0) == 0 and r.get("wrong", 0) == 0:
                 rows.setdefault((r["model"], r["M"], r["tp"], r["ep"]), []).append(r["ms"])
+                if r.get("tuned") and r.get("n_comm", 0) > 0:
+                    overlapped.add((r["model"], r["M"], r["tp"], r["ep"]))
         speedups, by_model = [], {}
         lines = []
         for m in models:
@@ -100,7 +109,8 @@ def grids(comet_rows, reference):
                         speedups.append(b / med)
                         by_model.setdefault(m, []).append(b / med)
                         n = f", median of {len(ms)}" if len(ms) > 1 else ""
-                        parts.append(f"{med:.2f} ms ({b / med:.2f}x{n})")
+                        ov = ", ov" if (m, t) + lay in overlapped else ""
+                        parts.append(f"{med:.2f} ms ({b / med:.2f}x{n}{ov})")
                     else:
                         parts.append("-")
                 cells.append(" / ".join(parts))
@@ -129,8 +139,8 @@ def main(paths):
                   f"{r['check_rel_err']:.1e} |")
     else:
         base = {key(r): r for r in torch_rows}
-        # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch);
-        # comm hidden only where --comm-hidden measured it
+        # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch),
+        # "auto: ..." where the tuner picked it; comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
               "roofline | comm hidden | net | check (wrong/checked) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -138,7 +148,7 @@ def main(paths):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
             sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
-            mode = mode_of(r)
+            mode = mode_of(r) + (f": {ran_of(r)}" if r.get("tuned") else "")
             # -1: not measured (no --comm-hidden); below 0 is a measurement: the layer slower than both parts
             hidden = f"{100 * r['comm_hidden']:.0f}%" if r.get("comm_hidden", -1) != -1 else "-"
             # net of the steps every side keeps (the fourth side, rows since session 8; else "-")

@@ -81,7 +81,7 @@ for step in $STEPS; do
             done
         done; done; done
         ;;
-    bench)
+    bench) # a layout without --n-comm runs the tuner's pick ("auto:" rows); --n-comm -1 the sequential chain
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
@@ -121,15 +121,17 @@ for step in $STEPS; do
         done; done; done
         ;;
     trace) # the overlap as a picture, and its numbers (dev/trace_stats.py): TRACE_MODEL (mixtral-8x7b),
-           # TRACE_TOKENS (8192), TRACE_LAYOUT ("--ep 2"), TRACE_MODES (";--n-comm 8": sequential, overlapped),
+           # TRACE_TOKENS (8192), TRACE_LAYOUT ("--ep 2"), TRACE_MODES ("--n-comm -1;--n-comm 8": sequential,
+           # overlapped; "" the tuner's pick, named -auto),
            # each mode under every TRACE_AB environment variant (default: none), same seed throughout
-        IFS=';' read -ra modes <<<"${TRACE_MODES-;--n-comm 8}"
+        IFS=';' read -ra modes <<<"${TRACE_MODES---n-comm -1;--n-comm 8}"
         IFS=';' read -ra tvars <<<"${TRACE_AB:-}"
         [ ${#tvars[@]} -gt 0 ] || tvars=("")
         for mode in "${modes[@]}"; do
             files=()
             for i in "${!tvars[@]}"; do
-                name=trace-gpu${mode:+-overlap}$( [ ${#tvars[@]} -gt 1 ] && echo "-v$i")
+                case $mode in *"n-comm -1"*) tag= ;; "") tag=-auto ;; *) tag=-overlap ;; esac
+                name=trace-gpu$tag$( [ ${#tvars[@]} -gt 1 ] && echo "-v$i")
                 env ${tvars[$i]} timeout 300 build/comet bench --model "${TRACE_MODEL:-mixtral-8x7b}" --tokens "${TRACE_TOKENS:-8192}" \
                     ${TRACE_LAYOUT:---ep 2} --iters 3 --warmup 1 $mode --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
                 summary+=("trace '$mode' [${tvars[$i]}]: exit $? ($OUT/$name.json, .svg)")

@@ -51,6 +51,7 @@ expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "
     grep -q "\"traceEvents\": \[" "$1" && grep -q "\"ph\": \"X\".*\"ts\": [0-9.]*, \"dur\": [0-9.]*" "$1" &&
     grep -q "\"name\": \"rank 1\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "\"kind\": \"send\"" "$1" &&
     { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
+expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/tuned.jsonl"
 expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # without a GPU, --backend cuda is refused before any trace
@@ -82,6 +83,10 @@ if command -v python3 >/dev/null; then
     printf '{"reference": "r", "rows": [{"model": "m", "M": 16, "tp": 1, "ep": 2, "ms": 5.0}, {"model": "m", "M": 32, "tp": 1, "ep": 2, "ms": 3.0}, {"model": "m", "M": 32, "tp": 2, "ep": 1, "ms": 3.0}]}' > "$ref"
     expect report-grid 0 '\| m \| 2\.00 ms \(2\.50x\) / - \| 2\.00 ms \(1\.50x\) / - \|' -- python3 "$report" "$ref" "$rj"
     expect report-mean 0 'Mean speedup over 2 cells: 2\.00x \(geometric 1\.94x\); lowest 1\.50x, highest 2\.50x' -- python3 "$report" "$ref" "$rj"
+    # a default run (tuned: the tuner's pick) goes to the auto grid, "ov" where it picked the overlapped mode
+    printf '%s, "M": 32, "tp": 2, "ep": 1, "n_comm": 16, "tuned": 1, "comm_hidden": -1}\n' "$row" >> "$rj"
+    expect report-auto 0 '\| 32 \| 2 \| 1 \| 0 \| auto: n_comm 16 \|' -- python3 "$report" "$rj"
+    expect report-auto-grid 0 '\| m \| - / - \| - / 2\.00 ms \(1\.50x, ov\) \|' -- python3 "$report" "$ref" "$rj"
     rm -f "$rj" "$ref"
 else
     echo "test_cli: bench/report.py skipped (no python3)"

@@ -1,6 +1,7 @@
 /*
- * test_tuner.c - the knobs of a forward call: the analytical rule, the
- * measured table (load, lookup by configuration and nearest token count,
+ * test_tuner.c - the knobs of a forward call: the analytical rule (the CUDA
+ * rule's mode at its boundaries: world, layout, tokens a rank, topk x
+ * hidden, push), the measured table (load, lookup by configuration and nearest token count,
  * malformed lines skipped, backends kept apart, chunk width independent of the
  * rank's token count), and append -> load round trips.
  */
@@ -13,47 +14,57 @@
 #include "../src/tuner/tuner.h"
 #include "check.h"
 
-/* EP over `world` ranks (1 or 2), 8 experts */
-static comet_dims_t dims_of(int64_t hidden, int64_t max_tokens, int64_t topk, int world) {
+/* TP x EP ranks, 8 experts */
+static comet_dims_t dims_of(int64_t hidden, int64_t max_tokens, int64_t topk, int tp, int ep) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    cfg.hidden = hidden, cfg.ffn = 1024, cfg.num_experts = 8, cfg.topk = topk, cfg.ep = world;
+    cfg.hidden = hidden, cfg.ffn = 1024, cfg.num_experts = 8, cfg.topk = topk, cfg.tp = tp, cfg.ep = ep;
     cfg.max_tokens_per_rank = max_tokens;
     comet_dims_t d;
-    comet_dims_from_config(&cfg, world, 0, &d);
+    comet_dims_from_config(&cfg, tp * ep, 0, &d);
     return d;
 }
 
-static comet_dims_t dims(int64_t hidden, int64_t max_tokens) { return dims_of(hidden, max_tokens, 2, 2); }
+static comet_dims_t dims(int64_t hidden, int64_t max_tokens) { return dims_of(hidden, max_tokens, 2, 1, 2); }
 
 int main(void) {
     /* rule */
     comet_dims_t d = dims(4096, 4096);
-    comet_tuning_t t = {0, 0};
+    comet_tuning_t t = {0, 0, 0};
     comet_tuner_rule(&d, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.chunk_cols == 512 && t.n_comm == 2, "rule at hidden 4096: %d %d", t.chunk_cols, t.n_comm);
-    t = (comet_tuning_t){0, 0};
-    comet_tuner_rule(&d, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.chunk_cols == 512 && t.n_comm == 16, "CUDA rule: overlapped, 16 CTAs: %d %d", t.chunk_cols, t.n_comm);
     const struct {
         comet_dims_t d;
+        int push, n_comm;
         const char *what;
-    } seq_cases[] = {{dims(4096, 2048), "2048 tokens a rank"},
-                     {dims_of(7168, 4096, 8, 2), "topk 8 x hidden 7168 (DeepSeek-V3-style)"},
-                     {dims_of(4096, 4096, 2, 1), "one rank"}};
-    for (size_t i = 0; i < sizeof seq_cases / sizeof seq_cases[0]; i++) {
-        t = (comet_tuning_t){0, 0};
-        comet_tuner_rule(&seq_cases[i].d, COMET_BACKEND_CUDA, 4096, &t);
-        CHECK(t.n_comm == 0, "CUDA rule, %s: the sequential chain, not %d", seq_cases[i].what, t.n_comm);
+    } cuda_cases[] = {
+        {dims(4096, 4096), 1, 16, "EP2, 4096 tokens a rank, topk x hidden 8192"},
+        {dims_of(4096, 4096, 2, 2, 1), 1, 16, "TP2"},
+        {dims_of(8192, 4096, 2, 1, 2), 1, 16, "topk x hidden 16384"},
+        {dims_of(8200, 4096, 2, 1, 2), 1, 0, "topk x hidden 16400"},
+        {dims_of(7168, 4096, 8, 1, 2), 1, 0, "topk 8 x hidden 7168 (DeepSeek-V3-style)"},
+        {dims(4096, 4095), 1, 0, "4095 tokens a rank"},
+        {dims_of(4096, 4096, 2, 1, 1), 1, 0, "one rank"},
+        {dims_of(4096, 4096, 2, 2, 2), 1, 0, "four ranks (not measured)"},
+        {dims(4096, 4096), 0, 0, "without push (COMET_PUSH=0 or partials: not measured faster)"},
+    };
+    for (size_t i = 0; i < sizeof cuda_cases / sizeof cuda_cases[0]; i++) {
+        t = (comet_tuning_t){0, 0, cuda_cases[i].push};
+        comet_tuner_rule(&cuda_cases[i].d, COMET_BACKEND_CUDA, 4096, &t);
+        CHECK(t.n_comm == cuda_cases[i].n_comm, "CUDA rule, %s: n_comm %d, not %d", cuda_cases[i].what,
+              cuda_cases[i].n_comm, t.n_comm);
     }
-    comet_dims_t edge = dims_of(8192, 4096, 2, 2); /* topk x hidden 16384: still overlapped */
-    t = (comet_tuning_t){0, 0};
-    comet_tuner_rule(&edge, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.n_comm == 16, "CUDA rule at topk x hidden 16384: %d", t.n_comm);
+    t = (comet_tuning_t){0, 0, 1};
+    comet_tuner_rule(&d, COMET_BACKEND_CUDA, 10, &t);
+    CHECK(t.n_comm == 16 && t.chunk_cols == 512, "CUDA rule: by max_tokens, not this rank's 10 tokens: %d %d",
+          t.n_comm, t.chunk_cols);
+    t = (comet_tuning_t){5, 0, 1};
+    comet_tuner_rule(&d, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 5, "CUDA rule: an explicit n_comm is kept: %d", t.n_comm);
     comet_dims_t small = dims(20, 8);
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_rule(&small, COMET_BACKEND_CPU, 3, &t);
     CHECK(t.chunk_cols == 8 && t.n_comm == 1, "rule at hidden 20, 3 tokens: %d %d", t.chunk_cols, t.n_comm);
-    t = (comet_tuning_t){5, 24};
+    t = (comet_tuning_t){5, 24, 0};
     comet_tuner_rule(&d, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 5 && t.chunk_cols == 24, "set fields are kept");
 
@@ -72,45 +83,49 @@ int main(void) {
                "gpu\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n");
     fclose(f);
     CHECK(comet_tuner_load(path) == 4, "four good lines (n_comm 0: CUDA only)");
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CPU, 900, &t);
     CHECK(t.n_comm == 3, "n_comm from the entry nearest 900 tokens: %d", t.n_comm);
     CHECK(t.chunk_cols == 1024, "chunk from the entry nearest max_tokens 4096: %d", t.chunk_cols);
-    comet_tuning_t u = {0, 0};
+    comet_tuning_t u = {0, 0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CPU, 3900, &u);
     CHECK(u.n_comm == 7 && u.chunk_cols == t.chunk_cols, "other token count: n_comm %d, same chunk %d", u.n_comm,
           u.chunk_cols);
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CUDA, 4096, &t);
     CHECK(t.n_comm == 20 && t.chunk_cols == 768, "the CUDA entry for the CUDA backend: %d %d", t.n_comm, t.chunk_cols);
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&d, COMET_BACKEND_CUDA, 10, &t);
     CHECK(t.n_comm == 20, "CUDA: n_comm from the entry nearest max_tokens, not this rank's 10 tokens: %d", t.n_comm);
     comet_dims_t seq = dims(2048, 4096);
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 1}; /* with push: the rule alone would overlap */
     comet_tuner_pick(&seq, COMET_BACKEND_CUDA, 4096, &t);
     CHECK(t.n_comm == 0 && t.chunk_cols == 256,
           "a CUDA entry recording the sequential chain, kept where the rule would overlap: %d %d", t.n_comm,
           t.chunk_cols);
     comet_dims_t other = dims(2048, 4096);
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.chunk_cols == 256 && t.n_comm == 2, "a configuration not in the table gets the rule: %d %d", t.chunk_cols,
           t.n_comm);
+    comet_dims_t cuda_other = dims_of(2048, 4096, 2, 2, 1);
+    t = (comet_tuning_t){0, 0, 1};
+    comet_tuner_pick(&cuda_other, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 16, "a CUDA configuration not in the table gets the rule: %d", t.n_comm);
 
     /* append -> load */
     unlink(path);
-    comet_tuning_t w = {4, 64};
+    comet_tuning_t w = {4, 64, 0};
     CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append");
     CHECK(comet_tuner_append(path, &d, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append again");
     CHECK(comet_tuner_load(path) == 2, "both appended entries load (one header)");
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 4 && t.chunk_cols == 64, "round trip: %d %d", t.n_comm, t.chunk_cols);
-    comet_tuning_t again = {6, 128}; /* a re-tune of the same configuration: the later line wins */
+    comet_tuning_t again = {6, 128, 0}; /* a re-tune of the same configuration: the later line wins */
     CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &again, 2.0) == 0, "append a re-tune");
     CHECK(comet_tuner_load(path) == 3, "three entries");
-    t = (comet_tuning_t){0, 0};
+    t = (comet_tuning_t){0, 0, 0};
     comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 6 && t.chunk_cols == 128, "the re-tune wins: %d %d", t.n_comm, t.chunk_cols);
     unlink(path);

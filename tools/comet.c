@@ -294,13 +294,14 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
 }
 
 /* The n_comm a CUDA forward call with args.n_comm `asked` runs where the
- * Hopper GEMM runs (backend.c): 0 asks the tuner (this process's table, else
- * its rule, for max_tokens); > 0 the overlapped mode, 0 the sequential chain. */
-static int cuda_n_comm(const comet_layer_config_t *cfg, int world, int asked, int chunk_cols) {
+ * Hopper GEMM runs (backend.c; push: the layer's GEMM1 pushes rows home): 0
+ * asks the tuner (this process's table, else its rule, for max_tokens); > 0
+ * the overlapped mode (capped there at SMs - 1), 0 the sequential chain. */
+static int cuda_n_comm(const comet_layer_config_t *cfg, int world, int asked, int chunk_cols, int push) {
     if (asked != 0) return asked > 0 ? asked : 0;
     comet_dims_t d;
     if (comet_dims_from_config(cfg, world, 0, &d) != COMET_SUCCESS) return 0;
-    comet_tuning_t t = {0, chunk_cols};
+    comet_tuning_t t = {0, chunk_cols, push};
     comet_tuner_pick(&d, COMET_BACKEND_CUDA, d.max_tokens, &t);
     return t.n_comm;
 }
@@ -375,9 +376,9 @@ static int run(const char *cmd, int argc, char **argv) {
     r.repeats = is_bench ? o.warmup + o.iters : 1;
     r.graph = o.graph && use_cuda;
     if (o.graph && !use_cuda && speaks()) fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
-    /* Lanes: the rank's thread, its comm workers, its compute workers. */
-    const int lanes_comm = use_cuda ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols) : o.n_comm;
-    if (o.trace && comet_trace_create(&r.trace, world, 1 + (lanes_comm > 0 ? lanes_comm : 2) + 32, 0) != COMET_SUCCESS) {
+    /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
+     * its comm workers, its compute workers. */
+    if (o.trace && comet_trace_create(&r.trace, world, 1 + (o.n_comm > 0 ? o.n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);
         comet_bootstrap_close(bs);
@@ -471,25 +472,31 @@ static int run(const char *cmd, int argc, char **argv) {
         flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden * (double)cfg.ffn *
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
-    /* the layer's create-time knobs (CUDA): the copy-engine dispatch shows as "<n>ce" (overlapped calls),
-     * the combine by partials as a trailing "p" */
-    /* CUDA with the Hopper GEMM: the mode that ran (n_comm 0: the tuner's pick, shown "auto:<n>" / "auto:seq") */
+    /* CUDA: the mode that ran, n_comm > 0 overlapped, 0 the sequential chain (always with the SIMT
+     * GEMM); shown "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. The layer's
+     * create-time knobs: the copy-engine dispatch shows as "<n>ce" (overlapped calls), the combine
+     * by partials as a trailing "p" */
     const int hopper = use_cuda && !has_mode(r.modes, "simt");
-    const int ran_comm = hopper ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols) : o.n_comm;
+    const int ran_comm = !use_cuda ? o.n_comm
+                         : hopper  ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols, has_mode(r.modes, "push"))
+                                   : 0;
     const int ce = has_mode(r.modes, "ce") && ran_comm > 0, partials = has_mode(r.modes, "partials");
     const double link_gbps =
         (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /
         (r.ms_median * 1e6);
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %8s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
     char ncomm[32], how[16];
-    if (o.n_comm == 0 && hopper)
-        snprintf(how, sizeof how, ran_comm > 0 ? "auto:%d" : "auto:seq", ran_comm);
+    const char *auto_tag = o.n_comm == 0 ? "auto:" : "";
+    if (use_cuda && ran_comm > 0)
+        snprintf(how, sizeof how, "%s%d", auto_tag, ran_comm);
+    else if (use_cuda)
+        snprintf(how, sizeof how, "%sseq", auto_tag);
     else
-        snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : o.n_comm && use_cuda ? "seq" : "auto", o.n_comm);
+        snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : "auto", o.n_comm);
     snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %8s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %9s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
            (long long)cfg.ffn, ncomm, r.ms_median, rate, link_gbps, bad ? "WRONG" : "ok", (long long)bad,
            (long long)chk.elements, use_cuda ? "sampled elements off" : "elements differ");
@@ -544,7 +551,7 @@ static int run(const char *cmd, int argc, char **argv) {
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
-                hopper ? ran_comm : o.n_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, side_ms[0], side_ms[1], side_ms[2], side_ms[3]);
+                ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, side_ms[0], side_ms[1], side_ms[2], side_ms[3]);
         fclose(f);
     }
     comet_problem_destroy(p);
@@ -597,7 +604,7 @@ static int tune(int argc, char **argv) {
      * layer's modes then say what the grid can change: with push the overlapped combine runs after
      * GEMM1, so the chunk width does nothing (one column); the SIMT GEMM has no overlapped mode */
     const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
-    comet_tuning_t best = {0, 0};
+    comet_tuning_t best = {0, 0, 0};
     double best_ms = -1, best_ov_ms = -1;
     int best_ov_chunk = chunks[0]; /* recorded with a sequential win: what n_comm > 0 calls then use */
     int pushed = 0;                /* GPU: the layer pushes (one chunk column) */

@@ -527,7 +527,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         /* overlapped when asked for (n_comm > 0) or when the tuner (its table,
          * else its rule) picks it for this configuration (n_comm 0; chosen for max_tokens, so the
          * same on every rank), and the Hopper GEMM with its hooks runs */
-        comet_tuning_t tune = {args->n_comm > 0 ? args->n_comm : 0, args->chunk_cols};
+        comet_tuning_t tune = {args->n_comm > 0 ? args->n_comm : 0, args->chunk_cols, L->push};
         if (c.gemm && args->n_comm != COMET_SEQUENTIAL) comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);
         if (c.gemm && tune.n_comm > 0) {
             c.n_comm = tune.n_comm < c.num_sms - 1 ? tune.n_comm : c.num_sms - 1;

@@ -1,8 +1,8 @@
 /*
  * layer_kernels.cu - the CUDA layer: one forward as a chain of kernels on
  * the caller's stream, with no host synchronisation (cuda_layer.h lists the
- * steps and the flag protocol): the sequential chain (the default), and the
- * overlapped mode (n_comm > 0, Hopper GEMM): k_dispatch_ov with GEMM0 as its
+ * steps and the flag protocol): the sequential chain (n_comm -1, or the
+ * tuner's pick), and the overlapped mode (n_comm > 0, Hopper GEMM): k_dispatch_ov with GEMM0 as its
  * programmatic dependent, optionally the copy-engine dispatch, and
  * k_combine_ov beside GEMM1 without push.
  *

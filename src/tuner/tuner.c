@@ -6,13 +6,14 @@
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
  * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
  * the call is tiny; on the CUDA backend the overlapped mode with 16 CTAs
- * where it measured faster on 2x H200: several ranks, at least 4096 tokens
- * a rank (M >= 8192 on two), topk x hidden at most 16384 (Qwen2-MoE,
- * Mixtral, Phi-3.5-MoE: 3-5% faster in 7 of their 9 such cells, 1-2% slower
- * in 2); else 0, the sequential chain (DeepSeek-V3-style, topk 8 x hidden
- * 7168: 1-7% slower overlapped; 2048 tokens a rank: even on average; one
- * rank: not measured).
- * bench/results/2026-11-22-comet-h200x2-5215af5.md has the 24 cells.
+ * where it measured faster on 2x H200: 2 ranks with push (the only world
+ * and combine measured), at least 4096 tokens a rank (M >= 8192), topk x
+ * hidden at most 16384 (Qwen2-MoE, Mixtral, Phi-3.5-MoE: 10 of their 12
+ * such cells faster, 7 by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral
+ * alternated later: +-1.7%, a wash); else 0, the sequential chain
+ * (DeepSeek-V3-style, topk 8 x hidden 7168: 1-7% slower overlapped; 2048
+ * tokens a rank: even on average; other worlds, COMET_PUSH=0, partials:
+ * not measured or slower). bench/results/2026-11-22-comet-h200x2-5215af5.md.
  */
 #include "tuner.h"
 
@@ -102,7 +103,7 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
         t->chunk_cols = (int)c;
     }
     if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
-    if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && d->world_size > 1 && d->max_tokens >= 4096 &&
+    if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && t->push && d->world_size == 2 && d->max_tokens >= 4096 &&
         d->topk * d->hidden <= 16384)
         t->n_comm = 16;
 }

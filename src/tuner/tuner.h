@@ -23,6 +23,9 @@
 typedef struct {
     int n_comm;     /* communication workers (CPU) or blocks (GPU) */
     int chunk_cols; /* layer-1 column-chunk width; must be equal on every rank */
+    int push;       /* [in] CUDA: GEMM1 pushes rows home (COMET_PUSH, no partials): the layer
+                     * the rule's overlapped choice was measured with; without it the rule
+                     * keeps the sequential chain */
 } comet_tuning_t;
 
 /* Fill the fields of *t that are 0, from the table when it holds this
@@ -35,9 +38,11 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
 
 /* The analytical rule alone (what the table falls back to): chunk_cols about
  * hidden/8; n_comm on the CPU engine 1 or 2 workers; on the CUDA backend 16
- * (the overlapped mode) for several ranks, max_tokens >= 4096 and topk x
+ * (the overlapped mode) for 2 ranks with push, max_tokens >= 4096 and topk x
  * hidden <= 16384, else 0 (the sequential chain): the 24 cells measured on
- * 2x H200 (bench/results/2026-11-22-comet-h200x2-5215af5.md). */
+ * 2x H200 (bench/results/2026-11-22-comet-h200x2-5215af5.md). A table entry
+ * decides for every token count of its configuration (the nearest entry,
+ * however far), so tune a configuration at the token counts it runs. */
 void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* Read a table file, replacing the process's table (NULL or "" clears it).
