@@ -293,19 +293,6 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     return 0;
 }
 
-/* The n_comm a CUDA forward call with args.n_comm `asked` runs where the
- * Hopper GEMM runs (backend.c; push: the layer's GEMM1 pushes rows home): 0
- * asks the tuner (this process's table, else its rule, for max_tokens); > 0
- * the overlapped mode (capped there at SMs - 1), 0 the sequential chain. */
-static int cuda_n_comm(const comet_layer_config_t *cfg, int world, int asked, int chunk_cols, int push) {
-    if (asked != 0) return asked > 0 ? asked : 0;
-    comet_dims_t d;
-    if (comet_dims_from_config(cfg, world, 0, &d) != COMET_SUCCESS) return 0;
-    comet_tuning_t t = {0, chunk_cols, push};
-    comet_tuner_pick(&d, COMET_BACKEND_CUDA, d.max_tokens, &t);
-    return t.n_comm;
-}
-
 /* Whether the comma-separated words of modes (comet_run_t.modes) include word. */
 static int has_mode(const char *modes, const char *word) {
     const size_t n = strlen(word);
@@ -472,14 +459,11 @@ static int run(const char *cmd, int argc, char **argv) {
         flops += 2.0 * (double)p->tokens[s] * (double)cfg.topk * (double)cfg.hidden * (double)cfg.ffn *
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
-    /* CUDA: the mode that ran, n_comm > 0 overlapped, 0 the sequential chain (always with the SIMT
-     * GEMM); shown "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. The layer's
-     * create-time knobs: the copy-engine dispatch shows as "<n>ce" (overlapped calls), the combine
-     * by partials as a trailing "p" */
-    const int hopper = use_cuda && !has_mode(r.modes, "simt");
-    const int ran_comm = !use_cuda ? o.n_comm
-                         : hopper  ? cuda_n_comm(&cfg, world, o.n_comm, o.chunk_cols, has_mode(r.modes, "push"))
-                                   : 0;
+    /* CUDA: the protocol the layer ran (n_comm > 0 overlapped, 0 the sequential chain, always with
+     * the SIMT GEMM); shown "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. The
+     * layer's create-time knobs: the copy-engine dispatch shows as "<n>ce" (overlapped calls), the
+     * combine by partials as a trailing "p" */
+    const int ran_comm = use_cuda ? r.n_comm_ran : o.n_comm;
     const int ce = has_mode(r.modes, "ce") && ran_comm > 0, partials = has_mode(r.modes, "partials");
     const double link_gbps =
         (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /

@@ -25,6 +25,10 @@ void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     (void)l;
     if (len) buf[0] = 0;
 }
+int comet_cuda_layer_last_n_comm(const comet_layer_t *l) {
+    (void)l;
+    return 0;
+}
 comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
     (void)t;
     return comet_cuda_layer_forward(l, NULL);

@@ -66,6 +66,10 @@ void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
  * copy-engine dispatch), "simt" (the SIMT GEMM fallback instead of the
  * Hopper GEMM); "" if none. */
 void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
+/* The protocol of the layer's last forward launched: its n_comm (> 0, the
+ * overlapped mode, as the tuner or args chose it and capped) or 0 (the
+ * sequential chain). */
+int comet_cuda_layer_last_n_comm(const comet_layer_t *layer);
 
 /* CPU backend (src/cpu/engine.c). */
 comet_status_t comet_cpu_layer_create(comet_layer_t *layer);

@@ -56,6 +56,7 @@ typedef struct {
                             * come through the copy engine (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
+    int last_n_comm;       /* the protocol of the last forward launched: n_comm > 0 overlapped, 0 sequential */
 } cuda_layer_t;
 
 static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
@@ -547,9 +548,14 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     }
     int e = comet_cuda_forward_launch(&c, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
-    L->last_stream = stream;
+    L->last_stream = stream, L->last_n_comm = c.n_comm;
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
     return COMET_SUCCESS;
+}
+
+int comet_cuda_layer_last_n_comm(const comet_layer_t *l) {
+    const cuda_layer_t *L = l->backend_state;
+    return L->last_n_comm;
 }
 
 void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {

@@ -603,6 +603,8 @@ static void *rank_main(void *arg) {
     if (run->graph && !job->agreed && comet_world_backend(job->world) == COMET_BACKEND_CUDA) agree(job->agree, 0);
 #endif
     if (layer && run->trace) comet_layer_set_trace(layer, NULL);
+    if (layer && job->rank == 0 && comet_world_backend(job->world) == COMET_BACKEND_CUDA)
+        run->n_comm_ran = comet_cuda_layer_last_n_comm(layer);
     comet_layer_destroy(layer);
     return NULL;
 }

@@ -130,6 +130,8 @@ typedef struct {
                              * [3] neither (the steps every side keeps: staging, plan, launches, flags) */
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
+    int n_comm_ran;         /* out, CUDA: the protocol rank 0's last forward ran (n_comm > 0 overlapped,
+                             * 0 the sequential chain; comet_cuda_layer_last_n_comm), else 0 */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
                              * "ce", and "simt" where the SIMT GEMM fallback runs, which ignores
                              * disable; comma-separated; comet_cuda_layer_modes), else "" */
