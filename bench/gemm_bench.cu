@@ -1,7 +1,7 @@
 /*
  * gemm_bench.cu - speed of comet's Hopper grouped GEMM (src/cuda/gemm.h):
  * GEMM0 + gated SiLU and GEMM1 on one GPU for MoE model shapes at M tokens,
- * EP = 1 (all experts local; or one rank's experts, below), TP = 1, random
+ * EP = 1 and TP = 1 (all experts local, whole; or one rank's share, below), random
  * routing (uniform unless skewed, below), beside cuBLAS
  * run per expert (cublasGemmEx in a loop over the host's expert counts; no
  * activation) and cuBLAS dense with the same FLOPs (M = valid rows).
@@ -24,7 +24,9 @@
  * (plain epilogue) beside cuBLAS on the same; their token count is fixed.
  * GEMM_BENCH_EP=e (1..8, default 1): e ranks of `tokens` tokens each, the
  * GEMMs of rank 0 (its E/e experts, rows from every rank: the per-GPU GEMMs
- * of an EP=e layer at M = e x tokens); GEMM_BENCH_SKEW=s (default 0): expert
+ * of an EP=e layer at M = e x tokens); GEMM_BENCH_TP=t (default 1; e x t <=
+ * 8): t times the ranks, each expert's ffn split t ways, rank 0's slice (the
+ * per-GPU GEMMs of a TP=t layer: K of GEMM1 = ffn / t); GEMM_BENCH_SKEW=s (default 0): expert
  * popularity 1 + s N(0,1), the routing of src/workload (comet_routing_draw).
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
@@ -126,25 +128,28 @@ static double curve_eff(const bresult_t *r, int gm, int p, int sms) {
     return r->curve_tf[gm][p] / r->curve_tf[gm][0] / ((double)r->curve_ctas[p] / sms);
 }
 
-/* Routing of the run (GEMM_BENCH_EP, GEMM_BENCH_SKEW): ep ranks of T tokens
- * each; the GEMMs are rank 0's (its E/ep experts, rows from every rank). */
+/* Routing of the run (GEMM_BENCH_EP, GEMM_BENCH_TP, GEMM_BENCH_SKEW): ep x tp
+ * ranks of T tokens each; the GEMMs are rank 0's (its E/ep experts, its
+ * F/tp slice of each, rows from every rank). */
 typedef struct {
-    int ep;
+    int ep, tp;
     double skew;
 } brouting_t;
 
 static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublasHandle_t cub, int sms, int curve,
                       bresult_t *res) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
-    const int ep = m->experts == 1 ? 1 : br->ep; /* the dense shapes have one expert */
-    if (m->experts % ep) {
-        fprintf(stderr, "%s: GEMM_BENCH_EP=%d does not divide its %lld experts\n", m->name, ep, (long long)m->experts);
+    const int ep = m->experts == 1 ? 1 : br->ep, tp = m->experts == 1 ? 1 : br->tp; /* the dense shapes: one rank */
+    const int world = ep * tp;
+    if (m->experts % ep || m->ffn % tp) {
+        fprintf(stderr, "%s: GEMM_BENCH_EP=%d does not divide its %lld experts or GEMM_BENCH_TP=%d its ffn %lld\n",
+                m->name, ep, (long long)m->experts, tp, (long long)m->ffn);
         exit(2);
     }
     cfg.hidden = m->hidden, cfg.ffn = m->ffn, cfg.num_experts = m->experts, cfg.topk = m->topk;
-    cfg.max_tokens_per_rank = T, cfg.tile_m = 128, cfg.ep = ep;
+    cfg.max_tokens_per_rank = T, cfg.tile_m = 128, cfg.ep = ep, cfg.tp = tp;
     comet_dims_t d;
-    if (comet_dims_from_config(&cfg, ep, 0, &d) != COMET_SUCCESS) {
+    if (comet_dims_from_config(&cfg, world, 0, &d) != COMET_SUCCESS) {
         fprintf(stderr, "%s: %s\n", m->name, comet_last_error());
         exit(1);
     }
@@ -157,14 +162,14 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     int32_t *idx[COMET_GEMM_MAX_PUSH];
     float *w[COMET_GEMM_MAX_PUSH];
     int64_t tok[COMET_GEMM_MAX_PUSH];
-    for (int s = 0; s < ep; s++) {
+    for (int s = 0; s < world; s++) {
         tok[s] = T;
         idx[s] = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K + 1));
         w[s] = (float *)malloc(sizeof(float) * (size_t)(T * K + 1));
     }
     comet_routing_opts_t ro = {br->skew, 0, 0x9e3779b97f4a7c15ull ^ (uint64_t)m->experts};
     comet_rng_t rng = {ro.seed};
-    if (comet_routing_draw(m->experts, K, ep, tok, idx, w, &ro, &rng) != COMET_SUCCESS) {
+    if (comet_routing_draw(m->experts, K, world, tok, idx, w, &ro, &rng) != COMET_SUCCESS) {
         fprintf(stderr, "%s: routing: %s\n", m->name, comet_last_error());
         exit(1);
     }
@@ -298,7 +303,7 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
     cudaFree(d_ws), cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
     cudaFree(oref), cudaFree(d_valid), cudaFree(d_bad);
-    for (int s = 0; s < ep; s++) free(idx[s]), free(w[s]);
+    for (int s = 0; s < world; s++) free(idx[s]), free(w[s]);
     free(ws), free(valid_rows), free(cnt);
 }
 
@@ -311,11 +316,13 @@ int main(int argc, char **argv) {
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const char *cv = getenv("GEMM_BENCH_CURVE"), *ev = getenv("GEMM_BENCH_EP"), *sv = getenv("GEMM_BENCH_SKEW");
+    const char *cv = getenv("GEMM_BENCH_CURVE"), *ev = getenv("GEMM_BENCH_EP"), *tv = getenv("GEMM_BENCH_TP"),
+               *sv = getenv("GEMM_BENCH_SKEW");
     const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
-    brouting_t br = {ev ? atoi(ev) : 1, sv ? atof(sv) : 0.0};
-    if (br.ep < 1 || br.ep > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1) {
-        fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP in 1..%d, GEMM_BENCH_SKEW >= 0\n", COMET_GEMM_MAX_PUSH);
+    brouting_t br = {ev ? atoi(ev) : 1, tv ? atoi(tv) : 1, sv ? atof(sv) : 0.0};
+    if (br.ep < 1 || br.tp < 1 || br.ep * br.tp > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1) {
+        fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP x GEMM_BENCH_TP in 1..%d, GEMM_BENCH_SKEW >= 0\n",
+                COMET_GEMM_MAX_PUSH);
         return 2;
     }
     cublasHandle_t cub;
@@ -333,8 +340,9 @@ int main(int argc, char **argv) {
     char date[64];
     time_t now = time(NULL);
     strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("\ncomet grouped GEMM, %s, %s, %lld tokens a rank x EP=%d ranks (rank 0's experts; the dense shapes EP=1), "
-           "TP=1, routing skew %g, median of %d\n", prop.name, date, (long long)T, br.ep, br.skew, NREP);
+    printf("\ncomet grouped GEMM, %s, %s, %lld tokens a rank x EP=%d x TP=%d ranks (rank 0's experts and ffn slice; "
+           "the dense shapes one rank), routing skew %g, median of %d\n", prop.name, date, (long long)T, br.ep, br.tp,
+           br.skew, NREP);
     printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
     printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
            "cuBLAS dense", "ours/loop  o-bad");
@@ -362,8 +370,8 @@ int main(int argc, char **argv) {
     snprintf(path, sizeof path, "%s/gemm_bench.json", out && *out ? out : ".");
     FILE *f = fopen(path, "w");
     if (f) {
-        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"skew\": %g, \"reps\": %d, ",
-                prop.name, date, (long long)T, br.ep, br.skew, NREP);
+        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"tp\": %d, \"skew\": %g, \"reps\": %d, ",
+                prop.name, date, (long long)T, br.ep, br.tp, br.skew, NREP);
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
