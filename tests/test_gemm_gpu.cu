@@ -9,9 +9,7 @@
  * and the block_ready timeout (in a forked child, which must trap and leave a
  * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
  * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
- * rows computed by one consumer warpgroup and the second consumer started 3
- * k-steps late (COMET_GEMM_HALF=1 COMET_GEMM_STAGGER=3, no clusters). Also the
- * device GELU against the exact one.
+ * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters). Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
  */
@@ -453,22 +451,19 @@ int main(void) {
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
     /* every case without clusters, as 2-CTA clusters sharing B tiles (the default), and with blocks
-     * of <= 64 rows on one consumer and the consumers 3 k-steps apart (the measurement knobs
-     * COMET_GEMM_HALF and COMET_GEMM_STAGGER, both without clusters); all read at prepare */
+     * of <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
     static const char *const pass[3] = {"without clusters (COMET_GEMM_CLUSTER=0)", "in 2-CTA clusters (the default)",
-                                        "with half blocks on one consumer and staggered consumers (COMET_GEMM_HALF=1, "
-                                        "COMET_GEMM_STAGGER=3, COMET_GEMM_CLUSTER=0)"};
+                                        "with half blocks on one consumer (COMET_GEMM_HALF=1, COMET_GEMM_CLUSTER=0)"};
     for (int cl = 0; cl < 3; cl++) {
         if (cl == 1) unsetenv("COMET_GEMM_CLUSTER");
         else setenv("COMET_GEMM_CLUSTER", "0", 1);
-        if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1), setenv("COMET_GEMM_STAGGER", "3", 1);
-        else unsetenv("COMET_GEMM_HALF"), unsetenv("COMET_GEMM_STAGGER");
+        if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
+        else unsetenv("COMET_GEMM_HALF");
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
     unsetenv("COMET_GEMM_HALF");
-    unsetenv("COMET_GEMM_STAGGER");
     unsetenv("COMET_GEMM_CLUSTER");
 
     /* shape checks (need no GPU, run here anyway) */

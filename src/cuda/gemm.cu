@@ -23,10 +23,6 @@
  * tokens, no clusters): GEMM1 +1-3%, Qwen2 and Phi-3.5 GEMM0 +0-3%,
  * DeepSeek's GEMM0 (K=7168) -3% (likely: 64 rows do not amortise the 32 KiB
  * B tile a k-step); DeepSeek's layer 1-3% slower, so off.
- * COMET_GEMM_STAGGER=s (read at prepare; a measurement knob, 0..3, default
- * 0; only without clusters): consumer 1 starts s k-steps behind consumer 0,
- * so their epilogues, during which neither issues wgmma today, fall at
- * different times.
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
@@ -97,7 +93,6 @@ typedef struct {
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
     int half;       /* blocks of <= 64 rows on consumer 0 alone (GM_HALF; COMET_GEMM_HALF=1) */
-    int stagger;    /* consumer 1 starts this many k-steps after consumer 0 (COMET_GEMM_STAGGER, 0..3) */
     int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
     const comet_plan_totals_t *totals;
@@ -128,7 +123,6 @@ struct comet_gemm {
                              * once (even); 0: no clusters */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
     int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
-    int stagger;     /* COMET_GEMM_STAGGER at prepare (a measurement knob, 0..3, default 0) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -143,7 +137,6 @@ __device__ __forceinline__ void gm_tma_store(const CUtensorMap *map, const void 
                  : "memory");
 }
 __device__ __forceinline__ void gm_named_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void gm_named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void gm_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void gm_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 #define GM_WGMMA_WAIT(n) asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory")
@@ -575,11 +568,6 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
 #pragma unroll
         for (int i = 0; i < 128; i++) d[i] = 0.f;
         int it = 0;
-        /* COMET_GEMM_STAGGER (without clusters: its check spilled the cluster GEMM1 at 224 registers):
-         * consumer 1 waits (named barrier 4) until consumer 0 has issued its first p.stagger k-steps, so
-         * from then on one consumer's epilogue falls while the other still has k-steps to issue (both
-         * keep consuming the same stages; the ring allows a lead of < GM_STAGES) */
-        if (!cl && p.stagger > 0 && c == 1) gm_named_bar(4, 256);
         for (;;) {
             gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
             const int tv = stage_tile[it % GM_STAGES];
@@ -605,7 +593,6 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
                     if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
                 }
-                if (!cl && c == 0 && it + 1 == p.stagger) gm_named_arrive(4, 256); /* once: it only grows */
             }
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
@@ -645,7 +632,6 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 }
             }
         }
-        if (!cl && c == 0 && it < p.stagger) gm_named_arrive(4, 256); /* fewer k-steps than the stagger */
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* stores done before smem goes */
         if (mode == GM_MODE_GEMM1 && p.push_on) __threadfence_system(); /* pushed rows, before the home is told */
     }
@@ -743,8 +729,6 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     g->num_sms = sms > 0 ? sms : 132;
     const char *half = getenv("COMET_GEMM_HALF");
     g->half = half && strcmp(half, "1") == 0;
-    const char *stg = getenv("COMET_GEMM_STAGGER");
-    g->stagger = stg && atoi(stg) > 0 && atoi(stg) < GM_STAGES ? atoi(stg) : 0;
     const char *grp = getenv("COMET_GEMM_GROUP");
     g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
     cudaError_t e = cudaSuccess;
@@ -861,7 +845,6 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
     p.half = g->half && !cl;
-    p.stagger = g->stagger;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;
     cudaLaunchConfig_t cfg;
