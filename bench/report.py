@@ -142,8 +142,9 @@ def main(paths):
         # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch),
         # "auto: ..." where the tuner picked it; comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
-              "roofline | comm hidden | net | check (wrong/checked) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "roofline | comm hidden | net | over GEMM-only | check (wrong/checked) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        within = []  # rows measured with --comm-hidden whose whole layer is within 5% of its GEMM-only side
         for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
@@ -154,8 +155,20 @@ def main(paths):
             # net of the steps every side keeps (the fourth side, rows since session 8; else "-")
             net = f"{100 * r['comm_hidden_net']:.0f}%" if r.get("comm_hidden_net", -1) != -1 else "-"
             roof = max(r["rate"] / GEMM_PEAK_TFLOPS, r.get("link_gbps", 0.0) / LINK_GBPS)
+            # the whole layer against the same kernel's GEMM-only side, both from the interleaved sides
+            # (sides_ms: gemm only, comm only, whole, neither; all 0 without --comm-hidden)
+            sides = r.get("sides_ms") or [0.0] * 4
+            over = f"{100 * (sides[2] / sides[0] - 1):+.1f}%" if sides[0] > 0 else "-"
+            if sides[0] > 0:
+                within.append((sides[2] <= 1.05 * sides[0], f"{r['model']} {r['M']} TP{r['tp']} EP{r['ep']}"
+                               + (f" skew {r['skew']}" if r.get("skew", 0) else "")))
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
-                  f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {net} | {r['wrong']}/{r['checked']} |")
+                  f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {net} | {over} | "
+                  f"{r['wrong']}/{r['checked']} |")
+        if within:
+            ok = sorted({name for good, name in within if good})
+            print(f"\nWithin 5% of GEMM-only (the target): {sum(g for g, _ in within)} of {len(within)} rows measured "
+                  f"with --comm-hidden" + (f": {', '.join(ok)}." if ok else "."))
         if reference:
             grids(comet_rows, reference)
     print()

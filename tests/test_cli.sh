@@ -69,15 +69,21 @@ expect tune-json 2 'are for bench and check' -- "$comet" tune --backend cpu --js
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
 [ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }
 rm -f "$tune_out"
-# bench/report.py: the roofline column (rate / 804, GB/s / 348: the larger) and comm hidden
-# (-1 = not measured, printed "-"; other values below 0 are measurements)
+# bench/report.py: the roofline column (rate / 804, GB/s / 348: the larger), comm hidden
+# (-1 = not measured, printed "-"; other values below 0 are measurements) and the whole layer
+# over its GEMM-only side (sides_ms [gemm only, comm only, whole, neither]; "-" without them)
 if command -v python3 >/dev/null; then
     rj=$(mktemp /tmp/comet-report-XXXXXX)
     row='{"baseline": "comet-cuda", "date": "2026-11-22T00:00:00Z", "commit": "t", "model": "m", "M": 16, "tp": 1, "ep": 2, "skew": 0, "ms": 2.0, "rate": 402.0, "link_gbps": 10.0, "wrong": 0, "checked": 8, "n_comm": 0'
     printf '%s, "comm_hidden": -0.0287, "comm_hidden_net": 0.5}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
     report="$(dirname "$0")/../bench/report.py"
-    expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| 0/8 \|' -- python3 "$report" "$rj"
-    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    rs=$(mktemp /tmp/comet-report-XXXXXX)
+    printf '%s, "comm_hidden": 0.5, "sides_ms": [2.0, 1.0, 2.08, 0.1]}\n%s, "M": 32, "comm_hidden": 0.5, "sides_ms": [2.0, 1.0, 2.2, 0.1]}\n' "$row" "$row" > "$rs"
+    expect report-over 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| 50% \| - \| \+4\.0% \| 0/8 \|' -- python3 "$report" "$rs"
+    expect report-within 0 'Within 5% of GEMM-only \(the target\): 1 of 2 rows measured with --comm-hidden: m 16 TP1 EP2\.' -- python3 "$report" "$rs"
+    rm -f "$rs"
     # and the grid against a reference table: 2.0 ms against 5.0 and 3.0 (M=16 and 32): 2.50x and 1.50x
     ref=$(mktemp /tmp/comet-ref-XXXXXX)
     printf '{"reference": "r", "rows": [{"model": "m", "M": 16, "tp": 1, "ep": 2, "ms": 5.0}, {"model": "m", "M": 32, "tp": 1, "ep": 2, "ms": 3.0}, {"model": "m", "M": 32, "tp": 2, "ep": 1, "ms": 3.0}]}' > "$ref"
