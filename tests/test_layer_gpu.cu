@@ -19,8 +19,11 @@
  * (COMET_DISPATCH_CE=1) too, and both with partials sent home
  * (COMET_PARTIALS=1) in place of rows; one layer
  * run 100 times in each mode,
- * launched directly and replayed from a captured CUDA graph, gives the same
- * bits every time. Ranks asking for different protocols get an error and
+ * replayed by the layer as its own graph (src/cuda/replay.c: every call) and
+ * inside the caller's captured CUDA graph, gives the same
+ * bits every time, and so 30 calls over 3 input sets (the tokens rotated:
+ * each call hands the layer new tensors), replayed and launched kernel by
+ * kernel (COMET_REPLAY=0). Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)". COMET_LAYER_TEST_WORLDS (a
@@ -222,10 +225,12 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 
 /* For each of sequential, overlapped and (W > 1) both with push, the
  * overlapped mode with push and the copy-engine dispatch, and the
- * overlapped mode with partials,
- * launched directly and replayed from a CUDA graph (captured on a fresh
- * layer's first forward): a layer created for the run, 100 forwards (output
- * poisoned before each), every output bitwise equal to the first direct one. */
+ * overlapped mode with partials, replayed by the layer from its own graph
+ * (one capture, then every call) and replayed from the caller's CUDA graph
+ * (captured on a fresh layer's first forward; the layer then launches its
+ * kernels into it): a layer created for the run, 100 forwards (output
+ * poisoned before each), every output bitwise equal to the first one. Then
+ * 30 calls over 3 rotated input sets, replayed and launched kernel by kernel. */
 static void repeat_case(int w) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     const comet_model_t *mod = comet_model_find("mixtral-8x7b");
@@ -271,8 +276,34 @@ static void repeat_case(int w) {
             }
             differ += memcmp(ref[s], p->y[s], bytes) != 0;
         }
-        CHECK(st == COMET_SUCCESS && differ == 0, "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ", w, names[kind],
-              graph ? " from a CUDA graph" : "", comet_status_string(st), run.message[0], differ);
+        /* launched by the layer as its own replayed graph (replay.c) every call, unless inside the
+         * caller's capture, where the caller's graph takes the launches */
+        const int64_t want_replays = graph ? 0 : run.repeats, want_captures = graph ? 0 : 1;
+        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
+              "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ, %lld replayed by the layer from %lld captures "
+              "(want %lld from %lld)", w, names[kind], graph ? " from a CUDA graph" : "", comet_status_string(st),
+              run.message[0], differ, (long long)run.replays, (long long)run.captures, (long long)want_replays,
+              (long long)want_captures);
+    }
+    /* the layer's replay handed each call's tensors: 3 input sets, each the tokens rotated by
+     * its index (the runner puts y back in token order), called in turn, in both modes; and
+     * the same launched kernel by kernel (COMET_REPLAY=0): all the same bits as the first run */
+    static const char *const no_replay[] = {"COMET_REPLAY", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
+    for (int v = 0; v < 4; v++) {
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1, run.input_sets = 3;
+        comet_problem_poison(p);
+        comet_status_t st = v >= 2 ? run_with_env(p, world, &run, no_replay) : run_with_push(p, world, &run);
+        int differ = 0;
+        for (int s = 0; s < w; s++)
+            differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
+        const int64_t want_replays = v >= 2 ? 0 : run.repeats, want_captures = v >= 2 ? 0 : 1;
+        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
+              "W=%d %s, 3 rotated input sets, %s, 30 forwards: %s: %s, %d outputs differ, %lld replayed from %lld "
+              "captures (want %lld from %lld)", w, v % 2 ? "overlapped" : "sequential",
+              v >= 2 ? "launched kernel by kernel" : "replayed", comet_status_string(st), run.message[0], differ,
+              (long long)run.replays, (long long)run.captures, (long long)want_replays, (long long)want_captures);
     }
     for (int s = 0; s < w; s++) free(ref[s]);
     comet_world_destroy(world);

@@ -306,6 +306,18 @@ static int has_mode(const char *modes, const char *word) {
     return 0;
 }
 
+/* Timed GPU runs rotate their inputs (benchmarks.md): enough sets of x,
+ * routing and y (each rank's tokens rotated, comet_run_t.input_sets) that
+ * one rank's sets add up to at least 128 MiB, over twice an H100/H200 L2,
+ * so no call finds its inputs in cache; 2 to COMET_MAX_INPUT_SETS. */
+static int input_sets_for(const comet_problem_t *p) {
+    int64_t most = 0;
+    for (int s = 0; s < p->world_size; s++) most = p->tokens[s] > most ? p->tokens[s] : most;
+    const double set_bytes = (double)most * (double)(4 * p->cfg.hidden + 8 * p->cfg.topk) + 1;
+    const double want = 128.0 * 1048576.0 / set_bytes + 1; /* rounded up (the cast truncates) */
+    return want < 2 ? 2 : want > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS : (int)want;
+}
+
 static int run(const char *cmd, int argc, char **argv) {
     int is_bench = strcmp(cmd, "bench") == 0;
     options_t o;
@@ -362,6 +374,7 @@ static int run(const char *cmd, int argc, char **argv) {
     r.n_comm = o.n_comm, r.chunk_cols = o.chunk_cols;
     r.repeats = is_bench ? o.warmup + o.iters : 1;
     r.graph = o.graph && use_cuda;
+    r.input_sets = is_bench && use_cuda && !r.graph ? input_sets_for(p) : 1;
     if (o.graph && !use_cuda && speaks()) fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
@@ -495,6 +508,13 @@ static int run(const char *cmd, int argc, char **argv) {
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
+    if (use_cuda && is_bench)
+        printf("inputs: %d sets of x, routing and y a rank, rotated call by call%s\n", r.input_sets,
+               r.graph ? " (--graph: the captured forward's one set)" : "");
+    if (use_cuda) /* src/cuda/replay.c: the forward chain captured once, then one graph launch a call */
+        printf("forwards replayed as one CUDA graph on rank 0: %lld, from %lld capture%s%s\n", (long long)r.replays,
+               (long long)r.captures, r.captures == 1 ? "" : "s",
+               has_mode(r.modes, "replay") ? "" : " (COMET_REPLAY=0: each forward launched kernel by kernel)");
     /* the SIMT GEMM fallback ignores args.disable: every side ran whole there */
     const int sides_differ = !(use_cuda && has_mode(r.modes, "simt"));
     /* benchmarks.md's figure; and net of the steps every side keeps (staging,
@@ -531,11 +551,12 @@ static int run(const char *cmd, int argc, char **argv) {
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
                 "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
-                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]}\n",
+                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]}\n",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
-                ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, side_ms[0], side_ms[1], side_ms[2], side_ms[3]);
+                ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
+                side_ms[2], side_ms[3]);
         fclose(f);
     }
     comet_problem_destroy(p);
@@ -605,6 +626,7 @@ static int tune(int argc, char **argv) {
         for (int c = 0; c < (seq ? 1 : n_chunks); c++) {
             memset(&r, 0, sizeof r);
             r.n_comm = n_comm, r.chunk_cols = chunks[c], r.repeats = warmup + iters;
+            r.input_sets = use_cuda ? input_sets_for(p) : 1;
             comet_status_t st = comet_problem_run(p, w, &r, warmup);
             if (st != COMET_SUCCESS) {
                 fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());

@@ -29,6 +29,11 @@ int comet_cuda_layer_last_n_comm(const comet_layer_t *l) {
     (void)l;
     return 0;
 }
+int64_t comet_cuda_layer_replays(const comet_layer_t *l, int64_t *captures) {
+    (void)l;
+    if (captures) *captures = 0;
+    return 0;
+}
 comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
     (void)t;
     return comet_cuda_layer_forward(l, NULL);

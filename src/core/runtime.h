@@ -70,6 +70,9 @@ void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
  * overlapped mode, as the tuner or args chose it and capped) or 0 (the
  * sequential chain). */
 int comet_cuda_layer_last_n_comm(const comet_layer_t *layer);
+/* Forwards of the layer replayed as one CUDA graph (src/cuda/replay.c) since
+ * create, and (if captures is not NULL) the chains captured for them. */
+int64_t comet_cuda_layer_replays(const comet_layer_t *layer, int64_t *captures);
 
 /* CPU backend (src/cpu/engine.c). */
 comet_status_t comet_cpu_layer_create(comet_layer_t *layer);

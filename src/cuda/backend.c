@@ -25,6 +25,7 @@
 #include "plan_kernel.h"
 #include "cuda_layer.h"
 #include "gemm.h"
+#include "replay.h"
 #include "../trace/trace.h"
 #include "../tuner/tuner.h"
 
@@ -57,6 +58,8 @@ typedef struct {
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     const void *gemm_w1, *gemm_w2;
     int last_n_comm;       /* the protocol of the last forward launched: n_comm > 0 overlapped, 0 sequential */
+    comet_cuda_replay_t *replay; /* the chain as a replayed graph (replay.c), or NULL: COMET_REPLAY=0 at create */
+    int64_t replays;       /* forwards replayed */
 } cuda_layer_t;
 
 static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
@@ -226,6 +229,7 @@ static void free_all(cuda_layer_t *L) {
     if (!L) return;
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
+    comet_cuda_replay_destroy(L->replay);
     for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
@@ -382,6 +386,12 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_ce, cudaEventDisableTiming));
     c->stream2 = L->stream2, c->ev_gemm0 = L->ev_gemm0, c->ev_comm = L->ev_comm;
     c->ev_plan = L->ev_plan, c->ev_ce = L->ev_ce;
+    const char *replay_env = getenv("COMET_REPLAY"); /* replay.c; "0": every forward launches its kernels */
+    if (!(replay_env && strcmp(replay_env, "0") == 0)) {
+        cudaError_t e = cudaSuccess;
+        L->replay = comet_cuda_replay_create(&e);
+        if (!L->replay) return cuda_fail(rank, e, "the replay cache's capture stream");
+    }
     if (L->ce) { /* every peer's whole stage, one region per stage 1..W-1 */
         const size_t ce_bytes = (size_t)(w - 1) * (size_t)d->max_tokens * (size_t)d->hidden * 2;
         cudaError_t e = cudaMalloc(&L->ce_stage, ce_bytes);
@@ -439,8 +449,8 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->use_hopper_gemm ? "" : "simt,");
+    snprintf(buf, len, "%s%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
+             L->use_hopper_gemm ? "" : "simt,", L->replay ? "replay," : "");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }
@@ -491,7 +501,8 @@ void comet_cuda_layer_destroy(comet_layer_t *l) {
 
 comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     cuda_layer_t *L = l->backend_state;
-    comet_cuda_ctx_t c = L->ctx;
+    comet_cuda_ctx_t c;
+    memcpy(&c, &L->ctx, sizeof c); /* padding too: replay.c compares contexts bytewise */
     int64_t t = 0;
     comet_status_t own = comet_check_forward_args(&l->dims, args, 0, &t);
     char msg[1024];
@@ -546,9 +557,13 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         CUDA_TRY(l->rank, cudaMemsetAsync(L->tr_counts, 0, COMET_CUDA_TRACE_LANES * sizeof(uint32_t),
                                           (cudaStream_t)stream));
     }
-    int e = comet_cuda_forward_launch(&c, stream);
+    /* replayed as a graph where replay.c can (tracing keeps the direct launches: its marks are kernels too) */
+    int replayed = 0;
+    int e = L->replay && own == COMET_SUCCESS && c.gemm && !L->trace
+                ? comet_cuda_replay_launch(L->replay, &c, (cudaStream_t)stream, &replayed)
+                : comet_cuda_forward_launch(&c, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
-    L->last_stream = stream, L->last_n_comm = c.n_comm;
+    L->last_stream = stream, L->last_n_comm = c.n_comm, L->replays += replayed;
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
     return COMET_SUCCESS;
 }
@@ -556,6 +571,12 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
 int comet_cuda_layer_last_n_comm(const comet_layer_t *l) {
     const cuda_layer_t *L = l->backend_state;
     return L->last_n_comm;
+}
+
+int64_t comet_cuda_layer_replays(const comet_layer_t *l, int64_t *captures) {
+    const cuda_layer_t *L = l->backend_state;
+    if (captures) *captures = comet_cuda_replay_captures(L->replay);
+    return L->replays;
 }
 
 void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {

@@ -22,6 +22,7 @@
 #include "gemm.h"
 #include "plan_kernel.h"
 #include "vec8.h"
+#include "replay.h"
 #include "../trace/trace.h"
 #include "comet.h"
 
@@ -1136,21 +1137,30 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
  * Host side
  * ------------------------------------------------------------------------- */
 
+/* The layer's kernels whose one parameter is the call's context (all but k_mark). */
+static const void *const ctx_kernels[] = {
+    (const void *)k_enter,         (const void *)k_stage,      (const void *)k_plan,
+    (const void *)k_gather_routing, (const void *)k_dispatch,   (const void *)k_gemm0,
+    (const void *)k_gemm1,         (const void *)k_send_partials, (const void *)k_final,
+    (const void *)k_final_flat,    (const void *)k_exit,       (const void *)k_dispatch_ov,
+    (const void *)k_combine_ov};
+
+extern "C" int comet_cuda_ctx_kernel(const void *func) {
+    for (size_t i = 0; i < sizeof ctx_kernels / sizeof ctx_kernels[0]; i++)
+        if (func == ctx_kernels[i]) return 1;
+    return 0;
+}
+
 /* Load every kernel of the layer now: with lazy module loading, a kernel
  * loaded for the first time while another spins on a flag can deadlock. */
 extern "C" int comet_cuda_layer_warm(void) {
-    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_plan,
-                         (const void *)k_gather_routing,
-                         (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_send_partials, (const void *)k_final,
-                         (const void *)k_final_flat, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_combine_ov,
-                         (const void *)k_mark};
-    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
-        cudaFuncAttributes a;
-        cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
+    cudaFuncAttributes a;
+    for (size_t i = 0; i < sizeof ctx_kernels / sizeof ctx_kernels[0]; i++) {
+        cudaError_t e = cudaFuncGetAttributes(&a, ctx_kernels[i]);
         if (e != cudaSuccess) return (int)e;
     }
+    cudaError_t e = cudaFuncGetAttributes(&a, (const void *)k_mark);
+    if (e != cudaSuccess) return (int)e;
     return comet_gemm_warm();
 }
 

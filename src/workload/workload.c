@@ -474,16 +474,45 @@ static comet_status_t full_forward_first(comet_layer_t *layer, comet_forward_arg
 }
 
 #ifdef COMET_WITH_CUDA
-/* The same on a GPU: inputs copied to the rank's device, y poisoned there, each
- * call timed with events, the status of each call taken from
- * comet_layer_sync, y copied back into p->y. */
+/* dst rows [0, n) <- src rows k, k+1, ..., n-1, 0, ..., k-1 (rows of rb
+ * bytes, 0 <= k < n; cudaMemcpy of kind). */
+static cudaError_t copy_rotated(void *dst, const void *src, int64_t n, int64_t k, size_t rb, enum cudaMemcpyKind kind) {
+    const size_t head = (size_t)(n - k) * rb, tail = (size_t)k * rb;
+    cudaError_t e = head ? cudaMemcpy(dst, (const char *)src + tail, head, kind) : cudaSuccess;
+    if (e == cudaSuccess && tail) e = cudaMemcpy((char *)dst + head, src, tail, kind);
+    return e;
+}
+
+/* One of a rank's input sets on the device (comet_run_t.input_sets): x,
+ * topk_idx, topk_w and y, the tokens rotated by `shift` (row t holds token
+ * (t + shift) % T), so each set's output holds the same rows in another
+ * order. */
+typedef struct {
+    void *x, *idx, *w, *y;
+    int64_t shift;
+} input_set_t;
+
+/* This rank's y of set `in`, its rows put back in token order, into p->y[r]. */
+static cudaError_t y_back(comet_problem_t *p, int r, const input_set_t *in) {
+    const int64_t t = p->tokens[r];
+    return copy_rotated(p->y[r], in->y, t, t ? (t - in->shift) % t : 0, (size_t)p->cfg.hidden * 2,
+                        cudaMemcpyDeviceToHost);
+}
+
+/* The same on a GPU: inputs copied to the rank's device (input_sets of
+ * them, rotated; one with graph), y poisoned there, each call timed with
+ * events on the next set, the status of each call taken from
+ * comet_layer_sync, y copied back into p->y in token order. */
 static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_forward_args_t *a) {
     comet_problem_t *p = job->p;
     const int r = job->rank;
-    const int64_t t = p->tokens[r], hd = p->cfg.hidden;
-    comet_tensor_t *ts[6] = {&a->x, &a->topk_idx, &a->topk_w, &a->w1, &a->w2, &a->y};
-    const size_t elem[6] = {2, 4, 4, 2, 2, 2};
-    void *dev[6] = {0};
+    const int64_t t = p->tokens[r], hd = p->cfg.hidden, k = p->cfg.topk;
+    const int nsets = job->run->graph || job->run->input_sets < 1 ? 1
+                      : job->run->input_sets > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS
+                                                                    : job->run->input_sets;
+    input_set_t sets[COMET_MAX_INPUT_SETS];
+    memset(sets, 0, sizeof sets);
+    void *w1 = NULL, *w2 = NULL;
     cudaStream_t stream = NULL;
     cudaEvent_t e0 = NULL, e1 = NULL;
     comet_status_t st = COMET_SUCCESS;
@@ -491,14 +520,28 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     if (e == cudaSuccess) e = cudaStreamCreate(&stream);
     if (e == cudaSuccess) e = cudaEventCreate(&e0);
     if (e == cudaSuccess) e = cudaEventCreate(&e1);
-    for (int i = 0; i < 6 && e == cudaSuccess; i++) {
-        size_t n = elem[i];
-        for (int dim = 0; dim < ts[i]->ndim; dim++) n *= (size_t)ts[i]->shape[dim];
-        e = cudaMalloc(&dev[i], n ? n : 1);
-        if (e == cudaSuccess && i < 5) e = cudaMemcpy(dev[i], ts[i]->data, n, cudaMemcpyHostToDevice);
-        if (e == cudaSuccess && i == 5) e = cudaMemset(dev[i], 0xff, n);
-        ts[i]->data = dev[i];
+    size_t w1_bytes = 2, w2_bytes = 2; /* bf16 elements of every dimension */
+    for (int dim = 0; dim < a->w1.ndim; dim++) w1_bytes *= (size_t)a->w1.shape[dim];
+    for (int dim = 0; dim < a->w2.ndim; dim++) w2_bytes *= (size_t)a->w2.shape[dim];
+    if (e == cudaSuccess) e = cudaMalloc(&w1, w1_bytes ? w1_bytes : 1);
+    if (e == cudaSuccess) e = cudaMemcpy(w1, a->w1.data, w1_bytes, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaMalloc(&w2, w2_bytes ? w2_bytes : 1);
+    if (e == cudaSuccess) e = cudaMemcpy(w2, a->w2.data, w2_bytes, cudaMemcpyHostToDevice);
+    for (int s = 0; s < nsets && e == cudaSuccess; s++) {
+        input_set_t *in = &sets[s];
+        in->shift = t ? s % t : 0;
+        const size_t xb = (size_t)(t * hd) * 2, rb = (size_t)k * 4;
+        if (e == cudaSuccess) e = cudaMalloc(&in->x, xb ? xb : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->idx, (size_t)t * rb + 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->w, (size_t)t * rb + 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->y, xb ? xb : 1);
+        if (e == cudaSuccess) e = copy_rotated(in->x, a->x.data, t, in->shift, (size_t)hd * 2, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = copy_rotated(in->idx, a->topk_idx.data, t, in->shift, rb, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = copy_rotated(in->w, a->topk_w.data, t, in->shift, rb, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaMemset(in->y, 0xff, xb);
     }
+    a->w1.data = w1, a->w2.data = w2;
+    a->x.data = sets[0].x, a->topk_idx.data = sets[0].idx, a->topk_w.data = sets[0].w, a->y.data = sets[0].y;
     a->stream = stream;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
@@ -519,11 +562,15 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
      * before calls that leave a side out, then y poisoned again (those calls leave it) */
     if (e == cudaSuccess && st == COMET_SUCCESS && (job->run->disable || job->run->interleave)) {
         st = full_forward_first(layer, a);
-        if (st == COMET_SUCCESS) e = cudaMemset(dev[5], 0xff, (size_t)(t * hd) * 2);
+        for (int s = 0; s < nsets && st == COMET_SUCCESS && e == cudaSuccess; s++)
+            e = cudaMemset(sets[s].y, 0xff, (size_t)(t * hd) * 2);
     }
     uint16_t *first = NULL;
+    const input_set_t *last = &sets[0];
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
-        if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(dev[5], 0xff, (size_t)(t * hd) * 2, stream);
+        const input_set_t *in = last = &sets[i % nsets];
+        a->x.data = in->x, a->topk_idx.data = in->idx, a->topk_w.data = in->w, a->y.data = in->y;
+        if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(in->y, 0xff, (size_t)(t * hd) * 2, stream);
         if (e != cudaSuccess) break;
         if (job->run->interleave) a->disable = interleave_side(i);
         cudaEventRecord(e0, stream);
@@ -537,15 +584,16 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         cudaEventElapsedTime(&ms, e0, e1);
         job->ms[i] = ms;
         if (job->run->compare_repeats && st == COMET_SUCCESS && e == cudaSuccess) {
-            e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
+            e = y_back(p, r, in);
             compare_call(job, i, p->y[r], &first);
         }
     }
     free(first);
-    if (e == cudaSuccess) e = cudaMemcpy(p->y[r], dev[5], (size_t)(t * hd) * 2, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = y_back(p, r, last);
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
-    for (int i = 0; i < 6; i++) cudaFree(dev[i]);
+    for (int s = 0; s < nsets; s++) cudaFree(sets[s].x), cudaFree(sets[s].idx), cudaFree(sets[s].w), cudaFree(sets[s].y);
+    cudaFree(w1), cudaFree(w2);
     if (e0) cudaEventDestroy(e0);
     if (e1) cudaEventDestroy(e1);
     if (stream) cudaStreamDestroy(stream);
@@ -604,7 +652,7 @@ static void *rank_main(void *arg) {
 #endif
     if (layer && run->trace) comet_layer_set_trace(layer, NULL);
     if (layer && job->rank == 0 && comet_world_backend(job->world) == COMET_BACKEND_CUDA)
-        run->n_comm_ran = comet_cuda_layer_last_n_comm(layer);
+        run->n_comm_ran = comet_cuda_layer_last_n_comm(layer), run->replays = comet_cuda_layer_replays(layer, &run->captures);
     comet_layer_destroy(layer);
     return NULL;
 }

@@ -107,6 +107,7 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
 int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials);
 
 /* ---- running every rank -------------------------------------------------- */
+#define COMET_MAX_INPUT_SETS 16
 typedef struct {
     int n_comm, chunk_cols; /* when not 0, override every rank's args */
     int n_comm_of_rank[64]; /* when not 0, override that rank's n_comm (tests of disagreeing ranks) */
@@ -119,6 +120,10 @@ typedef struct {
     int repeats_differ[64]; /* out, per rank: calls whose y differed from the first call's */
     int graph;              /* CUDA: capture one forward in a CUDA graph and replay it for every call
                              * (every rank in this process; the ranks agree the capture worked) */
+    int input_sets;         /* CUDA, without graph: call i reads x, topk_idx, topk_w and writes y of
+                             * set i % input_sets (<= COMET_MAX_INPUT_SETS; 0 or 1: one set), each its
+                             * own device buffers holding the rank's tokens rotated by the set's index,
+                             * so caches start cold and every call passes the layer new tensors */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
@@ -132,6 +137,8 @@ typedef struct {
     comet_memory_t memory;  /* what rank 0's layer holds */
     int n_comm_ran;         /* out, CUDA: the protocol rank 0's last forward ran (n_comm > 0 overlapped,
                              * 0 the sequential chain; comet_cuda_layer_last_n_comm), else 0 */
+    int64_t replays;        /* out, CUDA: rank 0's forwards replayed as one graph (comet_cuda_layer_replays) */
+    int64_t captures;       /* out, CUDA: the chains rank 0's layer captured for them (one per protocol) */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
                              * "ce", and "simt" where the SIMT GEMM fallback runs, which ignores
                              * disable; comma-separated; comet_cuda_layer_modes), else "" */
