@@ -286,24 +286,35 @@ static void repeat_case(int w) {
               (long long)want_captures);
     }
     /* the layer's replay handed each call's tensors: 3 input sets, each the tokens rotated by
-     * its index (the runner puts y back in token order), called in turn, in both modes; and
-     * the same launched kernel by kernel (COMET_REPLAY=0): all the same bits as the first run */
-    static const char *const no_replay[] = {"COMET_REPLAY", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
-    for (int v = 0; v < 4; v++) {
+     * its index (the runner puts y back in token order), called in turn, in both modes with
+     * push; the same launched kernel by kernel (COMET_REPLAY=0); and (W > 1) replayed with the
+     * pull combine and with partials (k_combine_ov and k_final write y there, not k_final_flat):
+     * all the same bits as the first run */
+    static const char *const rot_env[5][7] = {
+        {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
+        {"COMET_REPLAY", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
+        {"COMET_PUSH", "0", "COMET_PARTIALS", "0", NULL},
+        {"COMET_PARTIALS", "1", NULL},
+        {"COMET_PARTIALS", "1", NULL}};
+    static const char *const rot_name[5] = {"with push", "with push, launched kernel by kernel",
+                                            "with the pull combine", "with partials", "with partials"};
+    for (int v = 0; v < (w > 1 ? 7 : 4); v++) {
+        const int env = v < 4 ? v / 2 : v - 2; /* v 4: pull, overlapped; 5, 6: partials, sequential and overlapped */
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = v % 2 ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1, run.input_sets = 3;
+        run.n_comm = (v < 4 ? v % 2 : v != 5) ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1;
+        run.input_sets = 3;
         comet_problem_poison(p);
-        comet_status_t st = v >= 2 ? run_with_env(p, world, &run, no_replay) : run_with_push(p, world, &run);
+        comet_status_t st = run_with_env(p, world, &run, rot_env[env]);
         int differ = 0;
         for (int s = 0; s < w; s++)
             differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
-        const int64_t want_replays = v >= 2 ? 0 : run.repeats, want_captures = v >= 2 ? 0 : 1;
+        const int64_t want_replays = env == 1 ? 0 : run.repeats, want_captures = env == 1 ? 0 : 1;
         CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
-              "W=%d %s, 3 rotated input sets, %s, 30 forwards: %s: %s, %d outputs differ, %lld replayed from %lld "
-              "captures (want %lld from %lld)", w, v % 2 ? "overlapped" : "sequential",
-              v >= 2 ? "launched kernel by kernel" : "replayed", comet_status_string(st), run.message[0], differ,
-              (long long)run.replays, (long long)run.captures, (long long)want_replays, (long long)want_captures);
+              "W=%d %s %s, 3 rotated input sets, 30 forwards: %s: %s, %d outputs differ, %lld replayed from %lld "
+              "captures (want %lld from %lld)", w, run.n_comm > 0 ? "overlapped" : "sequential", rot_name[env],
+              comet_status_string(st), run.message[0], differ, (long long)run.replays, (long long)run.captures,
+              (long long)want_replays, (long long)want_captures);
     }
     for (int s = 0; s < w; s++) free(ref[s]);
     comet_world_destroy(world);

@@ -450,7 +450,7 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
     const cuda_layer_t *L = l->backend_state;
     snprintf(buf, len, "%s%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->use_hopper_gemm ? "" : "simt,", L->replay ? "replay," : "");
+             L->use_hopper_gemm ? "" : "simt,", L->replay && L->use_hopper_gemm ? "replay," : "");
     const size_t n = strlen(buf);
     if (n) buf[n - 1] = 0; /* the last comma */
 }
@@ -507,12 +507,14 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     comet_status_t own = comet_check_forward_args(&l->dims, args, 0, &t);
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", comet_last_error());
-    c.host_status = (uint32_t)own;
+    comet_cuda_call_t call;
+    memset(&call, 0, sizeof call);
+    call.host_status = (uint32_t)own;
     void *stream = NULL;
     if (own == COMET_SUCCESS) {
-        c.x = args->x.data, c.topk_idx = args->topk_idx.data, c.topk_w = args->topk_w.data;
-        c.w1 = args->w1.data, c.w2 = args->w2.data, c.y = args->y.data;
-        c.num_tokens = t;
+        call.x = args->x.data, call.topk_idx = args->topk_idx.data, call.topk_w = args->topk_w.data;
+        call.y = args->y.data, call.num_tokens = t;
+        c.w1 = args->w1.data, c.w2 = args->w2.data;
         stream = args->stream;
     } else if (args && args->struct_size == sizeof(comet_forward_args_t)) {
         stream = args->stream;
@@ -560,8 +562,8 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     /* replayed as a graph where replay.c can (tracing keeps the direct launches: its marks are kernels too) */
     int replayed = 0;
     int e = L->replay && own == COMET_SUCCESS && c.gemm && !L->trace
-                ? comet_cuda_replay_launch(L->replay, &c, (cudaStream_t)stream, &replayed)
-                : comet_cuda_forward_launch(&c, stream);
+                ? comet_cuda_replay_launch(L->replay, &c, &call, (cudaStream_t)stream, &replayed)
+                : comet_cuda_forward_launch(&c, &call, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
     L->last_stream = stream, L->last_n_comm = c.n_comm, L->replays += replayed;
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);

@@ -106,8 +106,22 @@ typedef struct {
     size_t flags, x, topk_idx, topk_w, plan, o, recv, part, total; /* byte offsets, total size */
 } comet_sym_layout_t;
 
+/* One call's tensors (comet_layer_forward's arguments). They reach the
+ * device through k_enter's parameters alone, which stores them in the
+ * layer's state (comet_cuda_state_t.call) for the kernels after it: so a
+ * replayed chain (replay.c) changes one node's parameters a call. */
+typedef struct {
+    const comet_bf16_t *x;   /* (T, H) */
+    const int32_t *topk_idx; /* (T, topk) */
+    const float *topk_w;     /* (T, topk) */
+    comet_bf16_t *y;         /* (T, H) */
+    int64_t num_tokens;
+    uint32_t host_status;    /* comet_status_t of the host-side checks of this call */
+} comet_cuda_call_t;
+
 /* Private device state of one rank's layer. */
 typedef struct {
+    comet_cuda_call_t call;   /* this call's tensors (k_enter) */
     uint64_t epoch;           /* current epoch */
     uint32_t own_status;      /* routing check of this call (atomicMax of status codes) */
     uint32_t skip;            /* 1: some rank's input is invalid this epoch: write nothing */
@@ -132,15 +146,9 @@ typedef struct {
     comet_bf16_t *a;               /* (max_rows_padded, H) gathered token rows */
     comet_bf16_t *h;               /* (max_rows_padded, F_local) activations */
     comet_bf16_t *o;               /* in sym (lay.o): (max_rows_padded, H) expert outputs */
-    /* this call */
-    const comet_bf16_t *x;         /* (T, H) */
-    const int32_t *topk_idx;       /* (T, topk) */
-    const float *topk_w;           /* (T, topk) */
+    /* this call's protocol and weights (its tensors: comet_cuda_call_t) */
     const comet_bf16_t *w1;        /* (E_local, w1_rows, H) */
     const comet_bf16_t *w2;        /* (E_local, H, F_local) */
-    comet_bf16_t *y;               /* (T, H) */
-    int64_t num_tokens;
-    uint32_t host_status;          /* comet_status_t of the host-side checks of this call */
     uint64_t timeout_ns;
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
@@ -192,11 +200,15 @@ typedef struct {
 } comet_cuda_ctx_t;
 
 
-/* Enqueue one whole forward (every step above) on stream. Returns the CUDA
- * launch status as an int (cudaError_t). With host_status != 0 (this rank's
- * arguments failed the host checks) only the protocol steps run: the failure
- * is published, every rank skips its data steps and writes nothing. */
-int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream);
+/* Enqueue one whole forward (every step above) of the call's tensors on
+ * stream. Returns the CUDA launch status as an int (cudaError_t). With
+ * call->host_status != 0 (this rank's arguments failed the host checks)
+ * only the protocol steps run: the failure is published, every rank skips
+ * its data steps and writes nothing. */
+int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream);
+/* k_enter, the chain's first kernel and the only one that takes the call's
+ * tensors (its parameters: the context, then the call). */
+const void *comet_cuda_enter_kernel(void);
 /* Load every kernel of the layer (and the GEMM) on the current device. */
 int comet_cuda_layer_warm(void);
 

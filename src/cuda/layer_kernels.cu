@@ -157,8 +157,11 @@ __device__ static void copy_wide(void *dst, const void *src, size_t n, size_t ti
  * enter / stage / publish / plan
  * ------------------------------------------------------------------------- */
 
-__global__ void k_enter(comet_cuda_ctx_t c) {
+/* The call's tensors into the state (every kernel after this one reads them
+ * there), the next epoch, and wait until every rank is done with the last. */
+__global__ void k_enter(comet_cuda_ctx_t c, comet_cuda_call_t call) {
     comet_cuda_state_t *s = c.state;
+    s->call = call;
     uint64_t e = s->epoch + 1;
     s->epoch = e;
     s->own_status = 0;
@@ -170,17 +173,18 @@ __global__ void k_enter(comet_cuda_ctx_t c) {
 }
 
 __global__ void k_stage(comet_cuda_ctx_t c) {
-    if (c.host_status) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(&c.state->own_status, c.host_status);
+    const comet_cuda_call_t a = c.state->call;
+    if (a.host_status) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(&c.state->own_status, a.host_status);
         return;
     }
     const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
-    const int64_t t = c.num_tokens, k = c.d.topk;
-    copy_wide(c.sym + c.lay.x, c.x, (size_t)(t * c.d.hidden) * 2, tid, nth);
-    copy_wide(c.sym + c.lay.topk_idx, c.topk_idx, (size_t)(t * k) * 4, tid, nth);
-    copy_wide(c.sym + c.lay.topk_w, c.topk_w, (size_t)(t * k) * 4, tid, nth);
+    const int64_t t = a.num_tokens, k = c.d.topk;
+    copy_wide(c.sym + c.lay.x, a.x, (size_t)(t * c.d.hidden) * 2, tid, nth);
+    copy_wide(c.sym + c.lay.topk_idx, a.topk_idx, (size_t)(t * k) * 4, tid, nth);
+    copy_wide(c.sym + c.lay.topk_w, a.topk_w, (size_t)(t * k) * 4, tid, nth);
     for (size_t i = tid; i < (size_t)t; i += nth) { /* the routing check of include/comet.h */
-        const int32_t *row = c.topk_idx + i * k;
+        const int32_t *row = a.topk_idx + i * k;
         int bad = 0;
         for (int64_t j = 0; j < k; j++) {
             bad |= row[j] < 0 || row[j] >= c.d.num_experts;
@@ -200,7 +204,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     const uint64_t mode = comet_cuda_mode(&c);
     comet_sym_flags_t *own = flags_of(&c, c.d.rank);
     own->status = s->own_status;
-    own->token_count = (uint64_t)c.num_tokens;
+    own->token_count = (uint64_t)s->call.num_tokens;
     own->mode = mode;
     __threadfence_system();
     st_release_sys(&own->entry, e);
@@ -718,16 +722,25 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
     }
 }
 
+/* The call's y (k_enter stored it in the state), loaded at every use (an L1
+ * hit): a pointer held across the combine's loops spilled k_combine_ov. */
+__device__ static inline uintptr_t call_y(const comet_cuda_ctx_t *c) {
+    uintptr_t y;
+    asm volatile("ld.global.u64 %0, [%1];" : "=l"(y) : "l"(&c->state->call.y));
+    return y;
+}
+
 /* A lane's sums (its 8 columns of each of COL_GROUPS 256-column groups
  * from g0, those below c1) into token t's y as bf16. */
 __device__ static inline void store_y(const comet_cuda_ctx_t *c, int64_t t, int64_t g0, int64_t c1, const float *acc,
                                       int vec_out) {
     const int lane = threadIdx.x % 32;
+    comet_bf16_t *y = (comet_bf16_t *)call_y(c);
 #pragma unroll
     for (int gi = 0; gi < COL_GROUPS; gi++) {
         const int64_t col = g0 + gi * 256 + lane * 8;
         const int cn = cols_below(col, c1);
-        if (cn) st8_bf16(c->y + t * c->d.hidden + col, acc + gi * 8, cn, vec_out && cn == 8);
+        if (cn) st8_bf16(y + t * c->d.hidden + col, acc + gi * 8, cn, vec_out && cn == 8);
     }
 }
 
@@ -827,9 +840,13 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
  * is waited on where it was issued. */
 __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p,
                                                     const combine_src_t *src, int64_t c0, int64_t c1, const int flat) {
-    const int64_t hd = c->d.hidden, n = c->num_tokens, s = (int64_t)gridDim.x * (blockDim.x / 32);
+    const int64_t hd = c->d.hidden, s = (int64_t)gridDim.x * (blockDim.x / 32);
+    /* the call's token count and y: loaded where used (L1 hits), not held across the loops (held,
+     * they spilled k_combine_ov) */
+    int64_t n;
+    asm volatile("ld.global.u64 %0, [%1];" : "=l"(n) : "l"(&c->state->call.num_tokens));
     const int tp = c->d.tp;
-    const int vec_out = hd % 8 == 0 && ((uintptr_t)c->y % 16) == 0;
+    const int vec_out = hd % 8 == 0 && (call_y(c) % 16) == 0;
     int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     combine_lane_t x0 = combine_lane_local(c, p, src, t, t < n), x1 = combine_lane_local(c, p, src, t + s, t + s < n);
     combine_lane_row(c, src, t < n, &x0);
@@ -1137,30 +1154,23 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
  * Host side
  * ------------------------------------------------------------------------- */
 
-/* The layer's kernels whose one parameter is the call's context (all but k_mark). */
-static const void *const ctx_kernels[] = {
-    (const void *)k_enter,         (const void *)k_stage,      (const void *)k_plan,
-    (const void *)k_gather_routing, (const void *)k_dispatch,   (const void *)k_gemm0,
-    (const void *)k_gemm1,         (const void *)k_send_partials, (const void *)k_final,
-    (const void *)k_final_flat,    (const void *)k_exit,       (const void *)k_dispatch_ov,
-    (const void *)k_combine_ov};
-
-extern "C" int comet_cuda_ctx_kernel(const void *func) {
-    for (size_t i = 0; i < sizeof ctx_kernels / sizeof ctx_kernels[0]; i++)
-        if (func == ctx_kernels[i]) return 1;
-    return 0;
-}
+extern "C" const void *comet_cuda_enter_kernel(void) { return (const void *)k_enter; }
 
 /* Load every kernel of the layer now: with lazy module loading, a kernel
  * loaded for the first time while another spins on a flag can deadlock. */
 extern "C" int comet_cuda_layer_warm(void) {
-    cudaFuncAttributes a;
-    for (size_t i = 0; i < sizeof ctx_kernels / sizeof ctx_kernels[0]; i++) {
-        cudaError_t e = cudaFuncGetAttributes(&a, ctx_kernels[i]);
+    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_plan,
+                         (const void *)k_gather_routing,
+                         (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
+                         (const void *)k_send_partials, (const void *)k_final,
+                         (const void *)k_final_flat, (const void *)k_exit,
+                         (const void *)k_dispatch_ov, (const void *)k_combine_ov,
+                         (const void *)k_mark};
+    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
+        cudaFuncAttributes a;
+        cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
         if (e != cudaSuccess) return (int)e;
     }
-    cudaError_t e = cudaFuncGetAttributes(&a, (const void *)k_mark);
-    if (e != cudaSuccess) return (int)e;
     return comet_gemm_warm();
 }
 
@@ -1201,11 +1211,11 @@ static int ce_copies(const comet_cuda_ctx_t *c, cudaStream_t stream) {
 /* Everything after the copy-engine fork (if any) up to k_exit. */
 static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
 
-extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, void *stream_ptr) {
+extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
     const comet_cuda_ctx_t c = *ctx;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
-    k_enter<<<1, 1, 0, stream>>>(c);
+    k_enter<<<1, 1, 0, stream>>>(c, *call);
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
     const int ce = c.gemm && c.n_comm > 0 && c.ce_stage; /* every peer's stage is complete (k_plan waited for it) */

@@ -20,20 +20,17 @@ typedef struct comet_cuda_replay comet_cuda_replay_t;
 comet_cuda_replay_t *comet_cuda_replay_create(cudaError_t *err);
 void comet_cuda_replay_destroy(comet_cuda_replay_t *r);
 
-/* Enqueue the forward of ctx on stream, as comet_cuda_forward_launch does:
- * by replaying the chain captured for ctx's protocol (captured now on a
- * miss), or by launching it directly where a replay cannot stand in (the
- * stream is being captured, or this protocol failed to capture). *replayed
- * says which (1 replayed). Returns a cudaError_t as an int. */
-int comet_cuda_replay_launch(comet_cuda_replay_t *r, const comet_cuda_ctx_t *ctx, cudaStream_t stream, int *replayed);
+/* Enqueue the forward of call on stream, as comet_cuda_forward_launch
+ * does: by replaying the chain captured for ctx (captured now on a miss),
+ * or by launching it directly where a replay cannot stand in (the stream is
+ * being captured, or this context failed to capture). *replayed says which
+ * (1 replayed). Returns a cudaError_t as an int. */
+int comet_cuda_replay_launch(comet_cuda_replay_t *r, const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call,
+                             cudaStream_t stream, int *replayed);
 
 /* Chains captured so far (a capture per protocol; more means keys churn). */
 long long comet_cuda_replay_captures(const comet_cuda_replay_t *r);
 
-/* Nonzero if func is one of the layer's kernels whose one parameter is the
- * call's comet_cuda_ctx_t (layer_kernels.cu): a replay gives those nodes
- * each call's context. */
-int comet_cuda_ctx_kernel(const void *func);
 
 #ifdef __cplusplus
 }

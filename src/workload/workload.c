@@ -483,10 +483,27 @@ static cudaError_t copy_rotated(void *dst, const void *src, int64_t n, int64_t k
     return e;
 }
 
+/* A tensor's bytes (elem bytes an element) and its first dimension's rows. */
+static size_t tensor_bytes(const comet_tensor_t *ts, size_t elem, int64_t *rows) {
+    size_t n = elem;
+    for (int dim = 0; dim < ts->ndim; dim++) n *= (size_t)ts->shape[dim];
+    *rows = ts->ndim > 0 ? ts->shape[0] : 1;
+    return n;
+}
+
+/* Rows [0, rows) of a host tensor into dst rotated by shift (row t <- row
+ * (t + shift) % rows), as whole rows of its bytes / rows. */
+static cudaError_t upload_rotated(void *dst, const comet_tensor_t *ts, size_t elem, int64_t shift) {
+    int64_t rows = 0;
+    const size_t n = tensor_bytes(ts, elem, &rows);
+    if (rows <= 0) return cudaMemcpy(dst, ts->data, n, cudaMemcpyHostToDevice);
+    return copy_rotated(dst, ts->data, rows, shift % rows, n / (size_t)rows, cudaMemcpyHostToDevice);
+}
+
 /* One of a rank's input sets on the device (comet_run_t.input_sets): x,
  * topk_idx, topk_w and y, the tokens rotated by `shift` (row t holds token
- * (t + shift) % T), so each set's output holds the same rows in another
- * order. */
+ * (t + shift) % T; the set's index), so each set's output holds the same
+ * rows in another order. */
 typedef struct {
     void *x, *idx, *w, *y;
     int64_t shift;
@@ -495,7 +512,7 @@ typedef struct {
 /* This rank's y of set `in`, its rows put back in token order, into p->y[r]. */
 static cudaError_t y_back(comet_problem_t *p, int r, const input_set_t *in) {
     const int64_t t = p->tokens[r];
-    return copy_rotated(p->y[r], in->y, t, t ? (t - in->shift) % t : 0, (size_t)p->cfg.hidden * 2,
+    return copy_rotated(p->y[r], in->y, t, t ? (t - in->shift % t) % t : 0, (size_t)p->cfg.hidden * 2,
                         cudaMemcpyDeviceToHost);
 }
 
@@ -506,7 +523,7 @@ static cudaError_t y_back(comet_problem_t *p, int r, const input_set_t *in) {
 static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_forward_args_t *a) {
     comet_problem_t *p = job->p;
     const int r = job->rank;
-    const int64_t t = p->tokens[r], hd = p->cfg.hidden, k = p->cfg.topk;
+    const int64_t t = p->tokens[r], hd = p->cfg.hidden;
     const int nsets = job->run->graph || job->run->input_sets < 1 ? 1
                       : job->run->input_sets > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS
                                                                     : job->run->input_sets;
@@ -520,25 +537,25 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     if (e == cudaSuccess) e = cudaStreamCreate(&stream);
     if (e == cudaSuccess) e = cudaEventCreate(&e0);
     if (e == cudaSuccess) e = cudaEventCreate(&e1);
-    size_t w1_bytes = 2, w2_bytes = 2; /* bf16 elements of every dimension */
-    for (int dim = 0; dim < a->w1.ndim; dim++) w1_bytes *= (size_t)a->w1.shape[dim];
-    for (int dim = 0; dim < a->w2.ndim; dim++) w2_bytes *= (size_t)a->w2.shape[dim];
+    int64_t rows = 0; /* buffers sized by the tensors' shapes, as the layer reads them */
+    const size_t w1_bytes = tensor_bytes(&a->w1, 2, &rows), w2_bytes = tensor_bytes(&a->w2, 2, &rows);
+    const size_t x_bytes = tensor_bytes(&a->x, 2, &rows), y_bytes = tensor_bytes(&a->y, 2, &rows);
+    const size_t idx_bytes = tensor_bytes(&a->topk_idx, 4, &rows), w_bytes = tensor_bytes(&a->topk_w, 4, &rows);
     if (e == cudaSuccess) e = cudaMalloc(&w1, w1_bytes ? w1_bytes : 1);
     if (e == cudaSuccess) e = cudaMemcpy(w1, a->w1.data, w1_bytes, cudaMemcpyHostToDevice);
     if (e == cudaSuccess) e = cudaMalloc(&w2, w2_bytes ? w2_bytes : 1);
     if (e == cudaSuccess) e = cudaMemcpy(w2, a->w2.data, w2_bytes, cudaMemcpyHostToDevice);
     for (int s = 0; s < nsets && e == cudaSuccess; s++) {
         input_set_t *in = &sets[s];
-        in->shift = t ? s % t : 0;
-        const size_t xb = (size_t)(t * hd) * 2, rb = (size_t)k * 4;
-        if (e == cudaSuccess) e = cudaMalloc(&in->x, xb ? xb : 1);
-        if (e == cudaSuccess) e = cudaMalloc(&in->idx, (size_t)t * rb + 1);
-        if (e == cudaSuccess) e = cudaMalloc(&in->w, (size_t)t * rb + 1);
-        if (e == cudaSuccess) e = cudaMalloc(&in->y, xb ? xb : 1);
-        if (e == cudaSuccess) e = copy_rotated(in->x, a->x.data, t, in->shift, (size_t)hd * 2, cudaMemcpyHostToDevice);
-        if (e == cudaSuccess) e = copy_rotated(in->idx, a->topk_idx.data, t, in->shift, rb, cudaMemcpyHostToDevice);
-        if (e == cudaSuccess) e = copy_rotated(in->w, a->topk_w.data, t, in->shift, rb, cudaMemcpyHostToDevice);
-        if (e == cudaSuccess) e = cudaMemset(in->y, 0xff, xb);
+        in->shift = s;
+        if (e == cudaSuccess) e = cudaMalloc(&in->x, x_bytes ? x_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->idx, idx_bytes ? idx_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->w, w_bytes ? w_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&in->y, y_bytes ? y_bytes : 1);
+        if (e == cudaSuccess) e = upload_rotated(in->x, &a->x, 2, in->shift);
+        if (e == cudaSuccess) e = upload_rotated(in->idx, &a->topk_idx, 4, in->shift);
+        if (e == cudaSuccess) e = upload_rotated(in->w, &a->topk_w, 4, in->shift);
+        if (e == cudaSuccess) e = cudaMemset(in->y, 0xff, y_bytes);
     }
     a->w1.data = w1, a->w2.data = w2;
     a->x.data = sets[0].x, a->topk_idx.data = sets[0].idx, a->topk_w.data = sets[0].w, a->y.data = sets[0].y;
