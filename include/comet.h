@@ -264,7 +264,11 @@ typedef struct {
  * CUDA backend: asynchronous on args->stream, with no host synchronisation
  * (capturable in a CUDA graph; a captured forward names this call's tensors
  * and the layer's buffers, so replay it only while those stay as they were:
- * same weights, no change of trace). Shapes are checked at once; the routing
+ * same weights, no change of trace). Outside a capture, the layer replays
+ * its own kernel chain as a graph: the first call of each protocol (mode,
+ * n_comm, chunk width, weights) captures and instantiates it (a one-off
+ * host cost), later calls launch it (COMET_REPLAY=0 at layer create: the
+ * kernels one by one). Shapes are checked at once; the routing
  * content (device memory) is checked on the device: comet_layer_sync reports
  * it, and an invalid routing on any rank leaves every y untouched. */
 comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);

@@ -306,10 +306,12 @@ static int has_mode(const char *modes, const char *word) {
     return 0;
 }
 
-/* Timed GPU runs rotate their inputs (benchmarks.md): enough sets of x,
- * routing and y (each rank's tokens rotated, comet_run_t.input_sets) that
- * one rank's sets add up to at least 128 MiB, over twice an H100/H200 L2,
- * so no call finds its inputs in cache; 2 to COMET_MAX_INPUT_SETS. */
+/* Timed GPU runs rotate their inputs (the benchmarks' rules: "rotated among
+ * several buffers larger than L2"): sets of x, routing and y (each rank's
+ * tokens rotated, comet_run_t.input_sets), enough that one rank's sets add
+ * up to at least 128 MiB, over twice an H100/H200 L2, where
+ * COMET_MAX_INPUT_SETS sets allow (below ~8 MiB a set they do not); at
+ * least 2, so every call hands the layer new tensors. */
 static int input_sets_for(const comet_problem_t *p) {
     int64_t most = 0;
     for (int s = 0; s < p->world_size; s++) most = p->tokens[s] > most ? p->tokens[s] : most;

@@ -64,7 +64,8 @@ void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
 /* The create-time knobs a layer runs with (cuda_layer.h), as comma-separated
  * words into buf: "push", "partials", "ce" (the overlapped mode's
  * copy-engine dispatch), "simt" (the SIMT GEMM fallback instead of the
- * Hopper GEMM); "" if none. */
+ * Hopper GEMM), "replay" (the chain replayed as a graph, replay.c: with the
+ * Hopper GEMM unless COMET_REPLAY=0); "" if none. */
 void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
 /* The protocol of the layer's last forward launched: its n_comm (> 0, the
  * overlapped mode, as the tuner or args chose it and capped) or 0 (the

@@ -122,8 +122,9 @@ typedef struct {
                              * (every rank in this process; the ranks agree the capture worked) */
     int input_sets;         /* CUDA, without graph: call i reads x, topk_idx, topk_w and writes y of
                              * set i % input_sets (<= COMET_MAX_INPUT_SETS; 0 or 1: one set), each its
-                             * own device buffers holding the rank's tokens rotated by the set's index,
-                             * so caches start cold and every call passes the layer new tensors */
+                             * own device buffers holding the rank's tokens rotated by the set's index
+                             * (y put back in token order), so every call passes the layer new tensors
+                             * and, with enough sets, finds its inputs out of cache */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
@@ -140,8 +141,8 @@ typedef struct {
     int64_t replays;        /* out, CUDA: rank 0's forwards replayed as one graph (comet_cuda_layer_replays) */
     int64_t captures;       /* out, CUDA: the chains rank 0's layer captured for them (one per protocol) */
     char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
-                             * "ce", and "simt" where the SIMT GEMM fallback runs, which ignores
-                             * disable; comma-separated; comet_cuda_layer_modes), else "" */
+                             * "ce", "replay", and "simt" where the SIMT GEMM fallback runs, which
+                             * ignores disable; comma-separated; comet_cuda_layer_modes), else "" */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:
