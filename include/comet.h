@@ -266,8 +266,9 @@ typedef struct {
  * and the layer's buffers, so replay it only while those stay as they were:
  * same weights, no change of trace). Outside a capture, the layer replays
  * its own kernel chain as a graph: the first call of each protocol (mode,
- * n_comm, chunk width, weights) captures and instantiates it (a one-off
- * host cost), later calls launch it (COMET_REPLAY=0 at layer create: the
+ * n_comm, chunk width, disable bits, weights) captures and instantiates it
+ * (a one-off host cost; after a layer's first 64 captures a miss launches
+ * directly), later calls launch it (COMET_REPLAY=0 at layer create: the
  * kernels one by one). Shapes are checked at once; the routing
  * content (device memory) is checked on the device: comet_layer_sync reports
  * it, and an invalid routing on any rank leaves every y untouched. */

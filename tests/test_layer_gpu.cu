@@ -23,7 +23,7 @@
  * inside the caller's captured CUDA graph, gives the same
  * bits every time, and so 30 calls over 3 input sets (the tokens rotated:
  * each call hands the layer new tensors), replayed and launched kernel by
- * kernel (COMET_REPLAY=0). Ranks asking for different protocols get an error and
+ * kernel (COMET_REPLAY=0), and 12 calls in flight at once on 12 sets. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)". COMET_LAYER_TEST_WORLDS (a
@@ -277,8 +277,10 @@ static void repeat_case(int w) {
             differ += memcmp(ref[s], p->y[s], bytes) != 0;
         }
         /* launched by the layer as its own replayed graph (replay.c) every call, unless inside the
-         * caller's capture, where the caller's graph takes the launches */
-        const int64_t want_replays = graph ? 0 : run.repeats, want_captures = graph ? 0 : 1;
+         * caller's capture, where the caller's graph takes the launches, or with the SIMT GEMM
+         * (COMET_SIMT_GEMM, or not Hopper), which is never replayed */
+        const int replay = !graph && !strstr(run.modes, "simt");
+        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
         CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
               "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ, %lld replayed by the layer from %lld captures "
               "(want %lld from %lld)", w, names[kind], graph ? " from a CUDA graph" : "", comet_status_string(st),
@@ -309,10 +311,32 @@ static void repeat_case(int w) {
         int differ = 0;
         for (int s = 0; s < w; s++)
             differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
-        const int64_t want_replays = env == 1 ? 0 : run.repeats, want_captures = env == 1 ? 0 : 1;
+        const int replay = env != 1 && !strstr(run.modes, "simt");
+        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
         CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
               "W=%d %s %s, 3 rotated input sets, 30 forwards: %s: %s, %d outputs differ, %lld replayed from %lld "
               "captures (want %lld from %lld)", w, run.n_comm > 0 ? "overlapped" : "sequential", rot_name[env],
+              comet_status_string(st), run.message[0], differ, (long long)run.replays, (long long)run.captures,
+              (long long)want_replays, (long long)want_captures);
+    }
+    /* and 12 calls enqueued back to back before one sync (the runner's pipeline), each on its
+     * own rotated input set, so replays with different tensors are in flight together: with
+     * push, sequential and overlapped, and (W > 1) overlapped with partials (k_combine_ov on
+     * the second stream) */
+    for (int v = 0; v < (w > 1 ? 3 : 2); v++) {
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.n_comm = v ? 8 : COMET_SEQUENTIAL, run.repeats = 12, run.compare_repeats = 1, run.pipeline = 1;
+        comet_problem_poison(p);
+        comet_status_t st = run_with_env(p, world, &run, rot_env[v == 2 ? 3 : 0]);
+        int differ = 0;
+        for (int s = 0; s < w; s++)
+            differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
+        const int replay = !strstr(run.modes, "simt");
+        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
+        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
+              "W=%d %s %s, 12 calls in flight on 12 rotated input sets: %s: %s, %d outputs differ, %lld replayed from "
+              "%lld captures (want %lld from %lld)", w, v ? "overlapped" : "sequential", v == 2 ? "with partials" : "with push",
               comet_status_string(st), run.message[0], differ, (long long)run.replays, (long long)run.captures,
               (long long)want_replays, (long long)want_captures);
     }

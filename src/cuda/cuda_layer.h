@@ -27,7 +27,7 @@
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
  * device memory, so a captured graph replays correctly):
- *   enter    e = ++epoch; wait done[q] >= e-1 for every rank q
+ *   enter    the call's tensors into state->call; e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
  *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
  *            with push, 3 overlapped with push, 5 sequential with partials,

@@ -841,8 +841,8 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
 __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p,
                                                     const combine_src_t *src, int64_t c0, int64_t c1, const int flat) {
     const int64_t hd = c->d.hidden, s = (int64_t)gridDim.x * (blockDim.x / 32);
-    /* the call's token count and y: loaded where used (L1 hits), not held across the loops (held,
-     * they spilled k_combine_ov) */
+    /* the call's token count by a volatile load, and y (call_y) at every store: with plain loads,
+     * hoisted and held across the loops, k_combine_ov spilled */
     int64_t n;
     asm volatile("ld.global.u64 %0, [%1];" : "=l"(n) : "l"(&c->state->call.num_tokens));
     const int tp = c->d.tp;

@@ -12,7 +12,7 @@
  * k_enter's parameters alone; every other kernel reads them from the
  * layer's state. So the chain is a function of the context (protocol,
  * n_comm, chunk width, disable bits, weights, buffers: the key, compared
- * bytewise), captured once per context on this cache's own stream
+ * bytewise, key_of), captured once per context on this cache's own stream
  * (thread-local capture mode: the other ranks' threads go on) and
  * instantiated; each call then sets the k_enter node's parameters
  * (cudaGraphExecKernelNodeSetParams: one node, whatever the chain holds)
@@ -82,6 +82,15 @@ void comet_cuda_replay_destroy(comet_cuda_replay_t *r) {
 
 long long comet_cuda_replay_captures(const comet_cuda_replay_t *r) { return r ? r->captures : 0; }
 
+/* The key of a context: its bytes, with the host's GEMM object reduced to
+ * whether there is one (the kernels test no more; the captured GEMM nodes
+ * depend on the weights, which the key holds), so weights that come back
+ * after a re-prepare find their chain. */
+static void key_of(const comet_cuda_ctx_t *c, comet_cuda_ctx_t *k) {
+    memcpy(k, c, sizeof *k);
+    k->gemm = c->gemm ? (void *)1 : NULL;
+}
+
 /* Capture ctx's chain (with this call's tensors) into s: graph, exec and
  * its one k_enter node. */
 static cudaError_t capture(comet_cuda_replay_t *r, replay_slot_t *s, const comet_cuda_ctx_t *c,
@@ -113,12 +122,14 @@ static cudaError_t capture(comet_cuda_replay_t *r, replay_slot_t *s, const comet
     return e;
 }
 
-/* The slot for key: its own, else (below REPLAY_MAX_CAPTURES) a free or the
+/* The slot for c: its own, else (below REPLAY_MAX_CAPTURES) a free or the
  * least recent one, captured; NULL: launch directly. */
 static replay_slot_t *slot_for(comet_cuda_replay_t *r, const comet_cuda_ctx_t *c, const comet_cuda_call_t *call) {
+    comet_cuda_ctx_t key;
+    key_of(c, &key);
     replay_slot_t *s = NULL;
     for (int i = 0; i < REPLAY_SLOTS && !s; i++)
-        if (r->slot[i].used && memcmp(&r->slot[i].key, c, sizeof *c) == 0) s = &r->slot[i];
+        if (r->slot[i].used && memcmp(&r->slot[i].key, &key, sizeof key) == 0) s = &r->slot[i];
     if (!s) {
         if (r->captures >= REPLAY_MAX_CAPTURES) return NULL;
         s = &r->slot[0];
@@ -126,7 +137,7 @@ static replay_slot_t *slot_for(comet_cuda_replay_t *r, const comet_cuda_ctx_t *c
             if (!r->slot[i].used || r->slot[i].stamp < s->stamp) s = &r->slot[i];
         slot_release(s);
         s->used = 1;
-        memcpy(&s->key, c, sizeof *c);
+        s->key = key;
         r->captures++;
         if (capture(r, s, c, call) != cudaSuccess) {
             cudaGetLastError(); /* the capture's own error, not sticky: cleared before the direct launches */
@@ -150,7 +161,7 @@ int comet_cuda_replay_launch(comet_cuda_replay_t *r, const comet_cuda_ctx_t *c, 
     }
     replay_slot_t *s = slot_for(r, c, call);
     if (!s) return comet_cuda_forward_launch(c, call, stream);
-    void *args[2] = {(void *)&s->key, (void *)call};
+    void *args[2] = {(void *)c, (void *)call};
     struct cudaKernelNodeParams kp = s->enter_kp;
     kp.kernelParams = args, kp.extra = NULL;
     e = cudaGraphExecKernelNodeSetParams(s->exec, s->enter, &kp);
@@ -159,7 +170,9 @@ int comet_cuda_replay_launch(comet_cuda_replay_t *r, const comet_cuda_ctx_t *c, 
         *replayed = 1;
         return cudaSuccess;
     }
-    /* nothing of this call was enqueued: the direct launches still run the protocol the peers wait for */
+    /* nothing of this call was enqueued: the direct launches still run the protocol the peers wait
+     * for, and so will this context's later calls (a failure here would recur) */
     cudaGetLastError();
+    s->failed = 1;
     return comet_cuda_forward_launch(c, call, stream);
 }

@@ -517,16 +517,20 @@ static cudaError_t y_back(comet_problem_t *p, int r, const input_set_t *in) {
 }
 
 /* The same on a GPU: inputs copied to the rank's device (input_sets of
- * them, rotated; one with graph), y poisoned there, each call timed with
- * events on the next set, the status of each call taken from
- * comet_layer_sync, y copied back into p->y in token order. */
+ * them, rotated; one with graph; with pipeline one a call), y poisoned
+ * there, each call timed with events on the next set, the status of each
+ * call taken from comet_layer_sync (with pipeline: the calls enqueued back
+ * to back, one sync after the last), y copied back into p->y in token
+ * order. */
 static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_forward_args_t *a) {
     comet_problem_t *p = job->p;
     const int r = job->rank;
     const int64_t t = p->tokens[r], hd = p->cfg.hidden;
-    const int nsets = job->run->graph || job->run->input_sets < 1 ? 1
-                      : job->run->input_sets > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS
-                                                                    : job->run->input_sets;
+    /* pipeline: a set a call (comet_problem_run checked repeats <= COMET_MAX_INPUT_SETS) */
+    const int want_sets = job->run->pipeline && !job->run->graph ? job->run->repeats : job->run->input_sets;
+    const int nsets = job->run->graph || want_sets < 1           ? 1
+                      : want_sets > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS
+                                                         : want_sets;
     input_set_t sets[COMET_MAX_INPUT_SETS];
     memset(sets, 0, sizeof sets);
     void *w1 = NULL, *w2 = NULL;
@@ -584,17 +588,19 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     }
     uint16_t *first = NULL;
     const input_set_t *last = &sets[0];
+    const int pipe = job->run->pipeline && !exec; /* every call enqueued before one sync at the end */
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < job->run->repeats; i++) {
         const input_set_t *in = last = &sets[i % nsets];
         a->x.data = in->x, a->topk_idx.data = in->idx, a->topk_w.data = in->w, a->y.data = in->y;
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(in->y, 0xff, (size_t)(t * hd) * 2, stream);
         if (e != cudaSuccess) break;
         if (job->run->interleave) a->disable = interleave_side(i);
-        cudaEventRecord(e0, stream);
+        if (!pipe || i == 0) cudaEventRecord(e0, stream);
         if (exec)
             e = cudaGraphLaunch(exec, stream);
         else
             st = comet_layer_forward(layer, a);
+        if (pipe) continue;
         cudaEventRecord(e1, stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
         float ms = 0;
@@ -602,6 +608,17 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         job->ms[i] = ms;
         if (job->run->compare_repeats && st == COMET_SUCCESS && e == cudaSuccess) {
             e = y_back(p, r, in);
+            compare_call(job, i, p->y[r], &first);
+        }
+    }
+    if (pipe && e == cudaSuccess && st == COMET_SUCCESS) { /* one sync (the last call's status), then each set's y */
+        cudaEventRecord(e1, stream);
+        st = comet_layer_sync(layer);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        for (int i = 0; i < job->run->repeats; i++) job->ms[i] = ms / (float)job->run->repeats;
+        for (int i = 0; job->run->compare_repeats && st == COMET_SUCCESS && e == cudaSuccess && i < job->run->repeats; i++) {
+            e = y_back(p, r, &sets[i]);
             compare_call(job, i, p->y[r], &first);
         }
     }
@@ -690,6 +707,10 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "runner: interleaved sides need disable 0, no graph and %d timed calls or more (%d)", SIDES,
                           run->repeats - warmup);
+    if (run->pipeline && (run->graph || run->interleave || run->repeats > COMET_MAX_INPUT_SETS))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "runner: pipelined calls need no graph, no interleave and at most %d calls (%d)",
+                          COMET_MAX_INPUT_SETS, run->repeats);
     memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
     rank_job_t jobs[64];

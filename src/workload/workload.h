@@ -125,6 +125,11 @@ typedef struct {
                              * own device buffers holding the rank's tokens rotated by the set's index
                              * (y put back in token order), so every call passes the layer new tensors
                              * and, with enough sets, finds its inputs out of cache */
+    int pipeline;           /* CUDA, without graph: every call enqueued before one comet_layer_sync
+                             * after the last, each on its own input set (repeats <= COMET_MAX_INPUT_SETS;
+                             * input_sets ignored), so calls with different tensors are in flight
+                             * together; compare_repeats then compares each set's y after that sync;
+                             * ms_median is the whole run's time over repeats */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
