@@ -225,6 +225,24 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     comet_problem_destroy(p);
 }
 
+/* One run of repeat_case: it succeeded, every call's y (repeats_differ) and
+ * the last one equal ref[rank], and the layer replayed every call from one
+ * capture where replay says it may (not inside a caller's capture, not with
+ * COMET_REPLAY=0), and never with the SIMT GEMM (COMET_SIMT_GEMM, or not
+ * Hopper). */
+static void check_repeat_run(const comet_problem_t *p, int w, int64_t hidden, uint16_t *const *ref,
+                             const comet_run_t *run, comet_status_t st, int replay, const char *what) {
+    int differ = 0;
+    for (int s = 0; s < w; s++)
+        differ += run->repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * hidden) * 2) != 0);
+    replay = replay && !strstr(run->modes, "simt");
+    const int64_t want_replays = replay ? run->repeats : 0, want_captures = replay ? 1 : 0;
+    CHECK(st == COMET_SUCCESS && differ == 0 && run->replays == want_replays && run->captures == want_captures,
+          "W=%d %s, %d forwards: %s: %s, %d outputs differ, %lld replayed by the layer from %lld captures (want %lld "
+          "from %lld)", w, what, run->repeats, comet_status_string(st), run->message[0], differ,
+          (long long)run->replays, (long long)run->captures, (long long)want_replays, (long long)want_captures);
+}
+
 /* For each of sequential, overlapped and (W > 1) both with push, the
  * overlapped mode with push and the copy-engine dispatch, and the
  * overlapped mode with partials, replayed by the layer from its own graph
@@ -262,64 +280,47 @@ static void repeat_case(int w) {
                             : kind == 4 ? run_with_env(p, world, &run, ce_push)
                             : kind >= 2 ? run_with_push(p, world, &run)
                                         : comet_problem_run(p, world, &run, 0);
-        int differ = 0;
         if (mode == 0) { /* the reference output of the others: written, and right */
             comet_check_t chk;
             comet_problem_check(p, 0, -1, &chk);
             CHECK(comet_problem_count_poison(p) == 0 && chk.wrong == 0, "W=%d repeat: %lld outputs unwritten, %lld wrong",
                   w, (long long)comet_problem_count_poison(p), (long long)chk.wrong);
         }
-        for (int s = 0; s < w; s++) {
+        for (int s = 0; s < w && !ref[s]; s++) {
             const size_t bytes = (size_t)(p->tokens[s] * cfg.hidden) * 2;
-            differ += run.repeats_differ[s];
-            if (!ref[s]) {
-                ref[s] = (uint16_t *)malloc(bytes);
-                memcpy(ref[s], p->y[s], bytes);
-            }
-            differ += memcmp(ref[s], p->y[s], bytes) != 0;
+            ref[s] = (uint16_t *)malloc(bytes);
+            memcpy(ref[s], p->y[s], bytes);
         }
         /* launched by the layer as its own replayed graph (replay.c) every call, unless inside the
-         * caller's capture, where the caller's graph takes the launches, or with the SIMT GEMM
-         * (COMET_SIMT_GEMM, or not Hopper), which is never replayed */
-        const int replay = !graph && !strstr(run.modes, "simt");
-        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
-        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
-              "W=%d %s%s, 100 forwards: %s: %s, %d outputs differ, %lld replayed by the layer from %lld captures "
-              "(want %lld from %lld)", w, names[kind], graph ? " from a CUDA graph" : "", comet_status_string(st),
-              run.message[0], differ, (long long)run.replays, (long long)run.captures, (long long)want_replays,
-              (long long)want_captures);
+         * caller's capture, where the caller's graph takes the launches */
+        char what[160];
+        snprintf(what, sizeof what, "%s%s", names[kind], graph ? " from a CUDA graph" : "");
+        check_repeat_run(p, w, cfg.hidden, ref, &run, st, !graph, what);
     }
     /* the layer's replay handed each call's tensors: 3 input sets, each the tokens rotated by
      * its index (the runner puts y back in token order), called in turn, in both modes with
      * push; the same launched kernel by kernel (COMET_REPLAY=0); and (W > 1) replayed with the
      * pull combine and with partials (k_combine_ov and k_final write y there, not k_final_flat):
      * all the same bits as the first run */
-    static const char *const rot_env[5][7] = {
+    static const char *const rot_env[4][7] = {
         {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
         {"COMET_REPLAY", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
         {"COMET_PUSH", "0", "COMET_PARTIALS", "0", NULL},
-        {"COMET_PARTIALS", "1", NULL},
         {"COMET_PARTIALS", "1", NULL}};
-    static const char *const rot_name[5] = {"with push", "with push, launched kernel by kernel",
-                                            "with the pull combine", "with partials", "with partials"};
+    static const char *const rot_name[4] = {"with push", "with push, launched kernel by kernel",
+                                            "with the pull combine", "with partials"};
     for (int v = 0; v < (w > 1 ? 7 : 4); v++) {
-        const int env = v < 4 ? v / 2 : v - 2; /* v 4: pull, overlapped; 5, 6: partials, sequential and overlapped */
+        const int env = v < 4 ? v / 2 : v == 4 ? 2 : 3; /* v 4: pull, overlapped; 5, 6: partials, both modes */
         comet_run_t run;
         memset(&run, 0, sizeof run);
         run.n_comm = (v < 4 ? v % 2 : v != 5) ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1;
         run.input_sets = 3;
         comet_problem_poison(p);
         comet_status_t st = run_with_env(p, world, &run, rot_env[env]);
-        int differ = 0;
-        for (int s = 0; s < w; s++)
-            differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
-        const int replay = env != 1 && !strstr(run.modes, "simt");
-        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
-        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
-              "W=%d %s %s, 3 rotated input sets, 30 forwards: %s: %s, %d outputs differ, %lld replayed from %lld "
-              "captures (want %lld from %lld)", w, run.n_comm > 0 ? "overlapped" : "sequential", rot_name[env],
-              comet_status_string(st), run.message[0], differ, (long long)run.replays, (long long)run.captures,
-              (long long)want_replays, (long long)want_captures);
+        char what[160];
+        snprintf(what, sizeof what, "%s %s, 3 rotated input sets", run.n_comm > 0 ? "overlapped" : "sequential",
+                 rot_name[env]);
+        check_repeat_run(p, w, cfg.hidden, ref, &run, st, env != 1, what);
     }
     /* and 12 calls enqueued back to back before one sync (the runner's pipeline), each on its
      * own rotated input set, so replays with different tensors are in flight together: with
@@ -331,16 +332,10 @@ static void repeat_case(int w) {
         run.n_comm = v ? 8 : COMET_SEQUENTIAL, run.repeats = 12, run.compare_repeats = 1, run.pipeline = 1;
         comet_problem_poison(p);
         comet_status_t st = run_with_env(p, world, &run, rot_env[v == 2 ? 3 : 0]);
-        int differ = 0;
-        for (int s = 0; s < w; s++)
-            differ += run.repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * cfg.hidden) * 2) != 0);
-        const int replay = !strstr(run.modes, "simt");
-        const int64_t want_replays = replay ? run.repeats : 0, want_captures = replay ? 1 : 0;
-        CHECK(st == COMET_SUCCESS && differ == 0 && run.replays == want_replays && run.captures == want_captures,
-              "W=%d %s %s, 12 calls in flight on 12 rotated input sets: %s: %s, %d outputs differ, %lld replayed from "
-              "%lld captures (want %lld from %lld)", w, v ? "overlapped" : "sequential", v == 2 ? "with partials" : "with push",
-              comet_status_string(st), run.message[0], differ, (long long)run.replays, (long long)run.captures,
-              (long long)want_replays, (long long)want_captures);
+        char what[160];
+        snprintf(what, sizeof what, "%s %s, in flight together on as many rotated input sets",
+                 v ? "overlapped" : "sequential", rot_name[v == 2 ? 3 : 0]);
+        check_repeat_run(p, w, cfg.hidden, ref, &run, st, 1, what);
     }
     for (int s = 0; s < w; s++) free(ref[s]);
     comet_world_destroy(world);

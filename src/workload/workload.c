@@ -483,19 +483,18 @@ static cudaError_t copy_rotated(void *dst, const void *src, int64_t n, int64_t k
     return e;
 }
 
-/* A tensor's bytes (elem bytes an element) and its first dimension's rows. */
-static size_t tensor_bytes(const comet_tensor_t *ts, size_t elem, int64_t *rows) {
+/* A tensor's bytes (elem bytes an element). */
+static size_t tensor_bytes(const comet_tensor_t *ts, size_t elem) {
     size_t n = elem;
     for (int dim = 0; dim < ts->ndim; dim++) n *= (size_t)ts->shape[dim];
-    *rows = ts->ndim > 0 ? ts->shape[0] : 1;
     return n;
 }
 
 /* Rows [0, rows) of a host tensor into dst rotated by shift (row t <- row
  * (t + shift) % rows), as whole rows of its bytes / rows. */
 static cudaError_t upload_rotated(void *dst, const comet_tensor_t *ts, size_t elem, int64_t shift) {
-    int64_t rows = 0;
-    const size_t n = tensor_bytes(ts, elem, &rows);
+    const int64_t rows = ts->ndim > 0 ? ts->shape[0] : 1;
+    const size_t n = tensor_bytes(ts, elem);
     if (rows <= 0) return cudaMemcpy(dst, ts->data, n, cudaMemcpyHostToDevice);
     return copy_rotated(dst, ts->data, rows, shift % rows, n / (size_t)rows, cudaMemcpyHostToDevice);
 }
@@ -541,10 +540,10 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     if (e == cudaSuccess) e = cudaStreamCreate(&stream);
     if (e == cudaSuccess) e = cudaEventCreate(&e0);
     if (e == cudaSuccess) e = cudaEventCreate(&e1);
-    int64_t rows = 0; /* buffers sized by the tensors' shapes, as the layer reads them */
-    const size_t w1_bytes = tensor_bytes(&a->w1, 2, &rows), w2_bytes = tensor_bytes(&a->w2, 2, &rows);
-    const size_t x_bytes = tensor_bytes(&a->x, 2, &rows), y_bytes = tensor_bytes(&a->y, 2, &rows);
-    const size_t idx_bytes = tensor_bytes(&a->topk_idx, 4, &rows), w_bytes = tensor_bytes(&a->topk_w, 4, &rows);
+    /* buffers sized by the tensors' shapes, as the layer reads them */
+    const size_t w1_bytes = tensor_bytes(&a->w1, 2), w2_bytes = tensor_bytes(&a->w2, 2);
+    const size_t x_bytes = tensor_bytes(&a->x, 2), y_bytes = tensor_bytes(&a->y, 2);
+    const size_t idx_bytes = tensor_bytes(&a->topk_idx, 4), w_bytes = tensor_bytes(&a->topk_w, 4);
     if (e == cudaSuccess) e = cudaMalloc(&w1, w1_bytes ? w1_bytes : 1);
     if (e == cudaSuccess) e = cudaMemcpy(w1, a->w1.data, w1_bytes, cudaMemcpyHostToDevice);
     if (e == cudaSuccess) e = cudaMalloc(&w2, w2_bytes ? w2_bytes : 1);
