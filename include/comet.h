@@ -236,7 +236,7 @@ typedef struct {
                               *       (CUDA: > 0 runs the overlapped mode when the Hopper GEMM runs,
                               *       else the sequential chain; at most SMs - 1; the same on every rank);
                               *       0 = tuner's choice (the `comet tune` table, else the rule:
-                              *       CUDA the overlapped mode with 16 CTAs for 2 ranks with push,
+                              *       CUDA the overlapped mode with 16 CTAs for 2+ ranks with push,
                               *       4096+ tokens a rank and topk x hidden <= 16384, else the sequential
                               *       chain); COMET_SEQUENTIAL = the sequential
                               *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */

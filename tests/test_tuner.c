@@ -44,7 +44,9 @@ int main(void) {
         {dims_of(7168, 4096, 8, 1, 2), 1, 0, "topk 8 x hidden 7168 (DeepSeek-V3-style)"},
         {dims(4096, 4095), 1, 0, "4095 tokens a rank"},
         {dims_of(4096, 4096, 2, 1, 1), 1, 0, "one rank"},
-        {dims_of(4096, 4096, 2, 2, 2), 1, 0, "four ranks (not measured)"},
+        {dims_of(4096, 4096, 2, 2, 2), 1, 16, "four ranks, TP2 x EP2"},
+        {dims_of(4096, 4096, 2, 1, 4), 1, 16, "four ranks, EP4"},
+        {dims_of(7168, 4096, 8, 1, 4), 1, 0, "four ranks, DeepSeek-V3-style"},
         {dims(4096, 4096), 0, 0, "without push (COMET_PUSH=0 or partials: not measured faster)"},
     };
     for (size_t i = 0; i < sizeof cuda_cases / sizeof cuda_cases[0]; i++) {

@@ -6,14 +6,16 @@
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
  * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
  * the call is tiny; on the CUDA backend the overlapped mode with 16 CTAs
- * where it measured faster on 2x H200: 2 ranks with push (the only world
- * and combine measured), at least 4096 tokens a rank (M >= 8192), topk x
- * hidden at most 16384 (Qwen2-MoE, Mixtral, Phi-3.5-MoE: 10 of their 12
- * such cells faster, 7 by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral
- * alternated later: +-1.7%, a wash); else 0, the sequential chain
- * (DeepSeek-V3-style, topk 8 x hidden 7168: 1-7% slower overlapped; 2048
- * tokens a rank: even on average; other worlds, COMET_PUSH=0, partials:
- * not measured or slower). bench/results/2026-11-22-comet-h200x2-5215af5.md.
+ * where it measured faster: 2 or more ranks with push, at least 4096 tokens
+ * a rank, topk x hidden at most 16384. On 2x H200 (M >= 8192) that is
+ * Qwen2-MoE, Mixtral and Phi-3.5-MoE: 10 of their 12 such cells faster, 7
+ * by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral alternated later: +-1.7%, a
+ * wash (bench/results/2026-11-22-comet-h200x2-5215af5.md). On 4x H200 (M =
+ * 16384: TP2 x EP2 and EP4) Qwen2-MoE 7% and 10% faster, Mixtral -0.6% and
+ * +1.4%, a wash (-a392388.jsonl; larger worlds not measured). Else 0, the
+ * sequential chain: DeepSeek-V3-style (topk 8 x hidden 7168: 1-7% slower
+ * overlapped on 2 ranks), 2048 tokens a rank (even on average), one rank,
+ * COMET_PUSH=0 and partials (not measured faster).
  */
 #include "tuner.h"
 
@@ -103,7 +105,7 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
         t->chunk_cols = (int)c;
     }
     if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
-    if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && t->push && d->world_size == 2 && d->max_tokens >= 4096 &&
+    if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && t->push && d->world_size >= 2 && d->max_tokens >= 4096 &&
         d->topk * d->hidden <= 16384)
         t->n_comm = 16;
 }
