@@ -3,7 +3,7 @@
  * arithmetic of src/cpu/cpu_math.h: GEMM0 + activation (gated SiLU, GELU) and
  * GEMM1 over plans built on the host from random routings (Mixtral-like,
  * Qwen2-like many small experts, experts with zero rows, one expert only,
- * narrow last GEMM1 chunk), within two bf16 ulps; outputs are poisoned
+ * narrow last GEMM1 chunk, gated last h tiles of <= 64 columns), within two bf16 ulps; outputs are poisoned
  * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
  * counts, block_ready released late by another kernel (on fewer CTAs), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
@@ -445,6 +445,7 @@ int main(void) {
         {"full blocks gated H256 F384 E2 k1", 256, 384, 2, 1, 256, 0, 0, 0.0, 0, 100000},
         {"qwen2-TP2-like gated H2048 F704 (last h tile half) E30 k4", 2048, 704, 30, 4, 600, 0, 0, 0.5, 512, 100000},
         {"gated H512 F200 (h tile of 72, K tail of 8) E6 k2", 512, 200, 6, 2, 250, 0, 1, 0.0, 256, 100000},
+        {"gated H1024 F168 (last h tile of 40: n128) E5 k2", 1024, 168, 5, 2, 260, 0, 0, 0.3, 256, 100000},
         {"gelu H768 F136 (K tail of 8) E5 k2", 768, 136, 5, 2, 190, 1, 0, 0.0, 256, 100000},
     };
     check_gelu_device();

@@ -26,6 +26,10 @@
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
+ * A last h tile of <= 64 columns (F_local % 128 in 1..64: Qwen2-MoE at TP2,
+ * F_local 704) loads 64 gate + 64 up rows (64-row boxes) and runs wgmma
+ * m64n128k16 instead (GM_NARROW; COMET_GEMM_NARROW=0 at prepare turns it off):
+ * half the tensor work of the full tile, whose other half was masked columns.
  *
  * 2-CTA clusters with B multicast (dev/gemm's v8: +9% over v5 from clusters
  * and the TMA store together) are a second set of kernels, the default since
@@ -66,6 +70,8 @@
 #define GM_RING 8
 /* A stage's tile id (stage_tile) with this bit: its block has <= 64 rows (gm_body). */
 #define GM_HALF (1 << 30)
+/* ... with this bit: a gated tile of <= 64 h columns, F_local's last (gm_body). */
+#define GM_NARROW (1 << 29)
 #define GM_SMEM_BYTES \
     (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
@@ -80,7 +86,7 @@ static int gm_group_for(int64_t k) {
     return g;
 }
 
-enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2 };
+enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2, GM_ACT_NARROW = 3 /* gm_act only: a GM_NARROW tile */ };
 
 /* Everything but the tensor maps, passed by value. */
 typedef struct {
@@ -93,6 +99,7 @@ typedef struct {
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
     int half;       /* blocks of <= 64 rows on consumer 0 alone (GM_HALF; COMET_GEMM_HALF=1) */
+    int narrow;     /* gated: a last h tile of <= 64 columns computes those alone (GM_NARROW) */
     int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
     const comet_plan_totals_t *totals;
@@ -117,12 +124,14 @@ struct comet_gemm {
     comet_gemm_args_t args;
     CUtensorMap a0, b0, c0; /* GEMM0: a (box 128x64), w1 (box 128 or 256 rows), h store (64x64) */
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
-    CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast */
+    CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast; gated w1
+                             * with 64-row boxes: GM_NARROW's gate and up rows */
     int num_sms;
     int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
     int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
+    int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
 };
@@ -183,6 +192,17 @@ __device__ __forceinline__ void gm_wgmma_256(float *d, uint64_t desc_a, uint64_t
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
         "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+/* wgmma m64n128k16, the same operands: 64 accumulators. */
+__device__ __forceinline__ void gm_wgmma_128(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
@@ -341,9 +361,11 @@ __device__ __forceinline__ float gm_silu(float g) {
 }
 
 /* Output value of accumulator element i (fp32): gated pairs gate column
- * (element i < 64) with up (i + 64, 128 columns further); GELU; or plain. */
+ * (element i < 64) with up (i + 64, 128 columns further); GELU; or plain.
+ * A GM_NARROW tile's n128 accumulators pair i < 32 with i + 32 instead. */
 __device__ __forceinline__ float gm_act(const float *d, int i, int mode) {
     if (mode == GM_MODE_GATED) return gm_silu(d[i]) * d[i + 64];
+    if (mode == GM_ACT_NARROW) return gm_silu(d[i]) * d[i + 32];
     if (mode == GM_MODE_GELU) return comet_gelu_fast(d[i]); /* comet_gelu's erff spilled here */
     float x; /* an opaque copy: without it ptxas serialises GEMM1's wgmmas (C7520) */
     asm volatile("mov.b32 %0, %1;" : "=f"(x) : "f"(d[i]));
@@ -465,6 +487,42 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
     }
 }
 
+/* A consumer's main loop over the nk k-slices of one tile (from ring position
+ * it; returns the position after it), one wgmma group in flight. narrow (a
+ * literal at each call; GM_NARROW): the gated tile's h columns 0..63 alone,
+ * whose B stage holds 64 gate rows then 64 up rows: n128 into accumulators
+ * 0..63 (gate in 0..31, up in 32..63; gm_act_narrow pairs them), half the
+ * tensor work and two thirds of the bytes of the n256 path. */
+__device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t *full, uint64_t *empty, int it, int nk,
+                                        int c, int cl, int mma, int lane, const int narrow) {
+    for (int k = 0; k < nk; k++, it++) {
+        const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+        if (k > 0) gm_mbar_wait(&full[s], ph);
+        if (mma) {
+            unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
+            unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
+            gm_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const int acc = (k > 0 || kk > 0) ? 1 : 0;
+                if (narrow) {
+                    gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+                } else {
+                    gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+                }
+            }
+            gm_wgmma_commit();
+            GM_WGMMA_WAIT(1);
+            gm_reg_fence(d);
+        }
+        if (k > 0 && lane == 0) {
+            gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+            if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
+        }
+    }
+    return it;
+}
+
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
  * so each holds only its own epilogue (one kernel with a run-time mode held
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
@@ -475,7 +533,8 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
  * both blocks of a pair belong to one expert they share the B tile: each CTA
  * loads one 128-row half and multicasts it to both, so a stage is free only
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
- * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes. */
+ * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes (gated: 64-row boxes,
+ * GM_NARROW's). */
 __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
                                         const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
     if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
@@ -535,22 +594,26 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     asm volatile("fence.proxy.async.global;" ::: "memory");
                 }
                 const int brow = blk.expert * p.b_rows + tl.col0;
+                /* GM_NARROW: 64 gate rows, then 64 up rows (tmbh: 64-row boxes for the gated kernels) */
+                const int narrow = mode == GM_MODE_GATED && p.narrow && p.n - tl.col0 <= 64;
+                const int bbytes = narrow ? GM_B_BYTES / 2 : GM_B_BYTES;
                 for (int k = 0; k < nk; k++, it++) {
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
                     if (k == 0) /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
-                        stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0);
-                    gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_STAGE_BYTES : 0); /* no block: no bytes */
+                        stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0) | (narrow ? GM_NARROW : 0);
+                    gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
+                    const CUtensorMap *gmap = narrow ? &tmbh : &tmb; /* gated: gate and up boxes */
                     if (same) { /* my half of the shared B tile, into both CTAs (gated: gate or up rows) */
                         const int hrow = mode == GM_MODE_GATED ? brow + (int)rank * p.up_off : brow + (int)rank * (GM_BN / 2);
-                        gm_tma_load_mc(st + GM_A_BYTES + rank * (GM_B_BYTES / 2), mode == GM_MODE_GATED ? &tmb : &tmbh,
+                        gm_tma_load_mc(st + GM_A_BYTES + rank * (bbytes / 2), mode == GM_MODE_GATED ? gmap : &tmbh,
                                        k * GM_BK, hrow, &full[s]);
                     } else if (mode == GM_MODE_GATED) {
-                        gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
-                        gm_tma_load(st + GM_A_BYTES + GM_B_BYTES / 2, &tmb, k * GM_BK, brow + p.up_off, &full[s]);
+                        gm_tma_load(st + GM_A_BYTES, gmap, k * GM_BK, brow, &full[s]);
+                        gm_tma_load(st + GM_A_BYTES + bbytes / 2, gmap, k * GM_BK, brow + p.up_off, &full[s]);
                     } else {
                         gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
                     }
@@ -575,25 +638,11 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
              * gets the tensor cores alone (so the tile should take about half the time; unmeasured) */
             const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
-            for (int k = 0; k < nk; k++, it++) { /* no block (cl): the pair's rhythm on stale data, no store */
-                const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-                if (k > 0) gm_mbar_wait(&full[s], ph);
-                if (mma) {
-                    unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
-                    unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
-                    gm_wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < 4; kk++)
-                        gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
-                    gm_wgmma_commit();
-                    GM_WGMMA_WAIT(1);
-                    gm_reg_fence(d);
-                }
-                if (k > 0 && lane == 0) {
-                    gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
-                    if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
-                }
-            }
+            /* no block (cl): the pair's rhythm on stale data, no store */
+            if (mode == GM_MODE_GATED && (tv & GM_NARROW))
+                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 1);
+            else
+                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 0);
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
             if (lane == 0) {
@@ -601,7 +650,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
             }
             /* the tile decoded only now: nothing but tv (and mma) stays live across the main loop */
-            const int t = tv & ~GM_HALF;
+            const int t = tv & ~(GM_HALF | GM_NARROW);
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
             const comet_plan_block_t blk = p.blocks[tl.b];
@@ -610,9 +659,16 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
              * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
              * then the store path of this consumer's rows */
             uint32_t pk[64];
+            if (mode == GM_MODE_GATED && (tv & GM_NARROW)) { /* h columns 0..63 only (the store masks the rest) */
 #pragma unroll
-            for (int i = 0; i < 64; i++)
-                pk[i] = mode == GM_MODE_GATED && i >= 32 ? 0u : gm_pack(gm_act(d, 2 * i, mode), gm_act(d, 2 * i + 1, mode));
+                for (int i = 0; i < 64; i++)
+                    pk[i] = i >= 16 ? 0u : gm_pack(gm_act(d, 2 * i, GM_ACT_NARROW), gm_act(d, 2 * i + 1, GM_ACT_NARROW));
+            } else {
+#pragma unroll
+                for (int i = 0; i < 64; i++)
+                    pk[i] = mode == GM_MODE_GATED && i >= 32 ? 0u
+                                                             : gm_pack(gm_act(d, 2 * i, mode), gm_act(d, 2 * i + 1, mode));
+            }
 #pragma unroll
             for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i])); /* keep the packing out of the branches */
             const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
@@ -682,9 +738,9 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
     if (d->max_rows_padded >= lim || d->experts_local * d->w1_rows >= lim || d->experts_local * d->hidden >= lim ||
         d->max_rows_padded * d->hidden >= ((int64_t)1 << 40))
         return "the Hopper grouped GEMM needs row counts below 2^31";
-    const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_HALF */
-    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_HALF)
-        return "the Hopper grouped GEMM needs fewer than 2^30 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
+    const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_NARROW */
+    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_NARROW)
+        return "the Hopper grouped GEMM needs fewer than 2^29 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
     return NULL;
 }
 
@@ -716,7 +772,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->a1, args->h, mr, fl, 128, 1);
     bad |= gm_map(&g->b1, args->w2, el * hd, fl, 256, 1);
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
-    bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, 128, 1);
+    bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, gated ? 64 : 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
     if (bad) {
         free(g);
@@ -729,6 +785,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     g->num_sms = sms > 0 ? sms : 132;
     const char *half = getenv("COMET_GEMM_HALF");
     g->half = half && strcmp(half, "1") == 0;
+    const char *narrow = getenv("COMET_GEMM_NARROW");
+    g->narrow = !(narrow && strcmp(narrow, "0") == 0);
     const char *grp = getenv("COMET_GEMM_GROUP");
     g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
     cudaError_t e = cudaSuccess;
@@ -845,6 +903,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
     p.half = g->half && !cl;
+    p.narrow = g->narrow;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;
     cudaLaunchConfig_t cfg;
@@ -866,7 +925,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     if (gemm1)
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
     else if (p.mode == GM_MODE_GATED)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0,
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0h,
                                g->c0, p);
     else
         e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,

@@ -102,7 +102,7 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
 /* NULL when the Hopper kernels support dims d, else a sentence saying why not
  * (the layer then falls back to the SIMT kernels). Requirements: tile_m == 128;
  * H % 64 == 0; F_local % 8 == 0; row counts and
- * E_local * rows of the stacked weights below 2^31; fewer than 2^30 tiles
+ * E_local * rows of the stacked weights below 2^31; fewer than 2^29 tiles
  * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
