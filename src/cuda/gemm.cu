@@ -21,8 +21,10 @@
  * and consumer 1 only waits for and releases the stages (the producer marks
  * the tile's first stage with GM_HALF). Measured on H200 (gemm_bench, 16384
  * tokens, no clusters): GEMM1 +1-3%, Qwen2 and Phi-3.5 GEMM0 +0-3%,
- * DeepSeek's GEMM0 (K=7168) -3% (likely: 64 rows do not amortise the 32 KiB
- * B tile a k-step); DeepSeek's layer 1-3% slower, so off.
+ * DeepSeek's GEMM0 (K=7168) -3%; DeepSeek's layer 1-3% slower; at M=4096
+ * (EP2, a third of the blocks are such tails) DeepSeek's GEMM0 -12%, GEMM1
+ * -2% (4ac04ff; a tail out of step with its expert's full block may read its
+ * B tile from HBM again: unmeasured). So off.
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
