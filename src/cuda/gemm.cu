@@ -493,7 +493,7 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
  * it; returns the position after it), one wgmma group in flight. narrow (a
  * literal at each call; GM_NARROW): the gated tile's h columns 0..63 alone,
  * whose B stage holds 64 gate rows then 64 up rows: n128 into accumulators
- * 0..63 (gate in 0..31, up in 32..63; gm_act_narrow pairs them), half the
+ * 0..63 (gate in 0..31, up in 32..63; gm_act pairs them as GM_ACT_NARROW), half the
  * tensor work and two thirds of the bytes of the n256 path. */
 __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t *full, uint64_t *empty, int it, int nk,
                                         int c, int cl, int mma, int lane, const int narrow) {
