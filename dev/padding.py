@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """padding.py - per cell of the issue's table (the presets of
 src/workload/workload.c, M in 4096/8192/16384, TP2 or EP2): rank 0's expert
-rows under one uniform routing draw (each token picks topk distinct experts,
-as comet_routing_draw does without skew), the padding that 128-row blocks
-add (and what 64-row granularity would leave), the GEMM time of valid and
-padded rows at a given rate, and the time to stream rank 0's expert weights
-once from HBM. An estimate for planning, not a measurement.
+rows under a uniform routing draw per cell (each token picks topk distinct
+experts, as comet_routing_draw does without skew, but from Python's RNG, so
+the counts differ from comet's by a few percent and move with --seed), the
+padding that 128-row blocks add (and what 64-row granularity would leave),
+the GEMM time of valid and padded rows at a given rate, and the time to
+stream rank 0's expert weights once from HBM. The FLOPs and weights assume
+gated experts (gate, up and down: 3 x F_local x H a GEMM pair), as all four
+presets are. An estimate for planning, not a measurement.
 
 Usage: dev/padding.py [--rate TFLOPS] [--hbm TB/s] [--seed N]
-(defaults 660 TFLOP/s: our sustained GEMM rate on padded rows; 4.8 TB/s: H200 HBM3e)
+(defaults 660 TFLOP/s on computed rows, between the 593 measured for
+DeepSeek at M=4096 and the ~690 of large experts; 4.8 TB/s: H200 HBM3e)
 """
 import argparse
 import os
@@ -24,7 +28,7 @@ def presets():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", type=float, default=660.0, help="GEMM TFLOP/s on computed (padded) rows")
+    ap.add_argument("--rate", type=float, default=660.0, help="GEMM TFLOP/s on computed (padded) rows (default 660)")
     ap.add_argument("--hbm", type=float, default=4.8, help="HBM TB/s")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()

@@ -9,7 +9,9 @@
  * and the block_ready timeout (in a forked child, which must trap and leave a
  * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
  * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
- * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters). Also the device GELU against the exact one.
+ * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters); the cases
+ * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0).
+ * Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
  */
@@ -466,6 +468,12 @@ int main(void) {
     }
     unsetenv("COMET_GEMM_HALF");
     unsetenv("COMET_GEMM_CLUSTER");
+    /* the gated last h tiles of <= 64 columns once more at full width, masked (COMET_GEMM_NARROW=0) */
+    setenv("COMET_GEMM_NARROW", "0", 1);
+    printf("test_gemm_gpu: the last-h-tile cases at full width (COMET_GEMM_NARROW=0)\n");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (strstr(cases[i].tag, "last h tile")) run_case(&cases[i], 2000 + i);
+    unsetenv("COMET_GEMM_NARROW");
 
     /* shape checks (need no GPU, run here anyway) */
     comet_dims_t d;

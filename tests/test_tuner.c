@@ -47,6 +47,7 @@ int main(void) {
         {dims_of(4096, 4096, 2, 2, 2), 1, 16, "four ranks, TP2 x EP2"},
         {dims_of(4096, 4096, 2, 1, 4), 1, 16, "four ranks, EP4"},
         {dims_of(7168, 4096, 8, 1, 4), 1, 0, "four ranks, DeepSeek-V3-style"},
+        {dims_of(4096, 4096, 2, 2, 4), 1, 16, "eight ranks (not measured; the rule of 2 and 4)"},
         {dims(4096, 4096), 0, 0, "without push (COMET_PUSH=0 or partials: not measured faster)"},
     };
     for (size_t i = 0; i < sizeof cuda_cases / sizeof cuda_cases[0]; i++) {

@@ -116,7 +116,8 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * then even, at most what fits as clusters.
  * COMET_GEMM_HALF=1 (read here; a measurement knob, off; only with
  * COMET_GEMM_CLUSTER=0): a row block of <= 64 rows runs on one consumer
- * warpgroup alone.
+ * warpgroup alone. COMET_GEMM_NARROW=0 (read here): the gated GEMM0's last h
+ * tile of <= 64 columns runs at full width, masked, instead of half width.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
 int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len);

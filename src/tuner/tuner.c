@@ -10,7 +10,10 @@
  * a rank, topk x hidden at most 16384. On 2x H200 (M >= 8192) that is
  * Qwen2-MoE, Mixtral and Phi-3.5-MoE: 10 of their 12 such cells faster, 7
  * by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral alternated later: +-1.7%, a
- * wash (bench/results/2026-11-22-comet-h200x2-5215af5.md). On 4x H200 (M =
+ * wash (bench/results/2026-11-22-comet-h200x2-5215af5.md; at 50f5ee0, 8 of
+ * the 12 faster, one by 0.1%, and Phi EP2 M=16384 7.6% slower, though its
+ * GEMM-only side alone, 4.08 ms, was slower than the sequential layer, 3.96:
+ * the clock, -50f5ee0.md). On 4x H200 (M =
  * 16384: TP2 x EP2 and EP4) Qwen2-MoE 7% and 10% faster, Mixtral -0.6% and
  * +1.4%, a wash (-a392388.jsonl; larger worlds not measured). Else 0, the
  * sequential chain: DeepSeek-V3-style (topk 8 x hidden 7168: 1-7% slower
