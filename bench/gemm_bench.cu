@@ -104,7 +104,6 @@ typedef struct {
     double tf[2][3]; /* [gemm][ours, loop, dense] */
     double ms[2][3];
     int blocks, rows, rows_padded;
-    int units[2]; /* the unit walks' lengths (GEMM0's, GEMM1's): blocks less paired tails */
     unsigned long long bad;
     int ncurve;                 /* 0: no curve */
     int curve_ctas[NCURVE];     /* curve_ctas[0] = SMs */
@@ -182,7 +181,6 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     comet_plan_build(&d, &in, &pl);
     const int nrows = pl.totals->num_rows;
     res->name = m->name, res->blocks = pl.totals->num_blocks, res->rows = nrows;
-    res->units[0] = pl.totals->num_units_l0, res->units[1] = pl.totals->num_units_l1;
     res->rows_padded = pl.totals->num_rows_padded;
     int32_t *valid_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)nrows);
     int nv = 0;
@@ -346,19 +344,14 @@ int main(int argc, char **argv) {
            "the dense shapes one rank), routing skew %g, median of %d\n", prop.name, date, (long long)T, br.ep, br.tp,
            br.skew, NREP);
     printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
-    printf("(blocks/units: row blocks / the walk's units, paired tails counted once; COMET_GEMM_DUAL=0 walks the "
-           "blocks)\n");
-    printf("%-13s %6s %9s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blk/units", "gemm", "ours", "cuBLAS loop",
+    printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
            "cuBLAS dense", "ours/loop  o-bad");
     for (int r = 0; r < nres; r++)
-        for (int gm = 0; gm < 2; gm++) {
-            char bu[32];
-            snprintf(bu, sizeof bu, "%d/%d", res[r].blocks, res[r].units[gm]);
-            printf("%-13s %6d %9s %-6s | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %5.2f  %llu\n",
-                   res[r].name, res[r].rows, bu, gm ? "gemm1" : "gemm0", res[r].tf[gm][0], res[r].ms[gm][0],
+        for (int gm = 0; gm < 2; gm++)
+            printf("%-13s %6d %6d %-6s | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %5.2f  %llu\n",
+                   res[r].name, res[r].rows, res[r].blocks, gm ? "gemm1" : "gemm0", res[r].tf[gm][0], res[r].ms[gm][0],
                    res[r].tf[gm][1], res[r].ms[gm][1], res[r].tf[gm][2], res[r].ms[gm][2],
                    res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull);
-        }
     if (curve) {
         printf("\nn_compute curve (GEMM_BENCH_CURVE=1): ours with num_ctas of %d SMs, median of %d; "
                "eff = (TFLOP/s / TFLOP/s at %d) / (num_ctas / %d)\n", sms, NREP, sms, sms);
@@ -382,8 +375,8 @@ int main(int argc, char **argv) {
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
-            fprintf(f, "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"units\": [%d, %d], \"gemm1_bad\": %llu",
-                    res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].units[0], res[r].units[1], res[r].bad);
+            fprintf(f, "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"gemm1_bad\": %llu",
+                    res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].bad);
             const char *vn[3] = {"ours", "cublas_loop", "cublas_dense"};
             for (int gm = 0; gm < 2; gm++)
                 for (int v = 0; v < 3; v++)

@@ -60,7 +60,7 @@ for step in $STEPS; do
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
     gemmab) # one GPU: gemm_bench under environment variants, interleaved over ROUNDS (GEMM_AB="A;B",
-            # default clusters off/on; e.g. "COMET_GEMM_DUAL=0;COMET_GEMM_DUAL=1"; GEMM_BENCH_TP=2 in a
+            # default clusters off/on; e.g. "COMET_GEMM_HALF=0;COMET_GEMM_HALF=1"; GEMM_BENCH_TP=2 in a
             # variant: the TP2 shapes), on GEMM_MODELS (default: all presets and the dense shapes)
         IFS=';' read -ra variants <<<"${GEMM_AB:-COMET_GEMM_CLUSTER=0;COMET_GEMM_CLUSTER=1}"
         for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do

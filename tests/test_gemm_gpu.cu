@@ -8,9 +8,8 @@
  * counts, block_ready released late by another kernel (on fewer CTAs), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
  * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
- * in 2-CTA clusters sharing B tiles (the default), both walking the plan's
- * units (blocks of <= 64 rows paired, one consumer warpgroup each), and
- * walking the blocks one by one (COMET_GEMM_DUAL=0, clusters); the cases
+ * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
+ * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters); the cases
  * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0).
  * Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
@@ -28,10 +27,6 @@
 #include "../src/cuda/gemm.h"
 #include "../src/workload/workload.h"
 #include "check.h"
-
-/* pairs of blocks in the unit walks the cases ran (GEMM0's and GEMM1's
- * together): the paired path must have run */
-static long long pairs_run;
 
 typedef struct {
     const char *tag;
@@ -301,13 +296,12 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     uint64_t chunk_cnt[64];
     CUDA_OK(cudaMemcpy(chunk_cnt, d_chunk, sizeof chunk_cnt, cudaMemcpyDeviceToHost));
 
-    /* chunk counters: units (or blocks with COMET_GEMM_DUAL=0) x column tiles of each chunk */
-    const int nu = comet_gemm_units(g) ? pl.totals->num_units_l1 : nb;
+    /* chunk counters: blocks x column tiles of each chunk */
     const int64_t cc = c->chunk_cols ? c->chunk_cols : H;
     int bad_chunks = 0, nch = (int)((H + cc - 1) / cc);
     for (int ch = 0; ch < nch; ch++) {
         int64_t wdt = (ch + 1) * cc < H ? cc : H - ch * cc;
-        uint64_t want = (uint64_t)nu * (uint64_t)((wdt + 255) / 256);
+        uint64_t want = (uint64_t)nb * (uint64_t)((wdt + 255) / 256);
         if (chunk_cnt[ch] != want) bad_chunks++;
     }
     for (int ch = nch; ch < 64; ch++) bad_chunks += chunk_cnt[ch] != 0;
@@ -357,10 +351,8 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CHECK(bad_h == 0 && bad_o == 0,
           "%s: %lld of h, %lld of o over tolerance (%lld rows checked; first bad h: diff %g, reference %g, floor %g)",
           c->tag, (long long)bad_h, (long long)bad_o, (long long)checked, first_bad, first_ref, first_atol);
-    if (comet_gemm_units(g)) pairs_run += nb - pl.totals->num_units_l0 + nb - pl.totals->num_units_l1;
-    printf("%s: %d blocks (units: %d in GEMM0, %d in GEMM1), %lld rows (%lld checked, %s), h/o bad %lld/%lld, "
-           "padding written %lld/%lld\n",
-           c->tag, nb, pl.totals->num_units_l0, pl.totals->num_units_l1, (long long)nrows, (long long)checked, all ? "all" : "sampled", (long long)bad_h, (long long)bad_o,
+    printf("%s: %d blocks, %lld rows (%lld checked, %s), h/o bad %lld/%lld, padding written %lld/%lld\n", c->tag, nb,
+           (long long)nrows, (long long)checked, all ? "all" : "sampled", (long long)bad_h, (long long)bad_o,
            (long long)pad_h, (long long)pad_o);
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
@@ -483,23 +475,21 @@ int main(void) {
     check_gelu_device();
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
-    /* every case without clusters, as 2-CTA clusters sharing B tiles (the default), both on the
-     * plan's units, and on the blocks one by one (COMET_GEMM_DUAL=0, clusters); read at prepare */
+    /* every case without clusters, as 2-CTA clusters sharing B tiles (the default), and with blocks
+     * of <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
     static const char *const pass[3] = {"without clusters (COMET_GEMM_CLUSTER=0)", "in 2-CTA clusters (the default)",
-                                        "on the blocks one by one (COMET_GEMM_DUAL=0, clusters)"};
+                                        "with half blocks on one consumer (COMET_GEMM_HALF=1, COMET_GEMM_CLUSTER=0)"};
     for (int cl = 0; cl < 3; cl++) {
-        if (cl == 0) setenv("COMET_GEMM_CLUSTER", "0", 1);
-        else unsetenv("COMET_GEMM_CLUSTER");
-        if (cl == 2) setenv("COMET_GEMM_DUAL", "0", 1);
-        else unsetenv("COMET_GEMM_DUAL");
+        if (cl == 1) unsetenv("COMET_GEMM_CLUSTER");
+        else setenv("COMET_GEMM_CLUSTER", "0", 1);
+        if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
+        else unsetenv("COMET_GEMM_HALF");
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
-    unsetenv("COMET_GEMM_DUAL");
+    unsetenv("COMET_GEMM_HALF");
     unsetenv("COMET_GEMM_CLUSTER");
-    CHECK(pairs_run > 0, "no case paired two blocks in a tile (units)");
-    printf("test_gemm_gpu: %lld pairs of blocks in the cases' walks\n", pairs_run);
     /* the gated last h tiles of <= 64 columns once more at full width, masked (COMET_GEMM_NARROW=0) */
     setenv("COMET_GEMM_NARROW", "0", 1);
     printf("test_gemm_gpu: the last-h-tile cases at full width (COMET_GEMM_NARROW=0)\n");

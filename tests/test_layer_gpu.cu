@@ -9,8 +9,8 @@
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and so with the Hopper GEMM on single
- * CTAs (COMET_GEMM_CLUSTER=0; 2-CTA clusters are the default) and with the
- * blocks one by one instead of the plan's paired tails (COMET_GEMM_DUAL=0), and the overlapped mode (n_comm > 0)
+ * CTAs (COMET_GEMM_CLUSTER=0; 2-CTA clusters are the default) and with half
+ * blocks on one consumer (COMET_GEMM_HALF=1), and the overlapped mode (n_comm > 0)
  * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
  * rows home (the default, COMET_PUSH=1 here; the other cases set
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
@@ -118,13 +118,13 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     CHECK(same, "%s: a second run differs bitwise", tag);
 
     /* the Hopper GEMM's variants (read at layer create): single CTAs instead
-     * of the default 2-CTA clusters sharing B tiles, the blocks one by one
-     * instead of the plan's units (tails paired), and single CTAs with GEMM1
-     * pushing its rows home (W > 1): the same bits */
+     * of the default 2-CTA clusters sharing B tiles, blocks of <= 64 rows on
+     * one consumer, and that with GEMM1 pushing its rows home (W > 1): the
+     * same bits */
     static const char *const gemm_env[3][9] = {
-        {"COMET_GEMM_CLUSTER", "0", "COMET_GEMM_DUAL", "1", NULL},
-        {"COMET_GEMM_DUAL", "0", "COMET_GEMM_CLUSTER", "1", NULL},
-        {"COMET_GEMM_DUAL", "1", "COMET_GEMM_CLUSTER", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL}};
+        {"COMET_GEMM_CLUSTER", "0", "COMET_GEMM_HALF", "0", NULL},
+        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", NULL},
+        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL}};
     for (int v = 0; v < (w > 1 ? 3 : 2); v++) {
         comet_problem_poison(p);
         st = run_with_env(p, world, &run, gemm_env[v]);

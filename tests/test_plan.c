@@ -161,39 +161,6 @@ static void check_plan_properties(const built_t *b, const comet_plan_input_t *in
     }
     free(seen);
     CHECK(ok, "%s: local-first block order and stage ends", tag);
-    /* units of both walks: every block once, in the walk's order (a unit at
-     * its first block); a pair joins two blocks of <= tile_m / 2 rows (l0:
-     * of one stage), and at most one such block of a stage (l0) or of the
-     * walk (l1) stays single */
-    for (int l = 0; l < 2; l++) {
-        const comet_plan_unit_t *u = l ? p->l1_units : p->l0_units;
-        const int32_t nu = l ? p->totals->num_units_l1 : p->totals->num_units_l0, nb = p->totals->num_blocks;
-        const int64_t half = tm / 2;
-        int32_t *at = malloc(sizeof(int32_t) * (size_t)(nb + 1)); /* block -> walk position */
-        for (int32_t i = 0; i < nb; i++) at[l ? i : p->l0_order[i]] = i;
-        int singles[8] = {0}, joined = 0;
-        ok = nu >= 0 && nu <= nb;
-        seen = calloc((size_t)nb + 1, 1);
-        for (int32_t i = 0; ok && i < nu; i++) {
-            const int32_t b0 = u[i].b0, b1 = u[i].b1;
-            ok &= b0 >= 0 && b0 < nb && !seen[b0] && b1 >= -1 && b1 < nb && b1 != b0;
-            if (!ok) break;
-            seen[b0] = 1;
-            ok &= i == 0 || at[u[i - 1].b0] < at[b0];
-            if (b1 >= 0) {
-                ok &= !seen[b1] && at[b1] > at[b0] && p->blocks[b0].num_rows <= half && p->blocks[b1].num_rows <= half;
-                ok &= !l ? p->blocks[b0].stage == p->blocks[b1].stage : 1;
-                if (ok) seen[b1] = 1, joined++;
-            } else if (p->blocks[b0].num_rows <= half) {
-                singles[l ? 0 : p->blocks[b0].stage]++;
-            }
-        }
-        for (int32_t bi = 0; ok && bi < nb; bi++) ok &= seen[bi];
-        for (int q = 0; q < 8; q++) ok &= singles[q] <= 1;
-        ok &= nu == nb - joined;
-        free(seen), free(at);
-        CHECK(ok, "%s: l%d units (%d of %d blocks)", tag, l, (int)nu, (int)nb);
-    }
     /* send lists: exactly the tokens with a row here, ascending */
     ok = 1;
     for (int s = 0; s < w; s++) {

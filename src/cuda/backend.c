@@ -538,7 +538,6 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
-        c.gemm_units = c.gemm ? comet_gemm_units(c.gemm) : 0;
         /* overlapped when asked for (n_comm > 0) or when the tuner (its table,
          * else its rule) picks it for this configuration (n_comm 0; chosen for max_tokens, so the
          * same on every rank), and the Hopper GEMM with its hooks runs */

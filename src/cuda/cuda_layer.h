@@ -175,7 +175,6 @@ typedef struct {
                                     * home's part (sequential: k_send_partials after GEMM1; overlapped:
                                     * k_combine_ov chunk by chunk beside it); the combine reads it there */
     int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
-    int gemm_units;                /* the Hopper GEMM walks the plan's units (comet_gemm_units) */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */
     uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */

@@ -7,29 +7,24 @@
  * comet_gemm1_kernel, and the same three as 2-CTA clusters: one body, mode
  * and cluster literals in each): persistent CTAs of 384
  * threads, one per SM (~225 KiB shared memory). Warpgroup 0 is the producer
- * (setmaxnreg 56; one thread issues TMA loads of 128B-swizzled 64-wide K
+ * (setmaxnreg 40, 48 in clusters; one thread issues TMA loads of 128B-swizzled 64-wide K
  * slices into a 4-stage ring of 48 KiB stages on mbarriers); warpgroups 1 and
- * 2 are consumers (setmaxnreg 224), each computing 64 rows x 256 columns with
+ * 2 are consumers (setmaxnreg 232, 224 in clusters), each computing 64 rows x 256 columns with
  * wgmma m64n256k16 and keeping one k-slice of wgmma in flight. Tile = one plan
  * row block (128 rows) x 256 B rows. Epilogue: activation in fp32 in
  * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
  * TMA store (overlaps the next tile); a consumer whose 64 rows are not all
  * valid stores from registers, masked, so padding rows are never written.
- * Paired tails (GM_DUAL): the tiles walk the plan's units (plan.h), where
- * two blocks of <= 64 rows (two experts' last blocks) form one unit; its
- * tile gives each consumer one block, 64 A rows (tmah: 64-row boxes) and
- * that block's expert's B, so it computes both blocks at a full tile's
- * pace, in step with their experts' full blocks, which read the same B
- * tiles from L2 at the same time (a 64-row tail on one consumer, measured
- * at 4ac04ff, ran ahead of its expert's full block and lost 12% on DeepSeek
- * at M=4096). Its B is twice a full tile's, so its k-slices take two ring
- * stages each (GM_PAIRED), consumer c's block in the c-th, and each
- * consumer waits for its wgmma group before the next k-slice, which frees
- * both stages at once: the ring then holds one k-slice ahead, and the
- * other consumer's group keeps the tensor cores busy meanwhile. With
- * clusters the partner CTA of a pair runs its unit paired too (the two
- * rings advance in step), its second stages empty, without multicast.
- * COMET_GEMM_DUAL=0 at prepare walks the blocks one by one.
+ * COMET_GEMM_HALF=1 (read at prepare; a measurement knob, off, and only
+ * without clusters): a block of <= 64 rows (an expert's last, ~half of
+ * them) runs on consumer 0 alone, which then has the tensor cores to itself,
+ * and consumer 1 only waits for and releases the stages (the producer marks
+ * the tile's first stage with GM_HALF). Measured on H200 (gemm_bench, 16384
+ * tokens, no clusters): GEMM1 +1-3%, Qwen2 and Phi-3.5 GEMM0 +0-3%,
+ * DeepSeek's GEMM0 (K=7168) -3%; DeepSeek's layer 1-3% slower; at M=4096
+ * (EP2, a third of the blocks are such tails) DeepSeek's GEMM0 -12%, GEMM1
+ * -2% (4ac04ff; a tail out of step with its expert's full block may read its
+ * B tile from HBM again: unmeasured). So off.
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
@@ -75,12 +70,10 @@
  * last held a claim already read. A slot's reuse is ordered only by that
  * chain (release.cta arrives plus the data dependency): 3 slots of slack. */
 #define GM_RING 8
-/* A stage's tile id (stage_tile) with these bits (gm_body): a gated tile of
- * <= 64 h columns, F_local's last; a tile whose k-steps take two stages each;
- * a unit of two blocks. Tile ids stay below the lowest. */
-#define GM_NARROW (1 << 30)
-#define GM_PAIRED (1 << 29)
-#define GM_DUAL (1 << 28)
+/* A stage's tile id (stage_tile) with this bit: its block has <= 64 rows (gm_body). */
+#define GM_HALF (1 << 30)
+/* ... with this bit: a gated tile of <= 64 h columns, F_local's last (gm_body). */
+#define GM_NARROW (1 << 29)
 #define GM_SMEM_BYTES \
     (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
@@ -107,14 +100,13 @@ typedef struct {
     int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
+    int half;       /* blocks of <= 64 rows on consumer 0 alone (GM_HALF; COMET_GEMM_HALF=1) */
     int narrow;     /* gated: a last h tile of <= 64 columns computes those alone (GM_NARROW) */
     int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
     const comet_plan_totals_t *totals;
     const comet_plan_block_t *blocks;
-    const int32_t *order; /* without units: GEMM0 l0_order; GEMM1 NULL (blocks in expert order) */
-    const comet_plan_unit_t *units; /* the walk's units (GEMM0 l0_units, GEMM1 l1_units), or NULL: blocks */
-    const int32_t *num_units;       /* their count (in the plan's totals) */
+    const int32_t *order; /* GEMM0: l0_order; GEMM1: NULL (blocks in expert order) */
     comet_bf16_t *c;      /* output, for the masked register stores */
     const uint64_t *block_ready;
     const uint64_t *epoch; /* device: what block_ready[b] must reach, read at kernel start */
@@ -136,12 +128,11 @@ struct comet_gemm {
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast; gated w1
                              * with 64-row boxes: GM_NARROW's gate and up rows */
-    CUtensorMap a0h, a1h;   /* a and h with 64-row boxes: a GM_DUAL tile's two blocks */
     int num_sms;
     int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
-    int dual;        /* unless COMET_GEMM_DUAL=0 at prepare (GM_DUAL: the plan's units) */
+    int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
     int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
@@ -268,7 +259,7 @@ __device__ __forceinline__ int gm_num_tiles(const gm_params_t &p, int nb) {
     const int full = p.n / p.chunk_cols, rest = p.n - full * p.chunk_cols;
     return nb * (full * (p.chunk_cols / GM_BN) + (rest + GM_BN - 1) / GM_BN);
 }
-/* Tile t over nb units (the walk's units, or pairs of them with clusters) -> the
+/* Tile t over nb units (row blocks, or pairs of them with clusters) -> the
  * unit, first output column, chunk and end of the chunk's columns. */
 __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, int *unit, int *col0, int *chunk,
                                           int *col_end) {
@@ -294,34 +285,22 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
     *col_end = end < p.n ? end : p.n;
 }
 
-/* One CTA's share of tile t: its unit's blocks (b -1: none; b2 -1: a
- * single block; with 2-CTA clusters the walk's unit is a pair of
- * consecutive units, this CTA takes the one of its rank), its partner's
- * first block and whether the partner's unit is a pair (clusters), and the
- * columns. */
+/* One CTA's share of tile t: its row block (-1: none; with 2-CTA clusters
+ * the unit is a pair of consecutive blocks of the walk, this CTA takes the
+ * one of its rank) and its partner's (clusters), and the columns. */
 typedef struct {
-    int b, b2, pb, pdual, col0, chunk, col_end;
+    int b, pb, col0, chunk, col_end;
 } gm_tile_t;
 
-/* Units in the walk: the plan's, or (p.units NULL) single blocks. */
-__device__ __forceinline__ int gm_num_units(const gm_params_t &p) {
-    return p.units ? *p.num_units : p.totals->num_blocks;
+__device__ __forceinline__ int gm_block_at(const gm_params_t &p, int nb, int pos) {
+    return pos >= nb ? -1 : p.order ? p.order[pos] : pos;
 }
-__device__ __forceinline__ int2 gm_unit_at(const gm_params_t &p, int nu, int pos) {
-    if (pos >= nu) return make_int2(-1, -1);
-    if (p.units) {
-        const comet_plan_unit_t u = p.units[pos];
-        return make_int2(u.b0, u.b1);
-    }
-    return make_int2(p.order ? p.order[pos] : pos, -1);
-}
-__device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nu, int t, int cl, unsigned rank) {
+__device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nb, int t, int cl, unsigned rank) {
     gm_tile_t o;
     int unit;
-    gm_decode(p, cl ? (nu + 1) / 2 : nu, t, &unit, &o.col0, &o.chunk, &o.col_end);
-    const int2 me = gm_unit_at(p, nu, cl ? 2 * unit + (int)rank : unit);
-    const int2 peer = cl ? gm_unit_at(p, nu, 2 * unit + (int)(rank ^ 1u)) : make_int2(-1, -1);
-    o.b = me.x, o.b2 = me.y, o.pb = peer.x, o.pdual = peer.y >= 0;
+    gm_decode(p, cl ? (nb + 1) / 2 : nb, t, &unit, &o.col0, &o.chunk, &o.col_end);
+    o.b = gm_block_at(p, nb, cl ? 2 * unit + (int)rank : unit);
+    o.pb = cl ? gm_block_at(p, nb, 2 * unit + (int)(rank ^ 1u)) : -1;
     return o;
 }
 
@@ -511,73 +490,39 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
 }
 
 /* A consumer's main loop over the nk k-slices of one tile (from ring position
- * it; returns the position after it). n128 (a literal at each call;
- * GM_NARROW): the gated tile's h columns 0..63 alone, whose B stage holds 64
- * gate rows then 64 up rows: n128 into accumulators 0..63 (gate in 0..31, up
- * in 32..63; gm_act pairs them as GM_ACT_NARROW), half the tensor work and
- * two thirds of the bytes of the n256 path. paired (a literal; GM_PAIRED):
- * two stages a k-slice, the second empty or (dual, a run-time flag) consumer
- * 1's (its block's 64 A rows and its B), and each k-slice's wgmma waited for
- * before the next is issued, so both stages go back at once and the ring
- * holds the next k-slice meanwhile (the other consumer keeps the tensor
- * cores busy); else one stage a k-slice and one wgmma group in flight, each
- * stage released once the next one's group is issued (the last: by the
- * caller). */
+ * it; returns the position after it), one wgmma group in flight. narrow (a
+ * literal at each call; GM_NARROW): the gated tile's h columns 0..63 alone,
+ * whose B stage holds 64 gate rows then 64 up rows: n128 into accumulators
+ * 0..63 (gate in 0..31, up in 32..63; gm_act pairs them as GM_ACT_NARROW), half the
+ * tensor work and two thirds of the bytes of the n256 path. */
 __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t *full, uint64_t *empty, int it, int nk,
-                                        int c, int cl, int lane, int dual, const int n128, const int paired) {
-    for (int k = 0; k < nk; k++) {
+                                        int c, int cl, int mma, int lane, const int narrow) {
+    for (int k = 0; k < nk; k++, it++) {
         const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
-        const int s1 = (s + 1) % GM_STAGES;
         if (k > 0) gm_mbar_wait(&full[s], ph);
-        if (paired) gm_mbar_wait(&full[s1], ph ^ (s1 == 0)); /* the pair's stage comes back only after its fill */
-        const int own = paired ? (s + (dual & c)) % GM_STAGES : s;
-        unsigned char *sa = base + own * GM_STAGE_BYTES + c * 64 * 128; /* dual: consumer 1's A lies there too */
-        unsigned char *sb = base + own * GM_STAGE_BYTES + GM_A_BYTES;
-        gm_wgmma_fence();
+        if (mma) {
+            unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
+            unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
+            gm_wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const int acc = (k > 0 || kk > 0) ? 1 : 0;
-            if (n128) {
-                gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
-            } else {
-                gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+            for (int kk = 0; kk < 4; kk++) {
+                const int acc = (k > 0 || kk > 0) ? 1 : 0;
+                if (narrow) {
+                    gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+                } else {
+                    gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+                }
             }
-        }
-        gm_wgmma_commit();
-        if (paired) {
-            GM_WGMMA_WAIT(0);
-        } else {
+            gm_wgmma_commit();
             GM_WGMMA_WAIT(1);
+            gm_reg_fence(d);
         }
-        gm_reg_fence(d);
-        if (lane == 0 && (paired || k > 0)) {
-            const int r0 = paired ? s : (it - 1) % GM_STAGES;
-            gm_mbar_arrive(&empty[r0]);
-            if (cl) gm_mbar_arrive_peer(&empty[r0], gm_cluster_rank() ^ 1u);
-            if (paired) {
-                gm_mbar_arrive(&empty[s1]);
-                if (cl) gm_mbar_arrive_peer(&empty[s1], gm_cluster_rank() ^ 1u);
-            }
+        if (k > 0 && lane == 0) {
+            gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+            if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
         }
-        it += paired ? 2 : 1;
     }
     return it;
-}
-
-/* A producer's B loads of one block for one stage into dst (B row brow:
- * the expert's first row of the tile's columns): the whole tile (gated: 128
- * gate rows, then the 128 up rows; tmb) or GM_NARROW's 64 gate and 64 up
- * rows (tmbh). */
-__device__ __forceinline__ void gm_load_b(unsigned char *dst, const CUtensorMap *tmb, const CUtensorMap *tmbh,
-                                          const gm_params_t &p, const int mode, int narrow, int brow, int k,
-                                          uint64_t *bar) {
-    if (mode == GM_MODE_GATED) {
-        const CUtensorMap *gmap = narrow ? tmbh : tmb;
-        gm_tma_load(dst, gmap, k * GM_BK, brow, bar);
-        gm_tma_load(dst + (narrow ? GM_B_BYTES / 4 : GM_B_BYTES / 2), gmap, k * GM_BK, brow + p.up_off, bar);
-    } else {
-        gm_tma_load(dst, tmb, k * GM_BK, brow, bar);
-    }
 }
 
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
@@ -585,16 +530,15 @@ __device__ __forceinline__ void gm_load_b(unsigned char *dst, const CUtensorMap 
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
  * instruction fetches of the epilogue cost ~30% of the run time).
  * cl = 1: launched in 2-CTA clusters. CTA 0 claims tiles of pairs of
- * consecutive units of the walk and hands each claim to CTA 1 through a ring
- * in CTA 1's shared memory; each CTA computes the unit of its rank. When
- * both units are single blocks of one expert they share the B tile: each CTA
+ * consecutive blocks of the walk and hands each claim to CTA 1 through a ring
+ * in CTA 1's shared memory; each CTA computes the block of its rank. When
+ * both blocks of a pair belong to one expert they share the B tile: each CTA
  * loads one 128-row half and multicasts it to both, so a stage is free only
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
- * with cl = 0, each CTA loads its own B tile. tmah: A with 64-row boxes
- * (GM_DUAL); tmbh: B with 128-row boxes (gated: 64-row boxes, GM_NARROW's). */
-__device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmah, const CUtensorMap &tmb,
-                                        const CUtensorMap &tmbh, const CUtensorMap &tmc, const gm_params_t &p,
-                                        const int mode, const int cl) {
+ * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes (gated: 64-row boxes,
+ * GM_NARROW's). */
+__device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
+                                        const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
     if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
     extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
@@ -606,8 +550,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     volatile int32_t *ring = stage_tile + GM_STAGES;
     const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
     const unsigned rank = cl ? gm_cluster_rank() : 0u;
-    const int nu = gm_num_units(p);
-    const int ntiles = gm_num_tiles(p, cl ? (nu + 1) / 2 : nu); /* p.mode == mode */
+    const int nb = p.totals->num_blocks;
+    const int ntiles = gm_num_tiles(p, cl ? (nb + 1) / 2 : nb); /* p.mode == mode */
     const int nk = (p.k + GM_BK - 1) / GM_BK;
 
     if (threadIdx.x == 0) {
@@ -623,9 +567,12 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     if (cl) gm_cluster_sync(); /* the peer's barriers exist before anything reaches them */
 
     if (wg == 0) {
-        /* registers: 168 x 384 at launch = 56 x 128 + 224 x 256 (the producer spilled at 48 with
-         * the pairs' loads; the consumers had 232 without clusters before) */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        /* registers: 168 x 384 at launch = 40 x 128 + 232 x 256; the cluster producer needs 48 (it
+         * spilled at 40), its consumers get 224 */
+        if (cl)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 0) {
             const uint64_t epoch = p.block_ready ? *p.epoch : 0; /* device memory: a graph replays it */
             int it = 0;
@@ -641,58 +588,46 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     t = gm_ring_receive(&ring[i % GM_RING], &ring_full[i % GM_RING], (i / GM_RING) & 1);
                 }
                 if (t < 0) break;
-                const gm_tile_t tl = gm_tile(p, nu, t, cl, rank);
-                const int dual = tl.b2 >= 0;
+                const gm_tile_t tl = gm_tile(p, nb, t, cl, rank);
                 const comet_plan_block_t blk = tl.b >= 0 ? p.blocks[tl.b] : p.blocks[tl.pb];
-                /* GM_NARROW: 64 gate rows, then 64 up rows (tmbh: 64-row boxes for the gated kernels) */
-                const int narrow = mode == GM_MODE_GATED && p.narrow && p.n - tl.col0 <= 64;
-                /* a pair, or (clusters) the partner's: two stages a k-slice (GM_PAIRED) */
-                const int paired = dual || tl.pdual;
-                const int same = cl && !paired && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
+                const int same = cl && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
                 if (p.block_ready && tl.b >= 0) {
                     gm_wait_ready(p, &p.block_ready[tl.b], epoch, t, tl.b);
-                    if (dual) gm_wait_ready(p, &p.block_ready[tl.b2], epoch, t, tl.b2);
                     asm volatile("fence.proxy.async.global;" ::: "memory");
                 }
                 const int brow = blk.expert * p.b_rows + tl.col0;
+                /* GM_NARROW: 64 gate rows, then 64 up rows (tmbh: 64-row boxes for the gated kernels) */
+                const int narrow = mode == GM_MODE_GATED && p.narrow && p.n - tl.col0 <= 64;
                 const int bbytes = narrow ? GM_B_BYTES / 2 : GM_B_BYTES;
-                for (int k = 0; k < nk; k++) {
+                for (int k = 0; k < nk; k++, it++) {
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
-                    if (k == 0) /* published by the arrive below (release.cta) */
-                        stage_tile[s] = t | (narrow ? GM_NARROW : 0) | (paired ? GM_PAIRED : 0) | (dual ? GM_DUAL : 0);
-                    if (paired) { /* the second stage: the pair's second block, or nothing */
-                        const int s1 = (it + 1) % GM_STAGES, ph1 = ((it + 1) / GM_STAGES) & 1;
-                        gm_mbar_wait(&empty[s1], ph1 ^ 1);
-                        gm_mbar_expect_tx(&full[s1], dual ? GM_A_BYTES / 2 + bbytes : 0);
-                        if (dual) {
-                            const comet_plan_block_t b2 = p.blocks[tl.b2];
-                            unsigned char *st1 = base + s1 * GM_STAGE_BYTES;
-                            gm_tma_load(st1 + GM_A_BYTES / 2, &tmah, k * GM_BK, b2.row_start, &full[s1]);
-                            gm_load_b(st1 + GM_A_BYTES, &tmb, &tmbh, p, mode, narrow, b2.expert * p.b_rows + tl.col0, k,
-                                      &full[s1]);
-                        }
-                    }
-                    it += paired ? 2 : 1;
-                    /* no block: no bytes */
-                    gm_mbar_expect_tx(&full[s], tl.b >= 0 ? (dual ? GM_A_BYTES / 2 : GM_A_BYTES) + bbytes : 0);
+                    if (k == 0) /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
+                        stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0) | (narrow ? GM_NARROW : 0);
+                    gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
-                    gm_tma_load(st, dual ? &tmah : &tma, k * GM_BK, blk.row_start, &full[s]); /* dual: 64 rows */
+                    gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
+                    const CUtensorMap *gmap = narrow ? &tmbh : &tmb; /* gated: gate and up boxes */
                     if (same) { /* my half of the shared B tile, into both CTAs (gated: gate or up rows) */
                         const int hrow = mode == GM_MODE_GATED ? brow + (int)rank * p.up_off : brow + (int)rank * (GM_BN / 2);
-                        gm_tma_load_mc(st + GM_A_BYTES + rank * (bbytes / 2),
-                                       mode == GM_MODE_GATED && narrow ? &tmbh : mode == GM_MODE_GATED ? &tmb : &tmbh,
+                        gm_tma_load_mc(st + GM_A_BYTES + rank * (bbytes / 2), mode == GM_MODE_GATED ? gmap : &tmbh,
                                        k * GM_BK, hrow, &full[s]);
+                    } else if (mode == GM_MODE_GATED) {
+                        gm_tma_load(st + GM_A_BYTES, gmap, k * GM_BK, brow, &full[s]);
+                        gm_tma_load(st + GM_A_BYTES + bbytes / 2, gmap, k * GM_BK, brow + p.up_off, &full[s]);
                     } else {
-                        gm_load_b(st + GM_A_BYTES, &tmb, &tmbh, p, mode, narrow, brow, k, &full[s]);
+                        gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
                     }
                 }
             }
             gm_produce_end(p, full, empty, stage_tile, it, cl, rank);
         }
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        if (cl)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = wg - 1, lane = tid & 31;
         float d[128];
 #pragma unroll
@@ -702,32 +637,25 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
             const int tv = stage_tile[it % GM_STAGES];
             if (tv < 0) break;
+            /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
+             * gets the tensor cores alone (so the tile should take about half the time; unmeasured) */
+            const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
             /* no block (cl): the pair's rhythm on stale data, no store */
-            if (tv & GM_PAIRED) { /* each stage went back in the loop */
-                if (mode == GM_MODE_GATED && (tv & GM_NARROW))
-                    it = gm_kloop(d, base, full, empty, it, nk, c, cl, lane, (tv & GM_DUAL) != 0, 1, 1);
-                else
-                    it = gm_kloop(d, base, full, empty, it, nk, c, cl, lane, (tv & GM_DUAL) != 0, 0, 1);
-            } else {
-                if (mode == GM_MODE_GATED && (tv & GM_NARROW))
-                    it = gm_kloop(d, base, full, empty, it, nk, c, cl, lane, 0, 1, 0);
-                else
-                    it = gm_kloop(d, base, full, empty, it, nk, c, cl, lane, 0, 0, 0);
-                GM_WGMMA_WAIT(0);
-                gm_reg_fence(d);
-                if (lane == 0) {
-                    gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
-                    if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
-                }
+            if (mode == GM_MODE_GATED && (tv & GM_NARROW))
+                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 1);
+            else
+                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 0);
+            GM_WGMMA_WAIT(0);
+            gm_reg_fence(d);
+            if (lane == 0) {
+                gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
+                if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
             }
-            /* the tile decoded only now: nothing but tv stays live across the main loop */
-            const int t = tv & ~(GM_NARROW | GM_PAIRED | GM_DUAL);
-            const gm_tile_t tl = gm_tile(p, nu, t, cl, cl ? gm_cluster_rank() : 0u);
+            /* the tile decoded only now: nothing but tv (and mma) stays live across the main loop */
+            const int t = tv & ~(GM_HALF | GM_NARROW);
+            const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
-            /* a pair: block c is this consumer's, all its <= 64 rows */
-            const int dual = tl.b2 >= 0;
-            const int mb = c && dual ? tl.b2 : tl.b;
-            const int row_start = p.blocks[mb].row_start, num_rows = p.blocks[mb].num_rows;
+            const comet_plan_block_t blk = p.blocks[tl.b];
 
             /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
              * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
@@ -746,8 +674,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
 #pragma unroll
             for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i])); /* keep the packing out of the branches */
             const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
-            const int crow = dual ? 0 : c * 64; /* this consumer's first row in the block */
-            const int rows = num_rows - crow, col_lim = tl.col_end - tl.col0, row0 = row_start + crow;
+            const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
             if (rows >= 64)
                 gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, tl.col0, ncols / 128, col_lim, tid, c, p, mode);
             else if (rows > 0)
@@ -776,10 +703,10 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
 
 #define GM_KERNEL(name, mode, cl)                                                                             \
     __global__ void __launch_bounds__(384, 1)                                                                 \
-        name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmah,              \
-             const __grid_constant__ CUtensorMap tmb, const __grid_constant__ CUtensorMap tmbh,              \
-             const __grid_constant__ CUtensorMap tmc, const __grid_constant__ gm_params_t p) {               \
-        gm_body(tma, tmah, tmb, tmbh, tmc, p, mode, cl);                                                      \
+        name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
+             const __grid_constant__ CUtensorMap tmbh, const __grid_constant__ CUtensorMap tmc,              \
+             const __grid_constant__ gm_params_t p) {                                                         \
+        gm_body(tma, tmb, tmbh, tmc, p, mode, cl);                                                            \
     }
 GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0)
 GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0)
@@ -814,8 +741,8 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
         d->max_rows_padded * d->hidden >= ((int64_t)1 << 40))
         return "the Hopper grouped GEMM needs row counts below 2^31";
     const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_NARROW */
-    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_DUAL)
-        return "the Hopper grouped GEMM needs fewer than 2^28 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
+    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_NARROW)
+        return "the Hopper grouped GEMM needs fewer than 2^29 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
     return NULL;
 }
 
@@ -849,8 +776,6 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
     bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, gated ? 64 : 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
-    bad |= gm_map(&g->a0h, args->a, mr, hd, 64, 1);
-    bad |= gm_map(&g->a1h, args->h, mr, fl, 64, 1);
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -860,8 +785,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     g->num_sms = sms > 0 ? sms : 132;
-    const char *dual = getenv("COMET_GEMM_DUAL");
-    g->dual = !(dual && strcmp(dual, "0") == 0);
+    const char *half = getenv("COMET_GEMM_HALF");
+    g->half = half && strcmp(half, "1") == 0;
     const char *narrow = getenv("COMET_GEMM_NARROW");
     g->narrow = !(narrow && strcmp(narrow, "0") == 0);
     const char *grp = getenv("COMET_GEMM_GROUP");
@@ -907,8 +832,6 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
 }
 
 extern "C" int comet_gemm_cluster_ctas(const comet_gemm_t *g) { return g->cluster_ctas; }
-
-extern "C" int comet_gemm_units(const comet_gemm_t *g) { return g->dual; }
 
 extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
     if (!g) return;
@@ -963,8 +886,6 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
         p.order = plan.l0_order;
-        p.units = g->dual ? plan.l0_units : NULL;
-        p.num_units = &plan.totals->num_units_l0;
         p.c = a->h;
     } else {
         int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;
@@ -977,14 +898,13 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.tile_cols = GM_BN;
         p.chunk_cols = cc;
         p.order = NULL;
-        p.units = g->dual ? plan.l1_units : NULL;
-        p.num_units = &plan.totals->num_units_l1;
         p.c = a->o;
     }
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group ? g->group : gm_group_for(p.k);
+    p.half = g->half && !cl;
     p.narrow = g->narrow;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;
@@ -1005,13 +925,12 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     cfg.attrs = attr, cfg.numAttrs = (unsigned)na;
     cudaError_t e;
     if (gemm1)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->a1h, g->b1, g->b1h, g->c1,
-                               p);
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
     else if (p.mode == GM_MODE_GATED)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->a0h, g->b0, g->b0h,
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0h,
                                g->c0, p);
     else
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->a0h, g->b0, g->b0h,
+        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,
                                g->c0, p);
     return (int)e;
 }

@@ -76,8 +76,7 @@ typedef struct {
     const uint64_t *epoch;
     /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
-     * call chunk c gains units * ceil(width_c / 256), units being the plan's
-     * num_units_l1 (comet_gemm_units) or num_blocks. */
+     * call chunk c gains num_blocks * ceil(width_c / 256). */
     uint64_t *chunk_done;
     /* skip != NULL: when *skip != 0 at kernel start, do nothing (the layer's
      * "some rank's input is invalid" flag). */
@@ -103,7 +102,7 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
 /* NULL when the Hopper kernels support dims d, else a sentence saying why not
  * (the layer then falls back to the SIMT kernels). Requirements: tile_m == 128;
  * H % 64 == 0; F_local % 8 == 0; row counts and
- * E_local * rows of the stacked weights below 2^31; fewer than 2^28 tiles
+ * E_local * rows of the stacked weights below 2^31; fewer than 2^29 tiles
  * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
@@ -115,9 +114,9 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * 2-CTA clusters (the default; COMET_GEMM_CLUSTER=0, read here, turns them
  * off): pairs of blocks of one expert share each B tile (multicast); grids
  * then even, at most what fits as clusters.
- * The tiles walk the plan's units (plan.h: two blocks of <= 64 rows share a
- * tile, one consumer warpgroup each); COMET_GEMM_DUAL=0 (read here; a
- * measurement knob) walks the blocks one by one. COMET_GEMM_NARROW=0 (read here): the gated GEMM0's last h
+ * COMET_GEMM_HALF=1 (read here; a measurement knob, off; only with
+ * COMET_GEMM_CLUSTER=0): a row block of <= 64 rows runs on one consumer
+ * warpgroup alone. COMET_GEMM_NARROW=0 (read here): the gated GEMM0's last h
  * tile of <= 64 columns runs at full width, masked, instead of half width.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */
@@ -125,9 +124,6 @@ int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *
 void comet_gemm_destroy(comet_gemm_t *g);
 /* CTAs the launches of g run as 2-CTA clusters at most (even), or 0: no clusters. */
 int comet_gemm_cluster_ctas(const comet_gemm_t *g);
-/* 1 when g's tiles walk the plan's units (chunk_done then counts the tiles
- * of l1_units), 0 when the blocks (COMET_GEMM_DUAL=0). */
-int comet_gemm_units(const comet_gemm_t *g);
 
 /* Host: 1 and a message naming rank, role, tile and block when the report
  * (host view of hooks.timeout_report) records a timeout, else 0. */

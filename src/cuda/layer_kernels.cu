@@ -1077,7 +1077,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
 }
 
 /* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
- * tile: nb, the units it walks, x the chunk's 256-column tiles). */
+ * 128 x 256 tile). */
 __device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb, int chunk) {
     const int64_t c0 = (int64_t)chunk * c->chunk_cols;
     const int64_t width = c->d.hidden - c0 < c->chunk_cols ? c->d.hidden - c0 : c->chunk_cols;
@@ -1107,7 +1107,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t
     }
     __shared__ combine_src_t src;
     combine_src_init(&c, &src);
-    const int nb = c.gemm_units ? p.totals->num_units_l1 : p.totals->num_blocks; /* GEMM1's units */
+    const int nb = p.totals->num_blocks;
     comet_sym_flags_t *mine = flags_of(&c, me);
     for (int ch = 0; ch < n_chunks; ch++) {
         const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;

@@ -22,9 +22,8 @@
  *   finish: one more block of the fill's launch, beside the chunks, from
  *           the table alone: counts, starts, totals, padding rows, row
  *           blocks (a block's stage, that of its last row, from the rows
- *           each expert has up to each stage), the local-first block
- *           order (the same stable ranking with the stage as the key) and
- *           both walks' units (plan_units).
+ *           each expert has up to each stage) and the local-first block
+ *           order (the same stable ranking with the stage as the key).
  * Experts per rank are limited by shared memory (COMET_PLAN_MAX_KEYS); above
  * it, and for the reference, the sequential builder of plan_impl.h runs in
  * one thread.
@@ -269,68 +268,9 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
     }
 }
 
-/* Number of entries of the ascending pos[0, n) below x. */
-__device__ static inline int32_t count_below(const int32_t *pos, int32_t n, int32_t x) {
-    int32_t lo = 0, hi = n;
-    while (lo < hi) {
-        const int32_t mid = (lo + hi) / 2;
-        if (pos[mid] < x) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
-/* plan_impl.h's comet_plan_units in parallel, by the finish's block: ord
- * (NULL: expert order) cut into regions (by_stage: l0_order's stages, else
- * one), the small blocks (<= half rows) numbered in walk order within their
- * region, and an odd-numbered one joins its predecessor's unit; a position's
- * unit is its index less the joined blocks before it. pos: scratch
- * [max_blocks] (the small blocks' positions), first, joined: shared [W]. */
-__device__ static int32_t plan_units(const comet_plan_t &p, const int32_t *ord, int32_t nb, int32_t half, int by_stage,
-                                     int w, comet_plan_unit_t *units, int32_t *pos, int32_t *first, int32_t *joined,
-                                     int *wsum) {
-    const int tid = threadIdx.x, nt = blockDim.x, nreg = by_stage ? w : 1;
-    int32_t ns = 0; /* small blocks so far */
-    for (int32_t i0 = 0; i0 < nb; i0 += nt) {
-        const int32_t i = i0 + tid;
-        const int small = i < nb && p.blocks[ord ? ord[i] : i].num_rows <= half;
-        int all;
-        const int at = block_scan(small, wsum, &all);
-        if (small) pos[ns + at] = i;
-        ns += all;
-    }
-    __syncthreads();
-    if (tid == 0) /* per region: its small blocks before it, the joined ones before it */
-        for (int q = 0, j = 0; q < nreg; q++) {
-            const int32_t r0 = by_stage && q ? p.stage_end[q - 1] : 0, r1 = by_stage ? p.stage_end[q] : nb;
-            first[q] = count_below(pos, ns, r0);
-            joined[q] = j;
-            j += (count_below(pos, ns, r1) - first[q]) / 2;
-            if (q == nreg - 1) wsum[0] = j;
-        }
-    __syncthreads();
-    const int32_t joined_all = wsum[0];
-    __syncthreads(); /* wsum reusable */
-    for (int32_t i = tid; i < nb; i += nt) {
-        const int32_t b = ord ? ord[i] : i;
-        const int q = by_stage ? p.blocks[b].stage : 0;
-        const int32_t before = count_below(pos, ns, i), k = before - first[q]; /* i's number in its region */
-        const int small = p.blocks[b].num_rows <= half;
-        if (small && (k & 1)) continue; /* joined the unit of the small block before it */
-        const int32_t r1 = by_stage ? p.stage_end[q] : nb;
-        const int32_t next = small && before + 1 < ns && pos[before + 1] < r1 ? pos[before + 1] : -1;
-        comet_plan_unit_t u;
-        u.b0 = b;
-        u.b1 = next < 0 ? -1 : ord ? ord[next] : next;
-        units[i - joined[q] - k / 2] = u;
-    }
-    return nb - joined_all;
-}
-
 /* The finish, by one block of the fill's launch (bits: its dynamic shared
  * memory, [W][PLAN_STRIDE], then aux[max(el + 1, W)], tot[el + 1],
- * by_rank[W]; stage_rows: el x W ints of scratch, then max_blocks for
- * plan_units). Reads nothing the fill
+ * by_rank[W]; stage_rows: el x W ints of scratch). Reads nothing the fill
  * writes, and writes only what the fill does not (the padding rows lie
  * beyond each expert's filled rows). */
 __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const int32_t *cnt, int32_t *stage_rows,
@@ -430,17 +370,6 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
         for (int q = tid; q < w; q += nt) aux[q] += key_total(bits, q);
         __syncthreads();
     }
-
-    /* the two walks as units (aux and by_rank are free again; the scratch after stage_rows) */
-    int32_t *units_pos = stage_rows + el * w;
-    const int32_t half = (int32_t)tm / 2;
-    const int32_t n0 = plan_units(p, p.l0_order, nb, half, 1, w, p.l0_units, units_pos, aux, by_rank, wsum);
-    __syncthreads();
-    const int32_t n1 = plan_units(p, NULL, nb, half, 0, w, p.l1_units, units_pos, aux, by_rank, wsum);
-    if (tid == 0) {
-        p.totals->num_units_l0 = n0;
-        p.totals->num_units_l1 = n1;
-    }
 }
 
 /* The sequential builder, one thread: for plans with more experts per rank
@@ -453,10 +382,10 @@ __global__ void comet_plan_build_serial(comet_dims_t d, comet_plan_input_t in, v
 }
 
 /* Scratch: the count table [W][chunks][el + 1], then the finish's
- * stage_rows [el][W] and its units' small-block positions [max_blocks]. */
+ * stage_rows [el][W]. */
 extern "C" size_t comet_cuda_plan_scratch_bytes(const comet_dims_t *d) {
     const int64_t w = d->world_size, el = d->experts_local;
-    return (size_t)(w * plan_chunks(d) * (el + 1) + el * w + d->max_blocks) * sizeof(int32_t);
+    return (size_t)(w * plan_chunks(d) * (el + 1) + el * w) * sizeof(int32_t);
 }
 
 extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_plan_input_t *in, void *workspace,

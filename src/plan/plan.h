@@ -4,8 +4,7 @@
  * A plan says, for rank r = (ep, tp), which token rows of the whole world its
  * local experts receive, where each row lands in the expert-grouped buffers,
  * how those buffers split into row blocks (tiles of height tile_m), in which
- * order layer 0 visits the blocks (local-first), how each order pairs its
- * half-height blocks into units, and which tokens rank r sends
+ * order layer 0 visits the blocks (local-first), and which tokens rank r sends
  * partial outputs back to. It is plain data built by plain C that compiles for
  * the host (plan.c) and inside CUDA kernels (src/cuda/plan_kernel.cu): no
  * allocation, no host calls. Buffers are sized for the worst case from the
@@ -59,21 +58,11 @@ typedef struct {
     int32_t stage;     /* latest source stage among its rows (0 = local only) */
 } comet_plan_block_t;
 
-/* One unit of a block walk: a row block, or two blocks of at most tile_m / 2
- * rows each (two experts' last blocks) that one tile computes side by side
- * (the Hopper GEMM: one 64-row consumer each). */
-typedef struct {
-    int32_t b0; /* block id */
-    int32_t b1; /* the second block of a pair, or -1 */
-} comet_plan_unit_t;
-
 /* Scalars of a built plan. */
 typedef struct {
     int32_t num_rows;        /* valid rows received (sum of expert_count) */
     int32_t num_rows_padded; /* expert_start[E_local] */
     int32_t num_blocks;
-    int32_t num_units_l0;    /* entries of l0_units */
-    int32_t num_units_l1;    /* entries of l1_units */
 } comet_plan_totals_t;
 
 /* Views into one workspace (comet_plan_carve). Shapes in brackets. */
@@ -86,12 +75,6 @@ typedef struct {
     comet_plan_block_t *blocks;  /* [max_blocks] in expert order; block b holds padded rows [b, b + 1) * tile_m */
     int32_t *l0_order;           /* [max_blocks] block ids, ascending stage (local first) */
     int32_t *stage_end;          /* [W] l0_order entries with stage <= q */
-    /* [max_blocks] l0_order (and expert order) as units: in that order,
-     * the blocks of at most tile_m / 2 rows pair up, the 2i-th with the
-     * (2i+1)-th (l0: the same stage's), and the pair takes the place of its
-     * first block; every other block is a unit of its own */
-    comet_plan_unit_t *l0_units;
-    comet_plan_unit_t *l1_units;
     int32_t *row_of_slot;        /* [W, max_tokens * topk] row of (src s, token t, slot j) or -1 */
     int32_t *send_count;         /* [W] tokens of home rank s with >= 1 row here */
     int32_t *send_tokens;        /* [W, max_tokens] those tokens, ascending */

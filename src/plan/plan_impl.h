@@ -5,7 +5,7 @@
  *
  * The builder is sequential phases over plain arrays:
  *   1. count rows per local expert          4. row blocks per expert
- *   2. padded prefix sums                    5. local-first block order, units
+ *   2. padded prefix sums                    5. local-first block order
  *   3. fill rows in stage order              6. send lists and home groups
  * Every phase is a loop over independent items or a prefix sum, so the GPU
  * version can split it over threads later without changing the result.
@@ -39,8 +39,6 @@ COMET_HD static size_t comet_plan_layout(const comet_dims_t *d, char *base, come
     COMET_CARVE(blocks, comet_plan_block_t, d->max_blocks);
     COMET_CARVE(l0_order, int32_t, d->max_blocks);
     COMET_CARVE(stage_end, int32_t, w);
-    COMET_CARVE(l0_units, comet_plan_unit_t, d->max_blocks);
-    COMET_CARVE(l1_units, comet_plan_unit_t, d->max_blocks);
     COMET_CARVE(row_of_slot, int32_t, w * d->max_tokens * d->topk);
     COMET_CARVE(send_count, int32_t, w);
     COMET_CARVE(send_tokens, int32_t, w * d->max_tokens);
@@ -56,28 +54,6 @@ COMET_PLAN_API size_t comet_plan_workspace_bytes(const comet_dims_t *d) {
 
 COMET_PLAN_API void comet_plan_carve(const comet_dims_t *d, void *workspace, comet_plan_t *plan) {
     comet_plan_layout(d, (char *)workspace, plan);
-}
-
-/* Units of the block walk ord (NULL: expert order) over nb blocks (plan.h):
- * a pending block of <= half rows pairs with the next such block (by_stage:
- * of the same stage); returns the number of units written. */
-COMET_HD static int32_t comet_plan_units(const comet_plan_block_t *blocks, const int32_t *ord, int32_t nb, int32_t half,
-                                         int by_stage, comet_plan_unit_t *units) {
-    int32_t n = 0, pending = -1;
-    for (int32_t i = 0; i < nb; i++) {
-        const int32_t b = ord ? ord[i] : i;
-        const int small = blocks[b].num_rows <= half;
-        if (small && pending >= 0 && (!by_stage || blocks[units[pending].b0].stage == blocks[b].stage)) {
-            units[pending].b1 = b;
-            pending = -1;
-            continue;
-        }
-        units[n].b0 = b;
-        units[n].b1 = -1;
-        if (small) pending = n;
-        n++;
-    }
-    return n;
 }
 
 COMET_PLAN_API void comet_plan_build(const comet_dims_t *d, const comet_plan_input_t *in,
@@ -161,8 +137,6 @@ COMET_PLAN_API void comet_plan_build(const comet_dims_t *d, const comet_plan_inp
             if (p->blocks[b].stage == q) p->l0_order[filled++] = b;
         p->stage_end[q] = filled;
     }
-    p->totals->num_units_l0 = comet_plan_units(p->blocks, p->l0_order, nb, (int32_t)tm / 2, 1, p->l0_units);
-    p->totals->num_units_l1 = comet_plan_units(p->blocks, (const int32_t *)0, nb, (int32_t)tm / 2, 0, p->l1_units);
 
     /* 6a. tokens of each home rank that have at least one row here */
     for (int s = 0; s < w; s++) {
