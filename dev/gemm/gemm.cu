@@ -13,6 +13,10 @@
 //   8: MoE grouped (v5 layout) with 2-CTA clusters (B multicast when a pair shares the expert) + TMA-store epilogue.
 //   9: v3 with ping-pong consumers: each consumer warpgroup owns whole 128x128 tiles, alternating, so one runs wgmma
 //      while the other runs its epilogue (v7's TMA store); 6-stage ring of 32 KiB stages.
+//  10: v3 with three consumer warpgroups of m64n128: 192x128 tiles (a 64-row-granular MoE tile's full shape).
+//  11: the same with four: 256x128 tiles, 640 threads.
+//  12: v11 grouped for MoE at 64-row granularity (./gemm 5 runs it beside v5 and v8): a unit is up to 256 rows of
+//      one expert, a consumer per 64-row group, absent groups neither loaded nor computed.
 // Usage: ./gemm [version|0=all dense] [M N K]   (no shape: the built-in shape list); ./gemm 5 (or 8): MoE cases.
 // Needs N%8==0, K%8==0. Best dense: v7 (v9 not yet measured); best MoE: v8.
 // Every version is checked against cuBLAS (elementwise, bf16 tolerance) and against a CPU double
@@ -952,6 +956,194 @@ __global__ __launch_bounds__(384, 1) void gemm_v9(const __grid_constant__ CUtens
 }
 
 // ---------------------------------------------------------------------------------------------
+// v10 / v11: v3's persistent grouped walk with NC consumer warpgroups of wgmma m64n128k16 each (64 fp32
+// accumulators a thread): tiles of (64 NC) x 128, one A box of 64 NC rows and one 128-row B box a k-slice
+// (40 KiB at NC 3, 48 at NC 4), a 4-stage ring, register epilogue (store_acc_64x128). The question they
+// answer: does a tile of 64-row groups sharing one 128-row B tile keep v3's rate? An MoE tile of that shape
+// could skip absent row groups, so padding would fall to 64-row granularity (dev/NOTES.md, thirteenth
+// session). Registers: NC 3 (512 threads, 128 at launch): producer 40, consumers 152; NC 4 (640, 96 at
+// launch): producer 24, consumers 112.
+// ---------------------------------------------------------------------------------------------
+#define G_BN 128
+#define G_STAGES 4
+#define G_B_BYTES (G_BN * H_BK * 2)  // 16 KiB
+#define G_STAGE_BYTES(nc) ((nc) * 64 * H_BK * 2 + G_B_BYTES)
+#define G_SMEM_BYTES(nc) (G_STAGES * G_STAGE_BYTES(nc) + 1024 + 2 * G_STAGES * 8)
+
+__device__ __forceinline__ void store_acc_64x128(const float* d, bf16* C, int M, int N, int row0, int col0, int lane, int warp_in_wg) {
+    int r = row0 + warp_in_wg * 16 + (lane >> 2);
+    int cb = col0 + (lane & 3) * 2;
+    #pragma unroll
+    for (int j = 0; j < 16; j++) {
+        int col = cb + j * 8;
+        if (col < N) {
+            if (r < M) *(__nv_bfloat162*)&C[(size_t)r * N + col] = __floats2bfloat162_rn(d[4 * j + 0], d[4 * j + 1]);
+            if (r + 8 < M) *(__nv_bfloat162*)&C[(size_t)(r + 8) * N + col] = __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
+        }
+    }
+}
+
+__device__ __forceinline__ void gemm_groups_body(const CUtensorMap& tmA, const CUtensorMap& tmB, bf16* C, int M, int N, int K,
+                                                 const int nc) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    const int stage_bytes = G_STAGE_BYTES(nc), bm = 64 * nc;
+    uint64_t* full = (uint64_t*)(base + G_STAGES * stage_bytes);
+    uint64_t* empty = full + G_STAGES;
+    int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    int tiles_m = (M + bm - 1) / bm, tiles_n = (N + G_BN - 1) / G_BN, ntiles = tiles_m * tiles_n;
+    int nk = (K + H_BK - 1) / H_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < G_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 4 * nc); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        if (nc == 4) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        else asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int it = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+                int tm, tn;
+                tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
+                    gm_mbar_wait(&empty[s], ph ^ 1);
+                    unsigned char* st = base + s * stage_bytes;
+                    gm_mbar_expect_tx(&full[s], stage_bytes);
+                    gm_tma_load(st, &tmA, k * H_BK, tm * bm, &full[s]);
+                    gm_tma_load(st + nc * 64 * H_BK * 2, &tmB, k * H_BK, tn * G_BN, &full[s]);
+                }
+            }
+        }
+    } else {
+        if (nc == 4) asm volatile("setmaxnreg.inc.sync.aligned.u32 112;");
+        else asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
+        int c = wg - 1, lane = tid & 31, w = tid >> 5;
+        float d[64];
+        #pragma unroll
+        for (int i = 0; i < 64; i++) d[i] = 0.f;
+        int it = 0;
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            int tm, tn;
+            tile_coords(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
+            for (int k = 0; k < nk; k++, it++) {
+                int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
+                gm_mbar_wait(&full[s], ph);
+                unsigned char* sa = base + s * stage_bytes + c * 64 * 128;
+                unsigned char* sb = base + s * stage_bytes + nc * 64 * H_BK * 2;
+                wgmma_fence();
+                #pragma unroll
+                for (int kk = 0; kk < 4; kk++)
+                    wgmma_m64n128k16(d, make_desc_sw128(sa + kk * 32), make_desc_sw128(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                wgmma_commit();
+                WGMMA_WAIT(1);
+                reg_fence(d, 64);
+                if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
+            }
+            WGMMA_WAIT(0);
+            reg_fence(d, 64);
+            if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
+            store_acc_64x128(d, C, M, N, tm * bm + c * 64, tn * G_BN, lane, w);
+        }
+    }
+}
+__global__ __launch_bounds__(512, 1) void gemm_v10(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                                                   bf16* __restrict__ C, int M, int N, int K) {
+    gemm_groups_body(tmA, tmB, C, M, N, K, 3);
+}
+__global__ __launch_bounds__(640, 1) void gemm_v11(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                                                   bf16* __restrict__ C, int M, int N, int K) {
+    gemm_groups_body(tmA, tmB, C, M, N, K, 4);
+}
+
+// v12: v11's tile over MoE units. units[u] = (expert, first row, rows 1..256) in v5's layout (each expert's
+// rows from a 128-aligned offset); a tile is a unit x 128 columns of the expert's weights; the producer loads
+// only the unit's ceil(rows / 64) 64-row A boxes, and a consumer whose group is absent only waits for and
+// frees the stages. So a unit of g groups costs g / 4 of a full tile's tensor work: padding falls to 64-row
+// granularity, and every group shares the one 16 KiB B slice a k-slice.
+__global__ __launch_bounds__(640, 1) void gemm_v12_groups(const __grid_constant__ CUtensorMap tmA64, const __grid_constant__ CUtensorMap tmB,
+                                                          bf16* __restrict__ C, int Mtot, int N, int K, const int4* __restrict__ units,
+                                                          int nunits) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    const int stage_bytes = G_STAGE_BYTES(4);
+    uint64_t* full = (uint64_t*)(base + G_STAGES * stage_bytes);
+    uint64_t* empty = full + G_STAGES;
+    int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    int tiles_n = (N + G_BN - 1) / G_BN, ntiles = nunits * tiles_n;
+    int nk = (K + H_BK - 1) / H_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < G_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 16); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        if (tid == 0) {
+            int it = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+                int tu, tn;
+                tile_coords(t, nunits, tiles_n, GROUP_M, &tu, &tn);
+                const int4 u = units[tu];
+                const int groups = (u.z + 63) / 64, brow = u.x * N + tn * G_BN;
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
+                    gm_mbar_wait(&empty[s], ph ^ 1);
+                    unsigned char* st = base + s * stage_bytes;
+                    gm_mbar_expect_tx(&full[s], groups * 64 * H_BK * 2 + G_B_BYTES);
+                    for (int g = 0; g < groups; g++) gm_tma_load(st + g * 64 * 128, &tmA64, k * H_BK, u.y + g * 64, &full[s]);
+                    gm_tma_load(st + 4 * 64 * H_BK * 2, &tmB, k * H_BK, brow, &full[s]);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 112;");
+        int c = wg - 1, lane = tid & 31, w = tid >> 5;
+        float d[64];
+        #pragma unroll
+        for (int i = 0; i < 64; i++) d[i] = 0.f;
+        int it = 0;
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            int tu, tn;
+            tile_coords(t, nunits, tiles_n, GROUP_M, &tu, &tn);
+            const int4 u = units[tu];
+            const int mine = c * 64 < u.z;  // this consumer's group holds rows
+            for (int k = 0; k < nk; k++, it++) {
+                int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
+                gm_mbar_wait(&full[s], ph);
+                if (mine) {
+                    unsigned char* sa = base + s * stage_bytes + c * 64 * 128;
+                    unsigned char* sb = base + s * stage_bytes + 4 * 64 * H_BK * 2;
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int kk = 0; kk < 4; kk++)
+                        wgmma_m64n128k16(d, make_desc_sw128(sa + kk * 32), make_desc_sw128(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                    wgmma_commit();
+                    WGMMA_WAIT(1);
+                    reg_fence(d, 64);
+                    if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
+                } else if (lane == 0) {
+                    gm_mbar_arrive(&empty[s]);  // nothing of this stage is read here
+                }
+            }
+            if (mine) {
+                WGMMA_WAIT(0);
+                reg_fence(d, 64);
+                if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
+                store_acc_64x128(d, C, u.y + u.z, N, u.y + c * 64, tn * G_BN, lane, w);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // host side
 // ---------------------------------------------------------------------------------------------
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
@@ -992,6 +1184,7 @@ static int g_num_sms = 132;
 
 static CUtensorMap g_tBh;  // B map with 128-row boxes (v4 multicast halves)
 static CUtensorMap g_tC;   // C map, 64x64 boxes, 128B swizzle (v7 and v9 TMA-store epilogue)
+static CUtensorMap g_tA192, g_tA256;  // A maps with 192- and 256-row boxes (v10, v11)
 
 static void run_version(int v, const bf16* A, const bf16* B, bf16* C, int M, int N, int K, const CUtensorMap* tA, const CUtensorMap* tB) {
     if (v == 1) {
@@ -1084,12 +1277,18 @@ static void run_version(int v, const bf16* A, const bf16* B, bf16* C, int M, int
         int tiles = ((M + H_BM - 1) / H_BM) * ((N + P9_BN - 1) / P9_BN);
         int grid = tiles < g_num_sms ? tiles : g_num_sms;
         gemm_v9<<<grid, 384, P9_SMEM_BYTES>>>(*tA, g_tBh, g_tC, M, N, K);
+    } else if (v == 10 || v == 11) {  // B with 128-row boxes: g_tBh
+        int nc = v == 10 ? 3 : 4;
+        int tiles = ((M + 64 * nc - 1) / (64 * nc)) * ((N + G_BN - 1) / G_BN);
+        int grid = tiles < g_num_sms ? tiles : g_num_sms;
+        if (v == 10) gemm_v10<<<grid, 512, G_SMEM_BYTES(3)>>>(g_tA192, g_tBh, C, M, N, K);
+        else gemm_v11<<<grid, 640, G_SMEM_BYTES(4)>>>(g_tA256, g_tBh, C, M, N, K);
     }
     CK(cudaGetLastError());
 }
-#define NVERSIONS 9
+#define NVERSIONS 11
 #define MOE_ONLY(v) ((v) == 5 || (v) == 8) /* grouped versions: ./gemm 5 or 8, not in the dense table */
-static const char* vname[NVERSIONS + 1] = {"cuBLAS", "v1 mma.sync 128x128", "v2 TMA+wgmma ws", "v3 persistent", "v4 2-CTA mcast B", "v5 (MoE: ./gemm 5)", "v6 v4+stream-K tail", "v7 v4+TMA-store epi", "v8 (MoE: ./gemm 8)", "v9 ping-pong 128x128"};
+static const char* vname[NVERSIONS + 1] = {"cuBLAS", "v1 mma.sync 128x128", "v2 TMA+wgmma ws", "v3 persistent", "v4 2-CTA mcast B", "v5 (MoE: ./gemm 5)", "v6 v4+stream-K tail", "v7 v4+TMA-store epi", "v8 (MoE: ./gemm 8)", "v9 ping-pong 128x128", "v10 3x m64n128 192x128", "v11 4x m64n128 256x128"};
 
 static void run_cublas(cublasHandle_t h, const bf16* A, const bf16* B, bf16* C, int M, int N, int K) {
     float alpha = 1.f, beta = 0.f;
@@ -1145,7 +1344,8 @@ static int cmp_float(const void* a, const void* b) { float x = *(const float*)a,
 // ---------------------------------------------------------------------------------------------
 // MoE grouped check + timing (./gemm 5): reference = cuBLAS per expert on the valid rows, plus CPU samples
 // ---------------------------------------------------------------------------------------------
-static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double* out_tf, double* out_cub, double* out_dense, double* out_tf8, int* out_ok) {
+static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double* out_tf, double* out_cub, double* out_dense, double* out_tf8,
+                     double* out_tf12, int* out_ok) {
     int off[256], Mtot = 0, valid = 0;
     for (int e = 0; e < E; e++) { off[e] = Mtot; Mtot += (m[e] + H_BM - 1) / H_BM * H_BM; valid += m[e]; }
     printf("\n=== MoE grouped: E=%d N=%d K=%d valid rows=%d padded rows=%d; m =", E, N, K, valid, Mtot);
@@ -1157,6 +1357,19 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
         for (int r = 0; r < m[e]; r += H_BM) { int tm = (off[e] + r) / H_BM; hte[tm] = e; htr[tm] = m[e] - r < H_BM ? m[e] - r : H_BM; }
     int *dte, *dtr;
     CK(cudaMalloc(&dte, tiles_m * 4)); CK(cudaMalloc(&dtr, tiles_m * 4));
+    // v12's units: up to 256 rows of one expert from its offset
+    int nunits = 0;
+    for (int e = 0; e < E; e++) nunits += (m[e] + 255) / 256;
+    int4* hun = (int4*)malloc((nunits + 1) * sizeof(int4));
+    for (int e = 0, u = 0; e < E; e++)
+        for (int r = 0; r < m[e]; r += 256) hun[u++] = make_int4(e, off[e] + r, m[e] - r < 256 ? m[e] - r : 256, 0);
+    int4* dun;
+    CK(cudaMalloc(&dun, (nunits + 1) * sizeof(int4)));
+    CK(cudaMemcpy(dun, hun, nunits * sizeof(int4), cudaMemcpyHostToDevice));
+    long long groups = 0;
+    for (int u = 0; u < nunits; u++) groups += (hun[u].z + 63) / 64;
+    printf("v12 units %d, 64-row groups %lld (%lld rows computed) against v5's %d blocks (%d rows)\n", nunits, groups, groups * 64, tiles_m,
+           tiles_m * H_BM);
     CK(cudaMemcpy(dte, hte, tiles_m * 4, cudaMemcpyHostToDevice)); CK(cudaMemcpy(dtr, htr, tiles_m * 4, cudaMemcpyHostToDevice));
     size_t nA = (size_t)Mtot * K, nB = (size_t)E * N * K, nC = (size_t)Mtot * N;
     bf16 *A, *B, *C, *Cref;
@@ -1185,12 +1398,15 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
     cfg8.gridDim = dim3(2 * (nsuper8 < maxcl8 ? nsuper8 : maxcl8), 1, 1);
     void* args8[10] = {(void*)&tA, (void*)&tB, (void*)&tBh, (void*)&tC, (void*)&C, (void*)&Mtot, (void*)&N, (void*)&K, (void*)&dte, (void*)&dtr};
 #define MOE_V8() do { CK(cudaLaunchKernelExC(&cfg8, (const void*)gemm_v8_grouped, args8)); } while (0)
-#define MOE_RUN(ver) do { if ((ver) == 5) MOE_V5(); else MOE_V8(); } while (0)
+    CUtensorMap tA64 = make_tmap(A, Mtot, K, 64);
+    int grid12 = nunits * ((N + G_BN - 1) / G_BN); if (grid12 > g_num_sms) grid12 = g_num_sms;
+#define MOE_V12() do { gemm_v12_groups<<<grid12, 640, G_SMEM_BYTES(4)>>>(tA64, tBh, C, Mtot, N, K, dun, nunits); CK(cudaGetLastError()); } while (0)
+#define MOE_RUN(ver) do { if ((ver) == 5) MOE_V5(); else if ((ver) == 8) MOE_V8(); else MOE_V12(); } while (0)
     int ok = 1;
     float atol = 1e-3f * sqrtf((float)K), rtol = 1.6e-2f;
     CmpRes* dres; CK(cudaMalloc(&dres, sizeof(CmpRes)));
-    for (int ver = 5; ver <= 8; ver += 3) {
-    const char* vn = ver == 5 ? "v5 grouped" : "v8 grouped cl+tma";
+    for (int ver = 5; ver <= 12; ver += ver == 5 ? 3 : 4) {
+    const char* vn = ver == 5 ? "v5 grouped" : ver == 8 ? "v8 grouped cl+tma" : "v12 64-row groups";
     init_rand<<<1024, 256>>>(A, nA, 777 + ver); CK(cudaGetLastError());
     init_rand<<<1024, 256>>>(B, nB, 778 + ver); CK(cudaGetLastError());
     poison<<<1024, 256>>>(C, nC); CK(cudaGetLastError());
@@ -1240,50 +1456,60 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
     // timing: v5, cuBLAS loop over experts, and one dense cuBLAS GEMM with the same valid-row count (M=valid) for scale
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
     // timed interleaved (one run of each variant per round) so clock/thermal drift hits all variants alike
-    float ts[4][NTIMED]; double flops = 2.0 * valid * N * K;
-#define MOE_WHICH(w) do { if ((w) == 0) MOE_V5(); else if ((w) == 1) MOE_CUBLAS(); else if ((w) == 2) run_cublas(h, A, B, Cref, valid, N, K); else MOE_V8(); } while (0)
-    for (int r = 0; r < 3; r++) for (int which = 0; which < 4; which++) MOE_WHICH(which);
+    float ts[5][NTIMED]; double flops = 2.0 * valid * N * K;
+#define MOE_WHICH(w) do { if ((w) == 0) MOE_V5(); else if ((w) == 1) MOE_CUBLAS(); else if ((w) == 2) run_cublas(h, A, B, Cref, valid, N, K); \
+                          else if ((w) == 3) MOE_V8(); else MOE_V12(); } while (0)
+    for (int r = 0; r < 3; r++) for (int which = 0; which < 5; which++) MOE_WHICH(which);
     CK(cudaDeviceSynchronize());
     for (int r = 0; r < NTIMED; r++)
-        for (int which = 0; which < 4; which++) {
+        for (int which = 0; which < 5; which++) {
             CK(cudaEventRecord(e0));
             MOE_WHICH(which);
             CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ts[which][r], e0, e1));
         }
-    for (int which = 0; which < 4; which++) {
+    for (int which = 0; which < 5; which++) {
         qsort(ts[which], NTIMED, sizeof(float), cmp_float);
         double tf = flops / (ts[which][NTIMED / 2] * 1e-3) / 1e12;
-        const char* nm[4] = {"v5 grouped (1 launch)", "cuBLAS loop per expert", "cuBLAS dense M=valid", "v8 grouped cluster+TMA store"};
+        const char* nm[5] = {"v5 grouped (1 launch)", "cuBLAS loop per expert", "cuBLAS dense M=valid", "v8 grouped cluster+TMA store",
+                             "v12 64-row groups"};
         printf("[%s] median %.4f ms (min %.4f max %.4f) = %.1f TFLOP/s (valid-row flops)\n", nm[which], ts[which][NTIMED / 2], ts[which][0],
                ts[which][NTIMED - 1], tf);
-        if (which == 0) *out_tf = tf; else if (which == 1) *out_cub = tf; else if (which == 2) *out_dense = tf; else *out_tf8 = tf;
+        if (which == 0) *out_tf = tf; else if (which == 1) *out_cub = tf; else if (which == 2) *out_dense = tf; else if (which == 3) *out_tf8 = tf;
+        else *out_tf12 = tf;
     }
 #undef MOE_WHICH
     *out_ok = ok;
 #undef MOE_CUBLAS
 #undef MOE_V5
 #undef MOE_V8
+#undef MOE_V12
 #undef MOE_RUN
     CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
-    CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(C)); CK(cudaFree(Cref)); CK(cudaFree(dte)); CK(cudaFree(dtr)); CK(cudaFree(dres));
-    free(hte); free(htr);
+    CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(C)); CK(cudaFree(Cref)); CK(cudaFree(dte)); CK(cudaFree(dtr)); CK(cudaFree(dres)); CK(cudaFree(dun));
+    free(hte); free(htr); free(hun);
 }
 
 static void moe_main(cublasHandle_t h, const char* devname) {
     CK(cudaFuncSetAttribute(gemm_v5_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, H_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, H7_SMEM_BYTES));
+    CK(cudaFuncSetAttribute(gemm_v12_groups, cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES(4)));
     int m1[8] = {3000, 0, 5, 2500, 1800, 4100, 1200, 700};
-    int m2[32];
+    int m2[32], m3[64];
     srand(4242);
     for (int e = 0; e < 32; e++) m2[e] = rand() % 300;
     m2[3] = 0; m2[7] = 1; m2[20] = 0;
-    double tf[2], cub[2], dense[2], tf8[2]; int ok[2];
-    moe_case(h, 8, 4096, 7168, m1, &tf[0], &cub[0], &dense[0], &tf8[0], &ok[0]);
-    moe_case(h, 32, 7168, 2048, m2, &tf[1], &cub[1], &dense[1], &tf8[1], &ok[1]);
+    for (int e = 0; e < 64; e++) m3[e] = 108 + rand() % 42;  // DeepSeek's GEMM0 at M=4096 EP2: ~128 +- 11 rows an expert
+    double tf[3], cub[3], dense[3], tf8[3], tf12[3]; int ok[3];
+    moe_case(h, 8, 4096, 7168, m1, &tf[0], &cub[0], &dense[0], &tf8[0], &tf12[0], &ok[0]);
+    moe_case(h, 32, 7168, 2048, m2, &tf[1], &cub[1], &dense[1], &tf8[1], &tf12[1], &ok[1]);
+    moe_case(h, 64, 4096, 7168, m3, &tf[2], &cub[2], &dense[2], &tf8[2], &tf12[2], &ok[2]);
     printf("\n==== MoE SUMMARY (%s) TFLOP/s on valid rows, median of %d ====\n", devname, NTIMED);
-    printf("%-30s | %-11s | %-11s | %-22s | %-20s\n", "case (ok = v5 and v8 checked)", "v5 grouped", "v8 grouped", "cuBLAS loop/expert", "cuBLAS dense M=valid");
-    const char* cn[2] = {"E=8 N=4096 K=7168 (big)", "E=32 N=7168 K=2048 (small)"};
-    for (int i = 0; i < 2; i++) printf("%-27s %-3s| %-11.1f | %-11.1f | %-22.1f | %-20.1f\n", cn[i], ok[i] ? "ok" : "BAD", tf[i], tf8[i], cub[i], dense[i]);
+    printf("%-30s | %-11s | %-11s | %-11s | %-22s | %-20s\n", "case (ok = v5, v8, v12 checked)", "v5 grouped", "v8 grouped",
+           "v12 groups", "cuBLAS loop/expert", "cuBLAS dense M=valid");
+    const char* cn[3] = {"E=8 N=4096 K=7168 (big)", "E=32 N=7168 K=2048 (small)", "E=64 N=4096 K=7168 (~128 a)"};
+    for (int i = 0; i < 3; i++)
+        printf("%-27s %-3s| %-11.1f | %-11.1f | %-11.1f | %-22.1f | %-20.1f\n", cn[i], ok[i] ? "ok" : "BAD", tf[i], tf8[i], tf12[i], cub[i],
+               dense[i]);
 }
 
 
@@ -1306,6 +1532,8 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(gemm_v6, cudaFuncAttributeMaxDynamicSharedMemorySize, H_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v7, cudaFuncAttributeMaxDynamicSharedMemorySize, H7_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v9, cudaFuncAttributeMaxDynamicSharedMemorySize, P9_SMEM_BYTES));
+    CK(cudaFuncSetAttribute(gemm_v10, cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES(3)));
+    CK(cudaFuncSetAttribute(gemm_v11, cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES(4)));
     cublasHandle_t h;
     CKB(cublasCreate(&h));
     if (only == 5 || only == 8) { moe_main(h, prop.name); CKB(cublasDestroy(h)); return 0; }
@@ -1331,6 +1559,7 @@ int main(int argc, char** argv) {
         CmpRes* dres; CK(cudaMalloc(&dres, sizeof(CmpRes)));
         CUtensorMap tA = make_tmap(A, M, K, H_BM), tB = make_tmap(B, N, K, H_BN);
         g_tBh = make_tmap(B, N, K, H_BN / 2);
+        g_tA192 = make_tmap(A, M, K, 192), g_tA256 = make_tmap(A, M, K, 256);
         g_tC = make_tmap_c(C, M, N);
         float atol = 1e-3f * sqrtf((float)K), rtol = 1.6e-2f;
 
