@@ -54,7 +54,7 @@ $(BUILD)/%.o: %.c
 
 $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -c $< -o $@ 2>&1 | tee $@.log; \
+	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2>&1 | tee $@.log; \
 	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C7510|C7511|C7515' $@.log
 
 $(BUILD)/libcomet.a: $(LIB_OBJ)
