@@ -161,57 +161,6 @@ static void check_plan_properties(const built_t *b, const comet_plan_input_t *in
     }
     free(seen);
     CHECK(ok, "%s: local-first block order and stage ends", tag);
-    /* the GEMMs' walks: permutations; g0 in l0's stage regions, g1 one
-     * region; in a region each run (an expert's blocks, g0: of one stage)
-     * pairs its blocks (2i, 2i+1) at positions (x, x + 1), x even unless
-     * the region starts odd with no odd block to lead; the runs' odd last
-     * blocks after every pair but a leading one */
-    for (int g = 0; g < 2; g++) {
-        const int32_t *o = g ? p->g1_order : p->g0_order, nb = p->totals->num_blocks;
-        int32_t *at = malloc(sizeof(int32_t) * (size_t)(nb + 1));
-        seen = calloc((size_t)nb + 1, 1);
-        ok = 1;
-        for (int32_t i = 0; i < nb; i++) {
-            ok &= o[i] >= 0 && o[i] < nb && !seen[o[i]];
-            if (ok) seen[o[i]] = 1, at[o[i]] = i;
-        }
-        for (int q = 0; ok && q < (g ? 1 : w); q++) {
-            const int32_t r0 = g || q == 0 ? 0 : p->stage_end[q - 1], r1 = g ? nb : p->stage_end[q];
-            int32_t last_pair = r0 - 1, first_odd = nb, lead = 0;
-            for (int32_t i = r0; i < r1; i++) ok &= g || p->blocks[o[i]].stage == q;
-            for (int32_t b = 0; b < nb; b++) { /* runs in block order */
-                if (at[b] < r0 || at[b] >= r1) continue;
-                int32_t lo = b;
-                while (lo > 0 && p->blocks[lo - 1].expert == p->blocks[b].expert && at[lo - 1] >= r0 && at[lo - 1] < r1 &&
-                       (g || p->blocks[lo - 1].stage == q))
-                    lo--;
-                int32_t hi = b;
-                while (hi + 1 < nb && p->blocks[hi + 1].expert == p->blocks[b].expert && at[hi + 1] >= r0 && at[hi + 1] < r1 &&
-                       (g || p->blocks[hi + 1].stage == q))
-                    hi++;
-                const int32_t j = b - lo, n = hi - lo + 1;
-                if (j % 2 == 1 || (n % 2 == 1 && b == hi)) continue; /* a pair's second, or an odd block */
-                ok &= at[b + 1] == at[b] + 1;                       /* the pair together */
-                last_pair = at[b + 1] > last_pair ? at[b + 1] : last_pair;
-            }
-            for (int32_t i = r0; i < r1; i++) { /* odd blocks: their positions */
-                const int32_t b = o[i];
-                const int last = b + 1 == nb || p->blocks[b + 1].expert != p->blocks[b].expert || at[b + 1] < r0 || at[b + 1] >= r1;
-                int32_t lo = b;
-                while (lo > 0 && p->blocks[lo - 1].expert == p->blocks[b].expert && at[lo - 1] >= r0 && at[lo - 1] < r1) lo--;
-                if (!(last && (b - lo + 1) % 2 == 1)) continue;
-                first_odd = b < first_odd ? b : first_odd;
-                if (i == r0 && r0 % 2 == 1) lead = 1;
-                else ok &= i > last_pair;
-            }
-            ok &= !lead || o[r0] == first_odd;
-            /* pairs aligned: at even positions when the pair section starts even */
-            if ((r0 + lead) % 2 == 0)
-                for (int32_t i = r0 + lead; i + 1 <= last_pair; i += 2) ok &= p->blocks[o[i]].expert == p->blocks[o[i + 1]].expert;
-        }
-        free(seen), free(at);
-        CHECK(ok, "%s: the GEMM%d walk (g%d_order)", tag, g, g);
-    }
     /* send lists: exactly the tokens with a row here, ascending */
     ok = 1;
     for (int s = 0; s < w; s++) {

@@ -106,7 +106,7 @@ typedef struct {
     int rank;
     const comet_plan_totals_t *totals;
     const comet_plan_block_t *blocks;
-    const int32_t *order; /* the walk: GEMM0 g0_order, GEMM1 g1_order (plan.h) */
+    const int32_t *order; /* GEMM0: l0_order; GEMM1: NULL (blocks in expert order) */
     comet_bf16_t *c;      /* output, for the masked register stores */
     const uint64_t *block_ready;
     const uint64_t *epoch; /* device: what block_ready[b] must reach, read at kernel start */
@@ -293,7 +293,7 @@ typedef struct {
 } gm_tile_t;
 
 __device__ __forceinline__ int gm_block_at(const gm_params_t &p, int nb, int pos) {
-    return pos >= nb ? -1 : p.order[pos];
+    return pos >= nb ? -1 : p.order ? p.order[pos] : pos;
 }
 __device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nb, int t, int cl, unsigned rank) {
     gm_tile_t o;
@@ -532,10 +532,7 @@ __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t 
  * cl = 1: launched in 2-CTA clusters. CTA 0 claims tiles of pairs of
  * consecutive blocks of the walk and hands each claim to CTA 1 through a ring
  * in CTA 1's shared memory; each CTA computes the block of its rank. When
- * both blocks of a pair belong to one expert (the plan's g orders pair an
- * expert's blocks at even positions; in plain block order an expert of two
- * blocks at an odd position read its weights twice: DeepSeek's GEMM0 at
- * M=4096 EP2 read 9.2 GB from DRAM for 7.75 GB of operands) they share the B tile: each CTA
+ * both blocks of a pair belong to one expert they share the B tile: each CTA
  * loads one 128-row half and multicasts it to both, so a stage is free only
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
  * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes (gated: 64-row boxes,
@@ -888,7 +885,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.up_off = (int)d->ffn_local;
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
-        p.order = plan.g0_order;
+        p.order = plan.l0_order;
         p.c = a->h;
     } else {
         int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;
@@ -900,7 +897,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.b_rows = (int)d->hidden;
         p.tile_cols = GM_BN;
         p.chunk_cols = cc;
-        p.order = plan.g1_order;
+        p.order = NULL;
         p.c = a->o;
     }
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;

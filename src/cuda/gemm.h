@@ -9,10 +9,9 @@
  *          row_start + num_rows) of a):  h[rows, n] = act(a[rows] W1[e]^T),
  *          n in [0, F_local); gated SiLU pairs gate row n with up row
  *          F_local + n inside one 256-wide tile; GELU is the erf form.
- *          Tiles in g0_order (l0's stages, local first, an expert's blocks
- *          paired), in groups of 4-16 blocks (gemm.cu).
+ *          Tiles in l0_order (local first), in groups of 4-16 blocks (gemm.cu).
  *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
- *          major (all blocks of chunk 0, then chunk 1, ...), in g1_order.
+ *          major (all blocks of chunk 0, then chunk 1, ...).
  * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
  * (comet_gelu_fast of src/core/numerics.h, within 1e-6 of the exact GELU for
  * g >= -2; SiLU with the SFU's ex2 and rcp, within ~2^-22 of comet_silu), h

@@ -268,55 +268,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) comet_plan_fill(comet_dims_t d, 
     }
 }
 
-/* A GEMM walk (plan.h: g0_order, g1_order) by the finish's block, as
- * plan_impl.h's comet_plan_walk: each region's lowest odd block
- * (atomicMin), the keys' counts and starts, then the stable ranking by key
- * (bits: [3 W][PLAN_STRIDE]; aux: [4 W], the regions' odd blocks, then the
- * keys' next positions). Ends with a barrier. */
-__device__ static void plan_walk(const comet_plan_t &p, int32_t nb, int w, int by_stage, int32_t *out, uint32_t *bits,
-                                 int32_t *aux) {
-    const int tid = threadIdx.x, nt = blockDim.x, nreg = by_stage ? w : 1, keys = 3 * nreg;
-    int32_t *first = aux, *next = aux + nreg;
-    for (int i = tid; i < keys; i += nt) next[i] = 0;
-    for (int q = tid; q < nreg; q += nt) first[q] = INT32_MAX;
-    __syncthreads();
-    for (int32_t b = tid; b < nb; b += nt) /* odd blocks: class 2 when nothing leads */
-        if (comet_plan_walk_key(p.blocks, nb, b, by_stage, 0, -1) % 3 == 2) atomicMin(&first[by_stage ? p.blocks[b].stage : 0], b);
-    __syncthreads();
-    for (int32_t b = tid; b < nb; b += nt) {
-        const int q = by_stage ? p.blocks[b].stage : 0;
-        const int32_t start = by_stage && q ? p.stage_end[q - 1] : 0, fo = first[q] == INT32_MAX ? -1 : first[q];
-        atomicAdd(&next[comet_plan_walk_key(p.blocks, nb, b, by_stage, start, fo)], 1);
-    }
-    __syncthreads();
-    if (tid == 0)
-        for (int k = 0, at = 0; k < keys; k++) {
-            const int n = next[k];
-            next[k] = at;
-            at += n;
-        }
-    __syncthreads();
-    for (int32_t bb = 0; bb < nb; bb += nt) {
-        const int32_t b = bb + tid;
-        int key = -1;
-        if (b < nb) {
-            const int q = by_stage ? p.blocks[b].stage : 0;
-            const int32_t start = by_stage && q ? p.stage_end[q - 1] : 0, fo = first[q] == INT32_MAX ? -1 : first[q];
-            key = comet_plan_walk_key(p.blocks, nb, b, by_stage, start, fo);
-        }
-        clear_bits(bits, keys);
-        __syncthreads();
-        if (key >= 0) set_bit(bits, key);
-        __syncthreads();
-        if (key >= 0) out[next[key] + rank_below(bits, key)] = b;
-        __syncthreads();
-        for (int k = tid; k < keys; k += nt) next[k] += key_total(bits, k);
-        __syncthreads();
-    }
-}
-
 /* The finish, by one block of the fill's launch (bits: its dynamic shared
- * memory, [3 W][PLAN_STRIDE], then aux[max(el + 1, 4 W)], tot[el + 1],
+ * memory, [W][PLAN_STRIDE], then aux[max(el + 1, W)], tot[el + 1],
  * by_rank[W]; stage_rows: el x W ints of scratch). Reads nothing the fill
  * writes, and writes only what the fill does not (the padding rows lie
  * beyond each expert's filled rows). */
@@ -326,8 +279,7 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
     comet_plan_carve(&d, workspace, &p);
     const int w = d.world_size, r = d.rank, tid = threadIdx.x, nt = blockDim.x;
     const int64_t el = d.experts_local, tm = d.tile_m;
-    int32_t *aux = (int32_t *)(bits + 3 * w * PLAN_STRIDE), *tot = aux + (el + 1 > 4 * w ? el + 1 : 4 * w),
-            *by_rank = tot + el + 1;
+    int32_t *aux = (int32_t *)(bits + w * PLAN_STRIDE), *tot = aux + (el + 1 > w ? el + 1 : w), *by_rank = tot + el + 1;
 
     /* counts, padded starts, totals; the fill's end of each expert (cursor) */
     table_sums(d, cnt, chunks, 0, 0, tot, NULL, by_rank);
@@ -418,8 +370,6 @@ __device__ static void plan_finish(const comet_dims_t &d, void *workspace, const
         for (int q = tid; q < w; q += nt) aux[q] += key_total(bits, q);
         __syncthreads();
     }
-    plan_walk(p, nb, w, 1, p.g0_order, bits, aux);
-    plan_walk(p, nb, w, 0, p.g1_order, bits, aux);
 }
 
 /* The sequential builder, one thread: for plans with more experts per rank
@@ -442,7 +392,7 @@ extern "C" cudaError_t comet_cuda_plan_build(const comet_dims_t *d, const comet_
                                              void *scratch, const uint32_t *skip, cudaStream_t stream,
                                              comet_plan_step_hook_t between, void *arg) {
     const int64_t el = d->experts_local, w = d->world_size;
-    const int64_t keys = el + 1 > 4 * w ? el + 1 : 4 * w; /* the finish's walks rank 3 W keys, their aux holds 4 W */
+    const int64_t keys = el + 1 > w ? el + 1 : w;
     if (keys > COMET_PLAN_MAX_KEYS) {
         comet_plan_build_serial<<<1, 32, 0, stream>>>(*d, *in, workspace, skip);
         return cudaGetLastError();

@@ -4,7 +4,7 @@
  * A plan says, for rank r = (ep, tp), which token rows of the whole world its
  * local experts receive, where each row lands in the expert-grouped buffers,
  * how those buffers split into row blocks (tiles of height tile_m), in which
- * order layer 0 visits the blocks (local-first) and the GEMMs walk them, and which tokens rank r sends
+ * order layer 0 visits the blocks (local-first), and which tokens rank r sends
  * partial outputs back to. It is plain data built by plain C that compiles for
  * the host (plan.c) and inside CUDA kernels (src/cuda/plan_kernel.cu): no
  * allocation, no host calls. Buffers are sized for the worst case from the
@@ -75,14 +75,6 @@ typedef struct {
     comet_plan_block_t *blocks;  /* [max_blocks] in expert order; block b holds padded rows [b, b + 1) * tile_m */
     int32_t *l0_order;           /* [max_blocks] block ids, ascending stage (local first) */
     int32_t *stage_end;          /* [W] l0_order entries with stage <= q */
-    /* [max_blocks] the Hopper GEMMs' walks, GEMM0's (g0: l0_order's stages
-     * as regions) and GEMM1's (g1: one region): in each region an expert's
-     * blocks pair up at even positions, (2i, 2i+1) of its run, the pairs in
-     * block order, then the runs' odd last blocks in block order; the first
-     * of those leads the region when it starts at an odd position. A 2-CTA
-     * cluster takes positions (2u, 2u+1): a pair's B tile is read once. */
-    int32_t *g0_order;
-    int32_t *g1_order;
     int32_t *row_of_slot;        /* [W, max_tokens * topk] row of (src s, token t, slot j) or -1 */
     int32_t *send_count;         /* [W] tokens of home rank s with >= 1 row here */
     int32_t *send_tokens;        /* [W, max_tokens] those tokens, ascending */

@@ -5,7 +5,7 @@
  *
  * The builder is sequential phases over plain arrays:
  *   1. count rows per local expert          4. row blocks per expert
- *   2. padded prefix sums                    5. block orders: local-first, the GEMMs'
+ *   2. padded prefix sums                    5. local-first block order
  *   3. fill rows in stage order              6. send lists and home groups
  * Every phase is a loop over independent items or a prefix sum, so the GPU
  * version can split it over threads later without changing the result.
@@ -39,8 +39,6 @@ COMET_HD static size_t comet_plan_layout(const comet_dims_t *d, char *base, come
     COMET_CARVE(blocks, comet_plan_block_t, d->max_blocks);
     COMET_CARVE(l0_order, int32_t, d->max_blocks);
     COMET_CARVE(stage_end, int32_t, w);
-    COMET_CARVE(g0_order, int32_t, d->max_blocks);
-    COMET_CARVE(g1_order, int32_t, d->max_blocks);
     COMET_CARVE(row_of_slot, int32_t, w * d->max_tokens * d->topk);
     COMET_CARVE(send_count, int32_t, w);
     COMET_CARVE(send_tokens, int32_t, w * d->max_tokens);
@@ -56,50 +54,6 @@ COMET_PLAN_API size_t comet_plan_workspace_bytes(const comet_dims_t *d) {
 
 COMET_PLAN_API void comet_plan_carve(const comet_dims_t *d, void *workspace, comet_plan_t *plan) {
     comet_plan_layout(d, (char *)workspace, plan);
-}
-
-/* Key of block b in a GEMM walk (plan.h: g0_order, g1_order), within its
- * region q (by_stage: its stage, else 0), which starts at position start:
- * 3q + 0 the region's lead (its first odd block, when start is odd), 1 a
- * pair member, 2 another odd block. first_odd: the region's lowest odd
- * block, or -1. An expert's blocks are consecutive ids, stages ascending, so
- * its blocks in a region are one run. */
-COMET_HD static int comet_plan_walk_key(const comet_plan_block_t *blocks, int32_t nb, int32_t b, int by_stage, int32_t start,
-                                        int32_t first_odd) {
-    const comet_plan_block_t *x = &blocks[b];
-    const int q = by_stage ? x->stage : 0;
-    int32_t lo = b, hi = b; /* the run: same expert (and stage) */
-    while (lo > 0 && blocks[lo - 1].expert == x->expert && (!by_stage || blocks[lo - 1].stage == x->stage)) lo--;
-    while (hi + 1 < nb && blocks[hi + 1].expert == x->expert && (!by_stage || blocks[hi + 1].stage == x->stage)) hi++;
-    const int odd = (hi - lo + 1) % 2 == 1 && b == hi;
-    return 3 * q + (!odd ? 1 : (start % 2 == 1 && b == first_odd) ? 0 : 2);
-}
-
-/* The lowest block of region q that is a run's odd last block, or -1. */
-COMET_HD static int32_t comet_plan_first_odd(const comet_plan_block_t *blocks, int32_t nb, int by_stage, int q) {
-    for (int32_t b = 0; b < nb; b++) {
-        if (by_stage && blocks[b].stage != q) continue;
-        const int last = b + 1 == nb || blocks[b + 1].expert != blocks[b].expert ||
-                         (by_stage && blocks[b + 1].stage != blocks[b].stage);
-        if (!last) continue;
-        int32_t lo = b;
-        while (lo > 0 && blocks[lo - 1].expert == blocks[b].expert && (!by_stage || blocks[lo - 1].stage == blocks[b].stage)) lo--;
-        if ((b - lo + 1) % 2 == 1) return b;
-    }
-    return -1;
-}
-
-/* A GEMM walk (plan.h) into out: a stable counting sort by comet_plan_walk_key. */
-COMET_HD static void comet_plan_walk(const comet_plan_t *p, int32_t nb, int w, int by_stage, int32_t *out) {
-    int32_t filled = 0;
-    for (int q = 0; q < (by_stage ? w : 1); q++) {
-        const int32_t start = filled, first_odd = comet_plan_first_odd(p->blocks, nb, by_stage, q);
-        for (int c = 0; c < 3; c++)
-            for (int32_t b = 0; b < nb; b++)
-                if ((!by_stage || p->blocks[b].stage == q) &&
-                    comet_plan_walk_key(p->blocks, nb, b, by_stage, start, first_odd) == 3 * q + c)
-                    out[filled++] = b;
-    }
 }
 
 COMET_PLAN_API void comet_plan_build(const comet_dims_t *d, const comet_plan_input_t *in,
@@ -183,8 +137,6 @@ COMET_PLAN_API void comet_plan_build(const comet_dims_t *d, const comet_plan_inp
             if (p->blocks[b].stage == q) p->l0_order[filled++] = b;
         p->stage_end[q] = filled;
     }
-    comet_plan_walk(p, nb, w, 1, p->g0_order);
-    comet_plan_walk(p, nb, w, 0, p->g1_order);
 
     /* 6a. tokens of each home rank that have at least one row here */
     for (int s = 0; s < w; s++) {
