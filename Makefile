@@ -55,7 +55,7 @@ $(BUILD)/%.o: %.c
 $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2>&1 | tee $@.log; \
-	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C7510|C7511|C7515' $@.log
+	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C751[0-9]|C7520' $@.log
 
 $(BUILD)/libcomet.a: $(LIB_OBJ)
 	$(AR) rcs $@ $^

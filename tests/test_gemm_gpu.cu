@@ -42,7 +42,6 @@ static uint16_t rand_bf16(comet_rng_t *r, float scale) {
     return comet_f32_to_bf16((float)(comet_rng_uniform(r) * 2.0 - 1.0) * scale);
 }
 
-/* |got - ref| within two bf16 ulps of ref (plus a tiny absolute slack). */
 /* got within two bf16 ulps of ref, or within atol: the floor for values
  * near zero, where the fp32 sums of another order differ by more than ulps
  * of the (cancelled) result (row_atol). */
@@ -55,14 +54,14 @@ static int close_bf16(uint16_t got, uint16_t ref, float atol) {
 }
 
 /* The absolute floor of a reference row of n values: 2^-14 of its largest
- * magnitude (fp32 sums over K <= 16384 terms differ between orders by
+ * finite magnitude (fp32 sums over K <= 16384 terms differ between orders by
  * ~sqrt(K) x 2^-24 of their terms' size, 100x below; a wrong element is off
  * by its own size), and at least 1e-6. */
 static float row_atol(const uint16_t *ref, int64_t n) {
     float m = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         const float v = fabsf(comet_bf16_to_f32(ref[i]));
-        if (v > m && !isnan(v)) m = v;
+        if (isfinite(v) && v > m) m = v;
     }
     return fmaxf(ldexpf(m, -14), 1e-6f);
 }

@@ -1114,11 +1114,13 @@ __global__ __launch_bounds__(640, 1) void gemm_v12_groups(const __grid_constant_
             int tu, tn;
             tile_coords(t, nunits, tiles_n, GROUP_M, &tu, &tn);
             const int4 u = units[tu];
-            const int mine = c * 64 < u.z;  // this consumer's group holds rows
-            for (int k = 0; k < nk; k++, it++) {
-                int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
-                gm_mbar_wait(&full[s], ph);
-                if (mine) {
+            // this consumer's group holds rows: warp-uniform through the shuffle (a branch on a value ptxas
+            // cannot prove uniform around the wgmmas serialised them: C7518, the first v12 build)
+            const int mine = __shfl_sync(0xffffffffu, c * 64 < u.z ? 1 : 0, 0);
+            if (mine) {
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % G_STAGES, ph = (it / G_STAGES) & 1;
+                    gm_mbar_wait(&full[s], ph);
                     unsigned char* sa = base + s * stage_bytes + c * 64 * 128;
                     unsigned char* sb = base + s * stage_bytes + 4 * 64 * H_BK * 2;
                     wgmma_fence();
@@ -1129,15 +1131,16 @@ __global__ __launch_bounds__(640, 1) void gemm_v12_groups(const __grid_constant_
                     WGMMA_WAIT(1);
                     reg_fence(d, 64);
                     if (k > 0 && lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
-                } else if (lane == 0) {
-                    gm_mbar_arrive(&empty[s]);  // nothing of this stage is read here
                 }
-            }
-            if (mine) {
                 WGMMA_WAIT(0);
                 reg_fence(d, 64);
                 if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % G_STAGES]);
                 store_acc_64x128(d, C, u.y + u.z, N, u.y + c * 64, tn * G_BN, lane, w);
+            } else {
+                for (int k = 0; k < nk; k++, it++) {  // nothing of these stages is read here
+                    gm_mbar_wait(&full[it % G_STAGES], (it / G_STAGES) & 1);
+                    if (lane == 0) gm_mbar_arrive(&empty[it % G_STAGES]);
+                }
             }
         }
     }
