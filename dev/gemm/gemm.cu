@@ -17,6 +17,8 @@
 //  11: the same with four: 256x128 tiles, 640 threads.
 //  12: v11 grouped for MoE at 64-row granularity (./gemm 5 runs it beside v5 and v8): a unit is up to 256 rows of
 //      one expert, a consumer per 64-row group, absent groups neither loaded nor computed.
+//  13: v12 with v8's machinery: 2-CTA clusters (B multicast when both units of a pair are one expert's) and the
+//      stmatrix + TMA-store epilogue for full groups; 3 stages (four 16 KiB store buffers take the fourth).
 // Usage: ./gemm [version|0=all dense] [M N K]   (no shape: the built-in shape list); ./gemm 5 (or 8): MoE cases.
 // Needs N%8==0, K%8==0. Best dense: v7 (v9 not yet measured); best MoE: v8.
 // Every version is checked against cuBLAS (elementwise, bf16 tolerance) and against a CPU double
@@ -1146,6 +1148,109 @@ __global__ __launch_bounds__(640, 1) void gemm_v12_groups(const __grid_constant_
     }
 }
 
+// v13: v12's units in 2-CTA clusters. The cluster takes units (2 u, 2 u + 1) x the same 128 columns; when both
+// are one expert's, each CTA loads 64 of the 128 B rows and multicasts them to both (a stage is free once the
+// consumers of both CTAs released it: 32 arrivals), else each loads its own 128. Full 64-row groups store
+// through stmatrix + TMA (epilogue_tma, one 64x128 half), partial ones from registers. 3 stages of 48 KiB +
+// 4 x 16 KiB store buffers (214 KB). Registers: producer 40 (it spilled at 24 and 32), consumers 104 (58368 of
+// the 61440 = 640 x 96 at launch).
+#define G13_STAGES 3
+#define G13_SMEM_BYTES (G13_STAGES * G_STAGE_BYTES(4) + 4 * H7_CBUF_BYTES + 1024 + 2 * G13_STAGES * 8)
+__global__ __launch_bounds__(640, 1) void gemm_v13_groups(const __grid_constant__ CUtensorMap tmA64, const __grid_constant__ CUtensorMap tmB,
+                                                          const __grid_constant__ CUtensorMap tmBq, const __grid_constant__ CUtensorMap tmC,
+                                                          bf16* __restrict__ C, int Mtot, int N, int K, const int4* __restrict__ units,
+                                                          int nunits) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    const int stage_bytes = G_STAGE_BYTES(4), b_off = 4 * 64 * H_BK * 2;
+    unsigned char* cbufs = base + G13_STAGES * stage_bytes;
+    uint64_t* full = (uint64_t*)(cbufs + 4 * H7_CBUF_BYTES);
+    uint64_t* empty = full + G13_STAGES;
+    int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    uint32_t rank = cluster_ctarank();
+    int tiles_n = (N + G_BN - 1) / G_BN, nu2 = (nunits + 1) / 2, nsuper = nu2 * tiles_n;
+    int cid = blockIdx.x >> 1, ncl = gridDim.x >> 1;
+    int nk = (K + H_BK - 1) / H_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < G13_STAGES; s++) { gm_mbar_init(&full[s], 1); gm_mbar_init(&empty[s], 32); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    cluster_sync_all();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int it = 0;
+            for (int t = cid; t < nsuper; t += ncl) {
+                int tu2, tn;
+                tile_coords(t, nu2, tiles_n, GROUP_M / 2, &tu2, &tn);
+                const int iu = 2 * tu2 + (int)rank, ip = 2 * tu2 + (int)(rank ^ 1);
+                const int4 u = iu < nunits ? units[iu] : make_int4(-1, 0, 0, 0);
+                const int pe = ip < nunits ? units[ip].x : -2;
+                const int same = u.x >= 0 && u.x == pe, groups = (u.z + 63) / 64, brow = u.x * N + tn * G_BN;
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % G13_STAGES, ph = (it / G13_STAGES) & 1;
+                    gm_mbar_wait(&empty[s], ph ^ 1);
+                    unsigned char* st = base + s * stage_bytes;
+                    gm_mbar_expect_tx(&full[s], u.x >= 0 ? groups * 64 * H_BK * 2 + G_B_BYTES : 0);
+                    if (u.x < 0) continue;
+                    for (int g = 0; g < groups; g++) gm_tma_load(st + g * 64 * 128, &tmA64, k * H_BK, u.y + g * 64, &full[s]);
+                    if (same) tma_load_2d_mc(st + b_off + rank * (G_B_BYTES / 2), &tmBq, k * H_BK, brow + rank * (G_BN / 2), &full[s], 0x3);
+                    else gm_tma_load(st + b_off, &tmB, k * H_BK, brow, &full[s]);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
+        int c = wg - 1, lane = tid & 31, w = tid >> 5;
+        float d[64];
+        #pragma unroll
+        for (int i = 0; i < 64; i++) d[i] = 0.f;
+        int it = 0;
+        for (int t = cid; t < nsuper; t += ncl) {
+            int tu2, tn;
+            tile_coords(t, nu2, tiles_n, GROUP_M / 2, &tu2, &tn);
+            const int iu = 2 * tu2 + (int)rank;
+            const int4 u = iu < nunits ? units[iu] : make_int4(-1, 0, 0, 0);
+            // warp-uniform (a shuffle) so that ptxas sees the wgmmas' branch as uniform (v12's C7518)
+            const int mine = __shfl_sync(0xffffffffu, u.x >= 0 && c * 64 < u.z ? 1 : 0, 0);
+            if (mine) {
+                for (int k = 0; k < nk; k++, it++) {
+                    int s = it % G13_STAGES, ph = (it / G13_STAGES) & 1;
+                    gm_mbar_wait(&full[s], ph);
+                    unsigned char* sa = base + s * stage_bytes + c * 64 * 128;
+                    unsigned char* sb = base + s * stage_bytes + b_off;
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int kk = 0; kk < 4; kk++)
+                        wgmma_m64n128k16(d, make_desc_sw128(sa + kk * 32), make_desc_sw128(sb + kk * 32), (k > 0 || kk > 0) ? 1 : 0);
+                    wgmma_commit();
+                    WGMMA_WAIT(1);
+                    reg_fence(d, 64);
+                    if (k > 0 && lane == 0) { int sp = (it - 1) % G13_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                }
+                WGMMA_WAIT(0);
+                reg_fence(d, 64);
+                if (lane == 0) { int sp = (it - 1) % G13_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
+                if (u.z - c * 64 >= 64) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, u.y + c * 64, tn * G_BN, tid, c, 1);
+                else store_acc_64x128(d, C, u.y + u.z, N, u.y + c * 64, tn * G_BN, lane, w);
+            } else {
+                for (int k = 0; k < nk; k++, it++) {  // nothing of these stages is read here
+                    int s = it % G13_STAGES;
+                    gm_mbar_wait(&full[s], (it / G13_STAGES) & 1);
+                    if (lane == 0) { gm_mbar_arrive(&empty[s]); mbar_arrive_cluster(&empty[s], rank ^ 1); }
+                }
+            }
+        }
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+    __syncwarp();
+    cluster_sync_all();
+}
+
 // ---------------------------------------------------------------------------------------------
 // host side
 // ---------------------------------------------------------------------------------------------
@@ -1348,7 +1453,7 @@ static int cmp_float(const void* a, const void* b) { float x = *(const float*)a,
 // MoE grouped check + timing (./gemm 5): reference = cuBLAS per expert on the valid rows, plus CPU samples
 // ---------------------------------------------------------------------------------------------
 static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double* out_tf, double* out_cub, double* out_dense, double* out_tf8,
-                     double* out_tf12, int* out_ok) {
+                     double* out_tf12, double* out_tf13, int* out_ok) {
     int off[256], Mtot = 0, valid = 0;
     for (int e = 0; e < E; e++) { off[e] = Mtot; Mtot += (m[e] + H_BM - 1) / H_BM * H_BM; valid += m[e]; }
     printf("\n=== MoE grouped: E=%d N=%d K=%d valid rows=%d padded rows=%d; m =", E, N, K, valid, Mtot);
@@ -1404,12 +1509,22 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
     CUtensorMap tA64 = make_tmap(A, Mtot, K, 64);
     int grid12 = nunits * ((N + G_BN - 1) / G_BN); if (grid12 > g_num_sms) grid12 = g_num_sms;
 #define MOE_V12() do { gemm_v12_groups<<<grid12, 640, G_SMEM_BYTES(4)>>>(tA64, tBh, C, Mtot, N, K, dun, nunits); CK(cudaGetLastError()); } while (0)
-#define MOE_RUN(ver) do { if ((ver) == 5) MOE_V5(); else if ((ver) == 8) MOE_V8(); else MOE_V12(); } while (0)
+    CUtensorMap tBq = make_tmap(B, E * N, K, 64);
+    cudaLaunchConfig_t cfg13 = cfg8;
+    cfg13.blockDim = dim3(640, 1, 1); cfg13.dynamicSmemBytes = G13_SMEM_BYTES;
+    cfg13.gridDim = dim3(2 * (g_num_sms / 2), 1, 1);
+    int maxcl13 = 0;
+    CK(cudaOccupancyMaxActiveClusters(&maxcl13, (void*)gemm_v13_groups, &cfg13));
+    int nsuper13 = ((nunits + 1) / 2) * ((N + G_BN - 1) / G_BN);
+    cfg13.gridDim = dim3(2 * (nsuper13 < maxcl13 ? nsuper13 : maxcl13), 1, 1);
+    void* args13[10] = {(void*)&tA64, (void*)&tBh, (void*)&tBq, (void*)&tC, (void*)&C, (void*)&Mtot, (void*)&N, (void*)&K, (void*)&dun, (void*)&nunits};
+#define MOE_V13() do { CK(cudaLaunchKernelExC(&cfg13, (const void*)gemm_v13_groups, args13)); } while (0)
+#define MOE_RUN(ver) do { if ((ver) == 5) MOE_V5(); else if ((ver) == 8) MOE_V8(); else if ((ver) == 12) MOE_V12(); else MOE_V13(); } while (0)
     int ok = 1;
     float atol = 1e-3f * sqrtf((float)K), rtol = 1.6e-2f;
     CmpRes* dres; CK(cudaMalloc(&dres, sizeof(CmpRes)));
-    for (int ver = 5; ver <= 12; ver += ver == 5 ? 3 : 4) {
-    const char* vn = ver == 5 ? "v5 grouped" : ver == 8 ? "v8 grouped cl+tma" : "v12 64-row groups";
+    for (int ver = 5; ver <= 13; ver += ver == 5 ? 3 : ver == 8 ? 4 : 1) {
+    const char* vn = ver == 5 ? "v5 grouped" : ver == 8 ? "v8 grouped cl+tma" : ver == 12 ? "v12 64-row groups" : "v13 groups cl+tma";
     init_rand<<<1024, 256>>>(A, nA, 777 + ver); CK(cudaGetLastError());
     init_rand<<<1024, 256>>>(B, nB, 778 + ver); CK(cudaGetLastError());
     poison<<<1024, 256>>>(C, nC); CK(cudaGetLastError());
@@ -1459,26 +1574,26 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
     // timing: v5, cuBLAS loop over experts, and one dense cuBLAS GEMM with the same valid-row count (M=valid) for scale
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
     // timed interleaved (one run of each variant per round) so clock/thermal drift hits all variants alike
-    float ts[5][NTIMED]; double flops = 2.0 * valid * N * K;
+    float ts[6][NTIMED]; double flops = 2.0 * valid * N * K;
 #define MOE_WHICH(w) do { if ((w) == 0) MOE_V5(); else if ((w) == 1) MOE_CUBLAS(); else if ((w) == 2) run_cublas(h, A, B, Cref, valid, N, K); \
-                          else if ((w) == 3) MOE_V8(); else MOE_V12(); } while (0)
-    for (int r = 0; r < 3; r++) for (int which = 0; which < 5; which++) MOE_WHICH(which);
+                          else if ((w) == 3) MOE_V8(); else if ((w) == 4) MOE_V12(); else MOE_V13(); } while (0)
+    for (int r = 0; r < 3; r++) for (int which = 0; which < 6; which++) MOE_WHICH(which);
     CK(cudaDeviceSynchronize());
     for (int r = 0; r < NTIMED; r++)
-        for (int which = 0; which < 5; which++) {
+        for (int which = 0; which < 6; which++) {
             CK(cudaEventRecord(e0));
             MOE_WHICH(which);
             CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ts[which][r], e0, e1));
         }
-    for (int which = 0; which < 5; which++) {
+    for (int which = 0; which < 6; which++) {
         qsort(ts[which], NTIMED, sizeof(float), cmp_float);
         double tf = flops / (ts[which][NTIMED / 2] * 1e-3) / 1e12;
-        const char* nm[5] = {"v5 grouped (1 launch)", "cuBLAS loop per expert", "cuBLAS dense M=valid", "v8 grouped cluster+TMA store",
-                             "v12 64-row groups"};
+        const char* nm[6] = {"v5 grouped (1 launch)", "cuBLAS loop per expert", "cuBLAS dense M=valid", "v8 grouped cluster+TMA store",
+                             "v12 64-row groups", "v13 groups cluster+TMA store"};
         printf("[%s] median %.4f ms (min %.4f max %.4f) = %.1f TFLOP/s (valid-row flops)\n", nm[which], ts[which][NTIMED / 2], ts[which][0],
                ts[which][NTIMED - 1], tf);
         if (which == 0) *out_tf = tf; else if (which == 1) *out_cub = tf; else if (which == 2) *out_dense = tf; else if (which == 3) *out_tf8 = tf;
-        else *out_tf12 = tf;
+        else if (which == 4) *out_tf12 = tf; else *out_tf13 = tf;
     }
 #undef MOE_WHICH
     *out_ok = ok;
@@ -1486,6 +1601,7 @@ static void moe_case(cublasHandle_t h, int E, int N, int K, const int* m, double
 #undef MOE_V5
 #undef MOE_V8
 #undef MOE_V12
+#undef MOE_V13
 #undef MOE_RUN
     CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
     CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(C)); CK(cudaFree(Cref)); CK(cudaFree(dte)); CK(cudaFree(dtr)); CK(cudaFree(dres)); CK(cudaFree(dun));
@@ -1496,23 +1612,24 @@ static void moe_main(cublasHandle_t h, const char* devname) {
     CK(cudaFuncSetAttribute(gemm_v5_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, H_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, H7_SMEM_BYTES));
     CK(cudaFuncSetAttribute(gemm_v12_groups, cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES(4)));
+    CK(cudaFuncSetAttribute(gemm_v13_groups, cudaFuncAttributeMaxDynamicSharedMemorySize, G13_SMEM_BYTES));
     int m1[8] = {3000, 0, 5, 2500, 1800, 4100, 1200, 700};
     int m2[32], m3[64];
     srand(4242);
     for (int e = 0; e < 32; e++) m2[e] = rand() % 300;
     m2[3] = 0; m2[7] = 1; m2[20] = 0;
     for (int e = 0; e < 64; e++) m3[e] = 108 + rand() % 42;  // DeepSeek's GEMM0 at M=4096 EP2: ~128 +- 11 rows an expert
-    double tf[3], cub[3], dense[3], tf8[3], tf12[3]; int ok[3];
-    moe_case(h, 8, 4096, 7168, m1, &tf[0], &cub[0], &dense[0], &tf8[0], &tf12[0], &ok[0]);
-    moe_case(h, 32, 7168, 2048, m2, &tf[1], &cub[1], &dense[1], &tf8[1], &tf12[1], &ok[1]);
-    moe_case(h, 64, 4096, 7168, m3, &tf[2], &cub[2], &dense[2], &tf8[2], &tf12[2], &ok[2]);
+    double tf[3], cub[3], dense[3], tf8[3], tf12[3], tf13[3]; int ok[3];
+    moe_case(h, 8, 4096, 7168, m1, &tf[0], &cub[0], &dense[0], &tf8[0], &tf12[0], &tf13[0], &ok[0]);
+    moe_case(h, 32, 7168, 2048, m2, &tf[1], &cub[1], &dense[1], &tf8[1], &tf12[1], &tf13[1], &ok[1]);
+    moe_case(h, 64, 4096, 7168, m3, &tf[2], &cub[2], &dense[2], &tf8[2], &tf12[2], &tf13[2], &ok[2]);
     printf("\n==== MoE SUMMARY (%s) TFLOP/s on valid rows, median of %d ====\n", devname, NTIMED);
-    printf("%-30s | %-11s | %-11s | %-11s | %-22s | %-20s\n", "case (ok = v5, v8, v12 checked)", "v5 grouped", "v8 grouped",
-           "v12 groups", "cuBLAS loop/expert", "cuBLAS dense M=valid");
+    printf("%-30s | %-11s | %-11s | %-11s | %-11s | %-22s | %-20s\n", "case (ok = v5, v8, v12, v13)", "v5 grouped", "v8 grouped",
+           "v12 groups", "v13 gr cl", "cuBLAS loop/expert", "cuBLAS dense M=valid");
     const char* cn[3] = {"E=8 N=4096 K=7168 (big)", "E=32 N=7168 K=2048 (small)", "E=64 N=4096 K=7168 (~128 a)"};
     for (int i = 0; i < 3; i++)
-        printf("%-27s %-3s| %-11.1f | %-11.1f | %-11.1f | %-22.1f | %-20.1f\n", cn[i], ok[i] ? "ok" : "BAD", tf[i], tf8[i], tf12[i], cub[i],
-               dense[i]);
+        printf("%-27s %-3s| %-11.1f | %-11.1f | %-11.1f | %-11.1f | %-22.1f | %-20.1f\n", cn[i], ok[i] ? "ok" : "BAD", tf[i], tf8[i], tf12[i],
+               tf13[i], cub[i], dense[i]);
 }
 
 
