@@ -18,7 +18,7 @@
 //  12: v11 grouped for MoE at 64-row granularity (./gemm 5 runs it beside v5 and v8): a unit is up to 256 rows of
 //      one expert, a consumer per 64-row group, absent groups neither loaded nor computed.
 //  13: v12 with v8's machinery: 2-CTA clusters (B multicast when both units of a pair are one expert's) and the
-//      stmatrix + TMA-store epilogue for full groups; 3 stages (four 16 KiB store buffers take the fourth).
+//      stmatrix + TMA-store epilogue for full groups, box by box through an 8 KiB buffer a consumer (4 stages).
 // Usage: ./gemm [version|0=all dense] [M N K]   (no shape: the built-in shape list); ./gemm 5 (or 8): MoE cases.
 // Needs N%8==0, K%8==0. Best dense: v7 (v9 not yet measured); best MoE: v8.
 // Every version is checked against cuBLAS (elementwise, bf16 tolerance) and against a CPU double
@@ -1151,11 +1151,40 @@ __global__ __launch_bounds__(640, 1) void gemm_v12_groups(const __grid_constant_
 // v13: v12's units in 2-CTA clusters. The cluster takes units (2 u, 2 u + 1) x the same 128 columns; when both
 // are one expert's, each CTA loads 64 of the 128 B rows and multicasts them to both (a stage is free once the
 // consumers of both CTAs released it: 32 arrivals), else each loads its own 128. Full 64-row groups store
-// through stmatrix + TMA (epilogue_tma, one 64x128 half), partial ones from registers. 3 stages of 48 KiB +
-// 4 x 16 KiB store buffers (214 KB). Registers: producer 40 (it spilled at 24 and 32), consumers 104 (58368 of
-// the 61440 = 640 x 96 at launch).
-#define G13_STAGES 3
-#define G13_SMEM_BYTES (G13_STAGES * G_STAGE_BYTES(4) + 4 * H7_CBUF_BYTES + 1024 + 2 * G13_STAGES * 8)
+// through stmatrix + TMA one 64x64 box at a time (epilogue_tma_boxes), partial ones from registers. 4 stages of
+// 48 KiB + 4 x 8 KiB store buffers (the first version had 3 stages and 16 KiB buffers: the ring then held one
+// k-slice ahead and v13 ran 26% under v8 on the big case). Registers: producer 40 (it spilled at 24 and 32),
+// consumers 104 (58368 of the 61440 = 640 x 96 at launch).
+#define G13_STAGES 4
+#define G13_CBUF_BYTES (64 * 64 * 2)
+#define G13_SMEM_BYTES (G13_STAGES * G_STAGE_BYTES(4) + 4 * G13_CBUF_BYTES + 1024 + 2 * G13_STAGES * 8)
+
+// A consumer's 64x128 fp32 result (d[0..63]) -> bf16 through an 8 KiB swizzled buffer, box (64 columns) by
+// box: wait until the buffer's last store has read it, stmatrix, fence, one TMA store (epilogue_tma's steps).
+__device__ __forceinline__ void epilogue_tma_boxes(const float* d, unsigned char* cbuf, const CUtensorMap* tmC, int row0, int col0,
+                                                   int tid, int c) {
+    int lane = tid & 31, wi = tid >> 5, mi = lane >> 3;
+    int row = wi * 16 + (mi & 1) * 8 + (lane & 7);
+    uint32_t cb = gm_smem(cbuf);
+    #pragma unroll
+    for (int b = 0; b < 2; b++) {
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        named_bar(2 + c, 128);
+        #pragma unroll
+        for (int jj = 0; jj < 8; jj += 2) {
+            int j = b * 8 + jj, chunk = jj + (mi >> 1);
+            uint32_t addr = cb + row * 128 + ((chunk ^ (row & 7)) << 4);
+            stmatrix_x4(addr, pack_bf16(d[4 * j + 0], d[4 * j + 1]), pack_bf16(d[4 * j + 2], d[4 * j + 3]),
+                        pack_bf16(d[4 * j + 4], d[4 * j + 5]), pack_bf16(d[4 * j + 6], d[4 * j + 7]));
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        named_bar(2 + c, 128);
+        if (tid == 0) {
+            tma_store_2d(tmC, cbuf, col0 + b * 64, row0);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+}
 __global__ __launch_bounds__(640, 1) void gemm_v13_groups(const __grid_constant__ CUtensorMap tmA64, const __grid_constant__ CUtensorMap tmB,
                                                           const __grid_constant__ CUtensorMap tmBq, const __grid_constant__ CUtensorMap tmC,
                                                           bf16* __restrict__ C, int Mtot, int N, int K, const int4* __restrict__ units,
@@ -1164,7 +1193,7 @@ __global__ __launch_bounds__(640, 1) void gemm_v13_groups(const __grid_constant_
     unsigned char* base = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     const int stage_bytes = G_STAGE_BYTES(4), b_off = 4 * 64 * H_BK * 2;
     unsigned char* cbufs = base + G13_STAGES * stage_bytes;
-    uint64_t* full = (uint64_t*)(cbufs + 4 * H7_CBUF_BYTES);
+    uint64_t* full = (uint64_t*)(cbufs + 4 * G13_CBUF_BYTES);
     uint64_t* empty = full + G13_STAGES;
     int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
     uint32_t rank = cluster_ctarank();
@@ -1235,7 +1264,7 @@ __global__ __launch_bounds__(640, 1) void gemm_v13_groups(const __grid_constant_
                 WGMMA_WAIT(0);
                 reg_fence(d, 64);
                 if (lane == 0) { int sp = (it - 1) % G13_STAGES; gm_mbar_arrive(&empty[sp]); mbar_arrive_cluster(&empty[sp], rank ^ 1); }
-                if (u.z - c * 64 >= 64) epilogue_tma(d, cbufs + c * H7_CBUF_BYTES, &tmC, u.y + c * 64, tn * G_BN, tid, c, 1);
+                if (u.z - c * 64 >= 64) epilogue_tma_boxes(d, cbufs + c * G13_CBUF_BYTES, &tmC, u.y + c * 64, tn * G_BN, tid, c);
                 else store_acc_64x128(d, C, u.y + u.z, N, u.y + c * 64, tn * G_BN, lane, w);
             } else {
                 for (int k = 0; k < nk; k++, it++) {  // nothing of these stages is read here
