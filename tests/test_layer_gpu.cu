@@ -398,7 +398,6 @@ static void bad_routing(int w) {
     comet_problem_destroy(p);
 }
 
-/* COMET_LAYER_TEST_WORLDS lists w (or is unset) */
 /* Whether v is in the comma-separated list of numbers in environment
  * variable var (unset or empty: every value is). */
 static int listed(const char *var, int v) {
@@ -417,6 +416,7 @@ static int listed(const char *var, int v) {
     return 0;
 }
 
+/* COMET_LAYER_TEST_WORLDS lists w (or is unset) */
 static int world_wanted(int w) { return listed("COMET_LAYER_TEST_WORLDS", w); }
 
 int main(void) {

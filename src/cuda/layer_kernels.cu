@@ -22,7 +22,6 @@
 #include "gemm.h"
 #include "plan_kernel.h"
 #include "vec8.h"
-#include "replay.h"
 #include "../trace/trace.h"
 #include "comet.h"
 
@@ -722,13 +721,17 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ct
     }
 }
 
-/* The call's y (k_enter stored it in the state), loaded at every use (an L1
- * hit): a pointer held across the combine's loops spilled k_combine_ov. */
-__device__ static inline uintptr_t call_y(const comet_cuda_ctx_t *c) {
-    uintptr_t y;
-    asm volatile("ld.global.u64 %0, [%1];" : "=l"(y) : "l"(&c->state->call.y));
-    return y;
+/* A 64-bit word of the call in the state (k_enter stored it there), loaded
+ * at every use by a volatile load (an L1 hit): plain loads, hoisted and held
+ * across the combine's loops, spilled k_combine_ov. */
+__device__ static inline uint64_t call_word(const void *p) {
+    uint64_t v;
+    asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
 }
+
+/* The call's y. */
+__device__ static inline uintptr_t call_y(const comet_cuda_ctx_t *c) { return (uintptr_t)call_word(&c->state->call.y); }
 
 /* A lane's sums (its 8 columns of each of COL_GROUPS 256-column groups
  * from g0, those below c1) into token t's y as bf16. */
@@ -841,10 +844,7 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
 __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, const comet_plan_t *p,
                                                     const combine_src_t *src, int64_t c0, int64_t c1, const int flat) {
     const int64_t hd = c->d.hidden, s = (int64_t)gridDim.x * (blockDim.x / 32);
-    /* the call's token count by a volatile load, and y (call_y) at every store: with plain loads,
-     * hoisted and held across the loops, k_combine_ov spilled */
-    int64_t n;
-    asm volatile("ld.global.u64 %0, [%1];" : "=l"(n) : "l"(&c->state->call.num_tokens));
+    const int64_t n = (int64_t)call_word(&c->state->call.num_tokens); /* and y (call_y) at every store */
     const int tp = c->d.tp;
     const int vec_out = hd % 8 == 0 && (call_y(c) % 16) == 0;
     int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;

@@ -67,9 +67,14 @@ comet_cuda_replay_t *comet_cuda_replay_create(cudaError_t *err) {
     return r;
 }
 
+/* The slot's graph and exec, if any, destroyed (its key and flags kept). */
+static void slot_drop_graph(replay_slot_t *s) {
+    if (s->exec) cudaGraphExecDestroy(s->exec), s->exec = NULL;
+    if (s->graph) cudaGraphDestroy(s->graph), s->graph = NULL;
+}
+
 static void slot_release(replay_slot_t *s) {
-    if (s->exec) cudaGraphExecDestroy(s->exec);
-    if (s->graph) cudaGraphDestroy(s->graph);
+    slot_drop_graph(s);
     memset(s, 0, sizeof *s);
 }
 
@@ -141,8 +146,7 @@ static replay_slot_t *slot_for(comet_cuda_replay_t *r, const comet_cuda_ctx_t *c
         r->captures++;
         if (capture(r, s, c, call) != cudaSuccess) {
             cudaGetLastError(); /* the capture's own error, not sticky: cleared before the direct launches */
-            if (s->exec) cudaGraphExecDestroy(s->exec), s->exec = NULL;
-            if (s->graph) cudaGraphDestroy(s->graph), s->graph = NULL;
+            slot_drop_graph(s); /* the slot keeps its key, marked failed: this context runs directly */
             s->failed = 1;
         }
     }
