@@ -104,6 +104,7 @@ typedef struct {
     double tf[2][3]; /* [gemm][ours, loop, dense] */
     double ms[2][3];
     int blocks, rows, rows_padded;
+    int split, split_b0; /* GEMM1's tail split (comet_gemm_split_of): pieces (1: none), first split block */
     unsigned long long bad;
     int ncurve;                 /* 0: no curve */
     int curve_ctas[NCURVE];     /* curve_ctas[0] = SMs */
@@ -218,6 +219,7 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
         fprintf(stderr, "%s: prepare: %s\n", m->name, err);
         exit(1);
     }
+    res->split = comet_gemm_split_of(g, res->blocks, &res->split_b0);
     int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
     for (int64_t e = 0; e < E; e++) cnt[e] = pl.expert_count[e];
 
@@ -345,13 +347,19 @@ int main(int argc, char **argv) {
            br.skew, NREP);
     printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
     printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
-           "cuBLAS dense", "ours/loop  o-bad");
+           "cuBLAS dense", "ours/loop  o-bad  GEMM1 split");
     for (int r = 0; r < nres; r++)
-        for (int gm = 0; gm < 2; gm++)
-            printf("%-13s %6d %6d %-6s | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %5.2f  %llu\n",
+        for (int gm = 0; gm < 2; gm++) {
+            char split[48] = "";
+            if (gm && res[r].split > 1)
+                snprintf(split, sizeof split, "  blocks %d.. in %d pieces", res[r].split_b0, res[r].split);
+            else if (gm)
+                snprintf(split, sizeof split, "  none");
+            printf("%-13s %6d %6d %-6s | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %5.2f  %llu%s\n",
                    res[r].name, res[r].rows, res[r].blocks, gm ? "gemm1" : "gemm0", res[r].tf[gm][0], res[r].ms[gm][0],
                    res[r].tf[gm][1], res[r].ms[gm][1], res[r].tf[gm][2], res[r].ms[gm][2],
-                   res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull);
+                   res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull, split);
+        }
     if (curve) {
         printf("\nn_compute curve (GEMM_BENCH_CURVE=1): ours with num_ctas of %d SMs, median of %d; "
                "eff = (TFLOP/s / TFLOP/s at %d) / (num_ctas / %d)\n", sms, NREP, sms, sms);
@@ -375,8 +383,10 @@ int main(int argc, char **argv) {
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
-            fprintf(f, "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"gemm1_bad\": %llu",
-                    res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].bad);
+            fprintf(f,
+                    "  {\"model\": \"%s\", \"rows\": %d, \"rows_padded\": %d, \"blocks\": %d, \"gemm1_split\": %d, "
+                    "\"gemm1_split_b0\": %d, \"gemm1_bad\": %llu",
+                    res[r].name, res[r].rows, res[r].rows_padded, res[r].blocks, res[r].split, res[r].split_b0, res[r].bad);
             const char *vn[3] = {"ours", "cublas_loop", "cublas_dense"};
             for (int gm = 0; gm < 2; gm++)
                 for (int v = 0; v < 3; v++)

@@ -10,7 +10,9 @@
  * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
  * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
  * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters); the cases
- * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0).
+ * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0), and every
+ * case again with GEMM1's tail split forced on (COMET_GEMM_SPLIT=1: pieces of one k-slice and up),
+ * with and without clusters; one case splits under the default rule (on 132 SMs).
  * Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
@@ -152,6 +154,8 @@ static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t
     return 1; /* beyond num_rows_padded */
 }
 
+static int split_cases; /* cases whose GEMM1 ran split tiles (comet_gemm_split_of) */
+
 static void run_case(const gcase_t *c, uint64_t seed) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = c->hidden, cfg.ffn = c->ffn, cfg.num_experts = c->experts, cfg.topk = c->topk;
@@ -233,6 +237,15 @@ static void run_case(const gcase_t *c, uint64_t seed) {
               c->tag, cl ? cl : "(unset)", comet_gemm_cluster_ctas(g));
     }
     if (rc) return;
+    /* GEMM1's tail split for this plan (the same rule as the device's) */
+    int split_b0 = nb;
+    const int pieces = comet_gemm_split_of(g, nb, &split_b0);
+    split_cases += pieces > 1;
+    int sms_now = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms_now, cudaDevAttrMultiProcessorCount, 0));
+    if (strstr(c->tag, "(split)") && !getenv("COMET_GEMM_SPLIT") && sms_now == 132) /* the rule's own numbers */
+        CHECK(pieces > 1 && split_b0 > 0, "%s: GEMM1 tail split expected by default on 132 SMs, got %d pieces from block %d",
+              c->tag, pieces, split_b0);
 
     /* skip: nothing written */
     CUDA_OK(cudaMemset(d_skip, 1, 4));
@@ -350,9 +363,9 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     CHECK(bad_h == 0 && bad_o == 0,
           "%s: %lld of h, %lld of o over tolerance (%lld rows checked; first bad h: diff %g, reference %g, floor %g)",
           c->tag, (long long)bad_h, (long long)bad_o, (long long)checked, first_bad, first_ref, first_atol);
-    printf("%s: %d blocks, %lld rows (%lld checked, %s), h/o bad %lld/%lld, padding written %lld/%lld\n", c->tag, nb,
-           (long long)nrows, (long long)checked, all ? "all" : "sampled", (long long)bad_h, (long long)bad_o,
-           (long long)pad_h, (long long)pad_o);
+    printf("%s: %d blocks, %lld rows (%lld checked, %s), h/o bad %lld/%lld, padding written %lld/%lld, GEMM1 split: "
+           "blocks %d.. in %d pieces\n", c->tag, nb, (long long)nrows, (long long)checked, all ? "all" : "sampled",
+           (long long)bad_h, (long long)bad_o, (long long)pad_h, (long long)pad_o, pieces > 1 ? split_b0 : nb, pieces);
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
     CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
@@ -470,6 +483,8 @@ int main(void) {
         {"gated H512 F200 (h tile of 72, K tail of 8) E6 k2", 512, 200, 6, 2, 250, 0, 1, 0.0, 256, 100000},
         {"gated H1024 F168 (last h tile of 40: n128) E5 k2", 1024, 168, 5, 2, 260, 0, 0, 0.3, 256, 100000},
         {"gelu H768 F136 (K tail of 8) E5 k2", 768, 136, 5, 2, 190, 1, 0, 0.0, 256, 100000},
+        /* 12 blocks x 16 column tiles = 96 cluster tiles on 66 clusters: the last 4 blocks in 2 pieces */
+        {"gated H4096 F4096 E4 k2, chunk 1024 (split)", 4096, 4096, 4, 2, 600, 0, 0, 0.0, 1024, 40},
     };
     check_gelu_device();
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
@@ -488,6 +503,25 @@ int main(void) {
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
     unsetenv("COMET_GEMM_HALF");
+    unsetenv("COMET_GEMM_CLUSTER");
+    /* GEMM1's tail split with pieces of one k-slice and up (COMET_GEMM_SPLIT=1, read at prepare): most
+     * cases split then, in clusters and without */
+    setenv("COMET_GEMM_SPLIT", "1", 1);
+    for (int cl = 0; cl < 2; cl++) {
+        if (cl) unsetenv("COMET_GEMM_CLUSTER");
+        else setenv("COMET_GEMM_CLUSTER", "0", 1);
+        printf("test_gemm_gpu: the cases with the tail split forced (COMET_GEMM_SPLIT=1), %s\n",
+               cl ? "in 2-CTA clusters" : "without clusters");
+        split_cases = 0;
+        int ran = 0;
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) {
+                run_case(&cases[i], 3000 + i);
+                ran++;
+            }
+        CHECK(2 * split_cases >= ran, "COMET_GEMM_SPLIT=1: only %d of %d cases split GEMM1", split_cases, ran);
+    }
+    unsetenv("COMET_GEMM_SPLIT");
     unsetenv("COMET_GEMM_CLUSTER");
     /* the gated last h tiles of <= 64 columns once more at full width, masked (COMET_GEMM_NARROW=0) */
     setenv("COMET_GEMM_NARROW", "0", 1);

@@ -17,7 +17,9 @@
  * and --comm-hidden's interleaved sides leave the next whole call's bits
  * alone, and the overlapped mode with its remote rows through the copy engine
  * (COMET_DISPATCH_CE=1) too, and both with partials sent home
- * (COMET_PARTIALS=1) in place of rows; one layer
+ * (COMET_PARTIALS=1) in place of rows, all with GEMM1's tail split on
+ * pieces of two k-slices and up (COMET_GEMM_SPLIT=2, so that these small
+ * shapes split; unless set by the caller); one layer
  * run 100 times in each mode,
  * replayed by the layer as its own graph (src/cuda/replay.c: every call) and
  * inside the caller's captured CUDA graph, gives the same
@@ -430,6 +432,9 @@ int main(void) {
     const int small = getenv("COMET_LAYER_TEST_SMALL") != NULL;
     setenv("COMET_PUSH", "0", 1); /* the pull combine, except where run_with_push asks for push */
     setenv("COMET_PARTIALS", "0", 1); /* and where the partials passes ask for partials */
+    /* GEMM1's tail split on pieces of two k-slices and up (the default, 32, never splits these small
+     * shapes): so the modes' bitwise comparisons cover split tiles (unless the caller set it) */
+    setenv("COMET_GEMM_SPLIT", "2", 0);
     comet_rng_t rng = {31};
     /* worlds of 1, 2 and (with 4 GPUs or more) 4 ranks: EP, TP and EP x TP */
     const int max_w = gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1;

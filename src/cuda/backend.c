@@ -34,7 +34,7 @@ typedef struct {
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
     void *priv[8];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
-                            * tile counters at word 16), block_ready + block_rows, overlap state, routing copies,
+                            * tile counters at word 16; then the GEMM1 split's workspace), block_ready + block_rows, overlap state, routing copies,
                             * the plan builder's count table */
     cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream (and the copy engine's) */
     cudaEvent_t ev_gemm0, ev_comm, ev_plan, ev_ce;
@@ -285,7 +285,7 @@ static void priv_sizes(const comet_dims_t *d, size_t bytes[8]) {
     bytes[0] = sizeof(comet_cuda_state_t);
     bytes[1] = rows * (size_t)d->hidden * 2;
     bytes[2] = rows * (size_t)d->ffn_local * 2;
-    bytes[3] = 256;
+    bytes[3] = 256 + comet_gemm_split_bytes(d); /* then GEMM1's tail split workspace (gemm.h) */
     bytes[4] = (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t));
     bytes[5] = sizeof(comet_cuda_overlap_t);
     bytes[6] = (size_t)d->world_size * slots * 8;
@@ -313,7 +313,7 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
     /* pushed rows arrive in recv, partials in part: poisoned (NaN) until they do, so one never sent shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
-    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256));
+    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256 + (bytes[3] > 256 ? 1024 : 0))); /* the split's counters too */
     CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
     CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
@@ -527,7 +527,8 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
         if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16};
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16,
+                                    comet_gemm_split_bytes(&l->dims) ? (char *)L->priv[3] + 256 : NULL};
             for (int q = 0; L->push && q < l->dims.world_size; q++) /* rank q's receive buffer */
                 if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
             char err[256];

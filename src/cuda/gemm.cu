@@ -74,8 +74,18 @@
 #define GM_HALF (1 << 30)
 /* ... with this bit: a gated tile of <= 64 h columns, F_local's last (gm_body). */
 #define GM_NARROW (1 << 29)
-#define GM_SMEM_BYTES \
-    (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 + (GM_STAGES + GM_RING) * 4)
+#define GM_SMEM_BYTES                                                                                             \
+    (GM_STAGES * GM_STAGE_BYTES + 2 * GM_CBUF_BYTES + 1024 + (2 * GM_STAGES + GM_RING) * 8 +                        \
+     (2 * GM_STAGES + GM_RING + 1) * 4)
+/* GEMM1's tail split (gm_split): at most this many pieces a tile, and this
+ * many CTA-tile pieces with an fp32 partial (128 x 256, 128 KiB) in one
+ * launch: the workspace is GM_SPLIT_PIECES x 128 KiB (16 MiB) after a 1 KiB
+ * header of counters (one a split CTA tile, < GM_SPLIT_PIECES / 2). */
+#define GM_SPLIT_MAX 8
+#define GM_SPLIT_PIECES 128
+#define GM_SPLIT_HEADER 1024
+#define GM_SPLIT_WAVES 6 /* longer walks: no split (Mixtral TP2, 8.2 waves, 2 pieces: 3% slower) */
+#define GM_SPLIT_MIN_DEFAULT 32 /* 16-slice pieces (DeepSeek, K 2048) lost 1%, 50-56 gained 6-11% */
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
  * up to 16 whose A rows (group x 128 x K bf16) fit in 16 MiB, at least 4.
  * Measured on H200 (gemm_bench, dev/NOTES.md): DeepSeek GEMM0 (K = 7168)
@@ -120,6 +130,10 @@ typedef struct {
     uint64_t timeout_ns;
     uint64_t *timeout_report;
     uint32_t *sched; /* [0] next tile to claim, [1] CTAs past the end; both back to 0 at kernel end */
+    int split_min;   /* GEMM1 tail split (gm_split): fewest k-slices a piece may have; 0: no split */
+    int split_ref;   /* the split rule's count of workers: num_sms / 2, whatever this launch's grid */
+    uint32_t *split_count; /* per split CTA tile: pieces stored (the last one sums them and resets it) */
+    float *split_part;     /* [key][piece][consumer][128 accumulators][128 threads] fp32 partials */
 } gm_params_t;
 
 struct comet_gemm {
@@ -136,6 +150,9 @@ struct comet_gemm {
     int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
+    void *split;     /* GEMM1 tail split's workspace (args.split, or allocated here), or NULL: no split */
+    int own_split;
+    int split_min;   /* COMET_GEMM_SPLIT at prepare (gm_split_min): 0 off, else fewest k-slices a piece */
 };
 
 /* ---------------------------------------------------------------------------
@@ -253,31 +270,87 @@ __device__ __forceinline__ void gm_group_coords(int t, int nb, int tn_count, int
     *tn = r / gs;
 }
 
-/* Number of tiles and decode of tile t. */
-__device__ __forceinline__ int gm_num_tiles(const gm_params_t &p, int nb) {
-    if (p.mode != GM_MODE_GEMM1) return nb * ((p.n + p.tile_cols - 1) / p.tile_cols);
-    const int full = p.n / p.chunk_cols, rest = p.n - full * p.chunk_cols;
-    return nb * (full * (p.chunk_cols / GM_BN) + (rest + GM_BN - 1) / GM_BN);
+/* GEMM1's tail split: the last wave of a walk whose tiles do not fill the
+ * GPU evenly (tiles a wave: split_ref, one per 2-CTA cluster) runs part
+ * empty; Mixtral's GEMM1 at 2048 tokens a rank (EP2) makes 272 cluster
+ * tiles on 66 clusters, and its fifth wave of 8 took a fifth of the GEMM
+ * (dev/NOTES.md). So, in walks of at most GM_SPLIT_WAVES waves, the tiles
+ * of the last `us` block pairs, the fewest that cover the last wave's
+ * tiles, each run as s pieces over consecutive K ranges (s the largest
+ * power of two <= GM_SPLIT_MAX that keeps every piece >= split_min
+ * k-slices and the pieces within GM_SPLIT_PIECES; no split below 2); each
+ * piece stores its fp32 partial, and the piece that completes a tile sums
+ * the partials in piece order and stores the tile. Which tiles split, and
+ * where their K ranges break, depends only on the block count, the shape and
+ * split_ref: not on clusters, the grid (the overlapped mode's is smaller),
+ * chunks or push, so every mode computes every output with the same
+ * additions and the layer's modes stay bitwise equal. */
+typedef struct {
+    int b0; /* first split block (even): blocks b0.. split; nb: none */
+    int s;  /* pieces a split tile (1: none) */
+} gm_split_t;
+
+__device__ __forceinline__ int gm_nk(const gm_params_t &p) { return (p.k + GM_BK - 1) / GM_BK; }
+
+/* The rule, for nb blocks, n output columns, nk k-slices (host and device). */
+__host__ __device__ __forceinline__ gm_split_t gm_split_rule(int nb, int n, int nk, int split_min, int split_ref) {
+    gm_split_t r = {nb, 1};
+    if (!split_min) return r;
+    const int tpu = (n + GM_BN - 1) / GM_BN, units = (nb + 1) / 2, rest = units * tpu % split_ref;
+    if (rest == 0 || units * tpu > GM_SPLIT_WAVES * split_ref) return r;
+    const int us = (rest + tpu - 1) / tpu;
+    int s = GM_SPLIT_MAX;
+    while (s > 1 && (2 * us * tpu * s > GM_SPLIT_PIECES || nk < s * split_min)) s /= 2;
+    if (s > 1) r.b0 = 2 * (units - us), r.s = s;
+    return r;
 }
-/* Tile t over nb units (row blocks, or pairs of them with clusters) -> the
- * unit, first output column, chunk and end of the chunk's columns. */
-__device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, int *unit, int *col0, int *chunk,
-                                          int *col_end) {
+__device__ __forceinline__ gm_split_t gm_split(const gm_params_t &p, int nb, const int mode) {
+    if (mode != GM_MODE_GEMM1) return gm_split_t{nb, 1};
+    return gm_split_rule(nb, p.n, gm_nk(p), p.split_min, p.split_ref);
+}
+
+/* The walk's units (row blocks, or pairs of them with clusters): nu in all,
+ * the first udp whole tiles, the rest split into sp.s pieces each. */
+__device__ __forceinline__ int gm_udp(int nu, int cl, gm_split_t sp) { return sp.s == 1 ? nu : cl ? sp.b0 / 2 : sp.b0; }
+
+/* Number of tiles (pieces count one each) over nu units. */
+__device__ __forceinline__ int gm_num_tiles(const gm_params_t &p, int nu, int cl, gm_split_t sp, const int mode) {
+    if (mode != GM_MODE_GEMM1) return nu * ((p.n + p.tile_cols - 1) / p.tile_cols);
+    const int udp = gm_udp(nu, cl, sp), wu = udp + (nu - udp) * sp.s;
+    const int full = p.n / p.chunk_cols, rest = p.n - full * p.chunk_cols;
+    return wu * (full * (p.chunk_cols / GM_BN) + (rest + GM_BN - 1) / GM_BN);
+}
+/* Tile t over nu units -> the unit, first output column, chunk, end of the
+ * chunk's columns, and piece (-1: a whole tile). GEMM1: each chunk's whole
+ * tiles in groups, then its split tiles' pieces, a tile's pieces together. */
+__device__ __forceinline__ void gm_decode(const gm_params_t &p, int nu, int cl, gm_split_t sp, int t, int *unit,
+                                          int *col0, int *chunk, int *col_end, int *piece, const int mode) {
     int bi, tn;
-    if (p.mode != GM_MODE_GEMM1) {
-        gm_group_coords(t, nb, (p.n + p.tile_cols - 1) / p.tile_cols, p.group, &bi, &tn);
+    *piece = -1;
+    if (mode != GM_MODE_GEMM1) {
+        gm_group_coords(t, nu, (p.n + p.tile_cols - 1) / p.tile_cols, p.group, &bi, &tn);
         *unit = bi;
         *col0 = tn * p.tile_cols;
         *chunk = 0;
         *col_end = p.n;
         return;
     }
-    const int tpc = p.chunk_cols / GM_BN, per_chunk = nb * tpc, full = p.n / p.chunk_cols;
+    const int udp = gm_udp(nu, cl, sp), usk = nu - udp, wu = udp + usk * sp.s;
+    const int tpc = p.chunk_cols / GM_BN, per_chunk = wu * tpc, full = p.n / p.chunk_cols;
     int ch = t / per_chunk;
     const int last = ch >= full; /* the narrower last chunk (selects, no branch) */
     ch = last ? full : ch;
     const int tnc = last ? (p.n - full * p.chunk_cols + GM_BN - 1) / GM_BN : tpc;
-    gm_group_coords(t - ch * per_chunk, nb, tnc, p.group, &bi, &tn);
+    int r = t - ch * per_chunk;
+    if (r < udp * tnc) {
+        gm_group_coords(r, udp, tnc, p.group, &bi, &tn);
+    } else {
+        r -= udp * tnc;
+        *piece = r % sp.s;
+        r /= sp.s;
+        bi = udp + r % usk;
+        tn = r / usk;
+    }
     *unit = bi;
     *chunk = ch;
     *col0 = ch * p.chunk_cols + tn * GM_BN;
@@ -287,20 +360,30 @@ __device__ __forceinline__ void gm_decode(const gm_params_t &p, int nb, int t, i
 
 /* One CTA's share of tile t: its row block (-1: none; with 2-CTA clusters
  * the unit is a pair of consecutive blocks of the walk, this CTA takes the
- * one of its rank) and its partner's (clusters), and the columns. */
+ * one of its rank) and its partner's (clusters), the columns, and the K
+ * range in k-slices (a piece's, or all of K). */
 typedef struct {
     int b, pb, col0, chunk, col_end;
+    int piece, pieces, key; /* piece >= 0: of `pieces`, of the split CTA tile `key` (its counter) */
+    int k0, nk;
 } gm_tile_t;
 
 __device__ __forceinline__ int gm_block_at(const gm_params_t &p, int nb, int pos) {
     return pos >= nb ? -1 : p.order ? p.order[pos] : pos;
 }
-__device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nb, int t, int cl, unsigned rank) {
+__device__ __forceinline__ gm_tile_t gm_tile(const gm_params_t &p, int nb, int t, int cl, unsigned rank, const int mode) {
     gm_tile_t o;
     int unit;
-    gm_decode(p, cl ? (nb + 1) / 2 : nb, t, &unit, &o.col0, &o.chunk, &o.col_end);
-    o.b = gm_block_at(p, nb, cl ? 2 * unit + (int)rank : unit);
+    const gm_split_t sp = gm_split(p, nb, mode);
+    gm_decode(p, cl ? (nb + 1) / 2 : nb, cl, sp, t, &unit, &o.col0, &o.chunk, &o.col_end, &o.piece, mode);
+    const int pos = cl ? 2 * unit + (int)rank : unit;
+    o.b = gm_block_at(p, nb, pos);
     o.pb = cl ? gm_block_at(p, nb, 2 * unit + (int)(rank ^ 1u)) : -1;
+    const int nk = gm_nk(p);
+    o.pieces = sp.s;
+    o.key = (pos - sp.b0) * ((p.n + GM_BN - 1) / GM_BN) + o.col0 / GM_BN; /* GEMM1: order NULL, pos is the block */
+    o.k0 = o.piece < 0 ? 0 : o.piece * nk / sp.s;
+    o.nk = o.piece < 0 ? nk : (o.piece + 1) * nk / sp.s - o.k0;
     return o;
 }
 
@@ -525,6 +608,60 @@ __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t 
     return it;
 }
 
+/* GEMM1's tail split (gm_split), a consumer after a piece's k-loop: its
+ * 64 x 256 fp32 partial into the workspace (thread-major, so each store
+ * instruction writes 512 contiguous bytes), the CTA's piece counted once
+ * (both consumers), and in the CTA that stored the tile's last piece the
+ * partials summed in piece order (deterministic, whichever CTA that is)
+ * into pk, bf16. Returns 1 there (pk then goes the store path), 0
+ * elsewhere. The last piece also resets the counter for the next launch.
+ * The sum (gm_split_sum) has the piece count as a literal, so its loads are
+ * independent of each other and the compiler can batch them: a run-time
+ * loop over the pieces made one chain of dependent L2 loads per element,
+ * and the split lost 0.04 ms on Mixtral instead of gaining 0.09.
+ * (Summing into d instead, 128 loads at a time, measured the same and
+ * spilled: d is written nowhere else, see the epilogue.) */
+/* pk = bf16 of the sum, in piece order, of NP partials (thread-major, one
+ * consumer's at base, the next piece's 2 x 128 x 128 floats further). */
+template <int NP> __device__ __forceinline__ void gm_split_sum(const float *base, uint32_t *pk) {
+#pragma unroll
+    for (int j = 0; j < 64; j++) {
+        float x = __ldcg(base + 2 * j * 128), y = __ldcg(base + (2 * j + 1) * 128);
+#pragma unroll
+        for (int q = 1; q < NP; q++) {
+            x += __ldcg(base + q * 2 * 128 * 128 + 2 * j * 128);
+            y += __ldcg(base + q * 2 * 128 * 128 + (2 * j + 1) * 128);
+        }
+        pk[j] = gm_pack(x, y);
+    }
+}
+
+__device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float *d, uint32_t *pk, const gm_tile_t &tl,
+                                              int c, int tid, volatile int32_t *last) {
+    const int acc = 128 * 128; /* one consumer's partial: 128 accumulators x 128 threads */
+    const float *base = p.split_part + ((size_t)tl.key * tl.pieces * 2 + c) * acc + tid;
+    float *mine = (float *)base + (size_t)tl.piece * 2 * acc;
+#pragma unroll
+    for (int i = 0; i < 128; i++) __stcg(mine + i * 128, d[i]);
+    __threadfence(); /* every thread's partial, before the count (the barrier makes them thread 128's) */
+    gm_named_bar(1, 256);
+    if (threadIdx.x == 128) {
+        const int done = atomicAdd(&p.split_count[tl.key], 1u) == (unsigned)tl.pieces - 1u;
+        if (done) p.split_count[tl.key] = 0; /* every piece counted: nothing else touches it this launch */
+        *last = done;
+    }
+    gm_named_bar(1, 256);
+    if (!*last) return 0;
+    __threadfence(); /* the other pieces' partials, after their counts */
+    if (tl.pieces == 2)
+        gm_split_sum<2>(base, pk);
+    else if (tl.pieces == 4)
+        gm_split_sum<4>(base, pk);
+    else
+        gm_split_sum<8>(base, pk);
+    return 1;
+}
+
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
  * so each holds only its own epilogue (one kernel with a run-time mode held
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
@@ -548,11 +685,12 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     uint64_t *ring_full = empty + GM_STAGES; /* cl: CTA 1's claim ring */
     volatile int32_t *stage_tile = (volatile int32_t *)(ring_full + GM_RING); /* tile of a stage's first k-slice */
     volatile int32_t *ring = stage_tile + GM_STAGES;
+    volatile int32_t *stage_nk = ring + GM_RING;              /* k-slices of a stage's tile (a piece: its range) */
+    volatile int32_t *split_last = stage_nk + GM_STAGES;      /* gm_split_piece: this CTA stored a tile's last piece */
     const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
     const unsigned rank = cl ? gm_cluster_rank() : 0u;
     const int nb = p.totals->num_blocks;
-    const int ntiles = gm_num_tiles(p, cl ? (nb + 1) / 2 : nb); /* p.mode == mode */
-    const int nk = (p.k + GM_BK - 1) / GM_BK;
+    const int ntiles = gm_num_tiles(p, cl ? (nb + 1) / 2 : nb, cl, gm_split(p, nb, mode), mode);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < GM_STAGES; s++) {
@@ -588,7 +726,7 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     t = gm_ring_receive(&ring[i % GM_RING], &ring_full[i % GM_RING], (i / GM_RING) & 1);
                 }
                 if (t < 0) break;
-                const gm_tile_t tl = gm_tile(p, nb, t, cl, rank);
+                const gm_tile_t tl = gm_tile(p, nb, t, cl, rank, mode);
                 const comet_plan_block_t blk = tl.b >= 0 ? p.blocks[tl.b] : p.blocks[tl.pb];
                 const int same = cl && tl.b >= 0 && tl.pb >= 0 && p.blocks[tl.pb].expert == blk.expert;
                 if (p.block_ready && tl.b >= 0) {
@@ -599,12 +737,14 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                 /* GM_NARROW: 64 gate rows, then 64 up rows (tmbh: 64-row boxes for the gated kernels) */
                 const int narrow = mode == GM_MODE_GATED && p.narrow && p.n - tl.col0 <= 64;
                 const int bbytes = narrow ? GM_B_BYTES / 2 : GM_B_BYTES;
-                for (int k = 0; k < nk; k++, it++) {
+                for (int k = tl.k0; k < tl.k0 + tl.nk; k++, it++) {
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
-                    if (k == 0) /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
+                    if (k == tl.k0) { /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
                         stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0) | (narrow ? GM_NARROW : 0);
+                        stage_nk[s] = tl.nk;
+                    }
                     gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
@@ -637,14 +777,15 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
             const int tv = stage_tile[it % GM_STAGES];
             if (tv < 0) break;
+            const int nkt = mode == GM_MODE_GEMM1 ? stage_nk[it % GM_STAGES] : gm_nk(p); /* GEMM0: all of K */
             /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
              * gets the tensor cores alone (so the tile should take about half the time; unmeasured) */
             const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
             /* no block (cl): the pair's rhythm on stale data, no store */
             if (mode == GM_MODE_GATED && (tv & GM_NARROW))
-                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 1);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, mma, lane, 1);
             else
-                it = gm_kloop(d, base, full, empty, it, nk, c, cl, mma, lane, 0);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, mma, lane, 0);
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
             if (lane == 0) {
@@ -653,15 +794,18 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             }
             /* the tile decoded only now: nothing but tv (and mma) stays live across the main loop */
             const int t = tv & ~(GM_HALF | GM_NARROW);
-            const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u);
+            const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u, mode);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
+            /* a piece of a split tile: only the CTA storing its last piece goes on, d then the sum */
             const comet_plan_block_t blk = p.blocks[tl.b];
 
-            /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
-             * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
-             * then the store path of this consumer's rows */
+            /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d is
+             * written only by gm_split_piece: other writes made ptxas serialise the wgmmas), then the
+             * store path of this consumer's rows */
             uint32_t pk[64];
-            if (mode == GM_MODE_GATED && (tv & GM_NARROW)) { /* h columns 0..63 only (the store masks the rest) */
+            if (mode == GM_MODE_GEMM1 && tl.piece >= 0) {
+                if (!gm_split_piece(p, d, pk, tl, c, tid, split_last)) continue;
+            } else if (mode == GM_MODE_GATED && (tv & GM_NARROW)) { /* h columns 0..63 only (the store masks the rest) */
 #pragma unroll
                 for (int i = 0; i < 64; i++)
                     pk[i] = i >= 16 ? 0u : gm_pack(gm_act(d, 2 * i, GM_ACT_NARROW), gm_act(d, 2 * i + 1, GM_ACT_NARROW));
@@ -741,9 +885,23 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
         d->max_rows_padded * d->hidden >= ((int64_t)1 << 40))
         return "the Hopper grouped GEMM needs row counts below 2^31";
     const int64_t cols = d->hidden > d->ffn_local ? d->hidden : d->ffn_local; /* tiles: below GM_NARROW */
-    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) >= GM_NARROW)
+    if ((d->max_rows_padded / GM_BM + 1) * ((cols + 127) / 128) + GM_SPLIT_PIECES * GM_SPLIT_MAX >= GM_NARROW)
         return "the Hopper grouped GEMM needs fewer than 2^29 tiles (max_rows_padded / 128 x max(H, F_local) / 128)";
     return NULL;
+}
+
+/* COMET_GEMM_SPLIT: "0" no tail split, N > 0 the fewest k-slices (64 wide) a piece may have. */
+static int gm_split_min(void) {
+    const char *v = getenv("COMET_GEMM_SPLIT");
+    if (!v || !*v) return GM_SPLIT_MIN_DEFAULT;
+    const int n = atoi(v);
+    return n > 0 && n <= 4096 ? n : 0;
+}
+
+extern "C" size_t comet_gemm_split_bytes(const comet_dims_t *d) {
+    const int min = gm_split_min();
+    if (!min || comet_gemm_check(d) || (d->ffn_local + GM_BK - 1) / GM_BK < 2 * min) return 0; /* no piece of min slices: never splits */
+    return GM_SPLIT_HEADER + (size_t)GM_SPLIT_PIECES * GM_BM * GM_BN * sizeof(float);
 }
 
 extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len) {
@@ -817,14 +975,21 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         return -1;
     }
     g->sched = args->sched, g->own_sched = args->sched == NULL;
+    g->split = args->split, g->own_split = args->sched == NULL && comet_gemm_split_bytes(d) > 0;
+    g->split_min = comet_gemm_split_bytes(d) > 0 ? gm_split_min() : 0;
     if (g->own_sched) {
         e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
         if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
     }
+    if (e == cudaSuccess && g->own_split) {
+        e = cudaMalloc(&g->split, comet_gemm_split_bytes(d));
+        if (e == cudaSuccess) e = cudaMemset(g->split, 0, GM_SPLIT_HEADER);
+    }
     if (e != cudaSuccess) {
         if (g->own_sched && g->sched) cudaFree(g->sched);
+        if (g->own_split && g->split) cudaFree(g->split);
         free(g);
-        snprintf(err, err_len, "tile counters: %s", cudaGetErrorString(e));
+        snprintf(err, err_len, "tile counters and split workspace: %s", cudaGetErrorString(e));
         return -1;
     }
     *out = g;
@@ -833,9 +998,18 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
 
 extern "C" int comet_gemm_cluster_ctas(const comet_gemm_t *g) { return g->cluster_ctas; }
 
+extern "C" int comet_gemm_split_of(const comet_gemm_t *g, int num_blocks, int *first_block) {
+    const comet_dims_t *d = &g->args.d;
+    const gm_split_t sp = gm_split_rule(num_blocks, (int)d->hidden, (int)((d->ffn_local + GM_BK - 1) / GM_BK),
+                                        g->split ? g->split_min : 0, g->num_sms / 2 > 0 ? g->num_sms / 2 : 1);
+    if (first_block) *first_block = sp.b0;
+    return sp.s;
+}
+
 extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
     if (!g) return;
     if (g->own_sched) cudaFree(g->sched);
+    if (g->own_split) cudaFree(g->split);
     free(g);
 }
 
@@ -899,6 +1073,12 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.chunk_cols = cc;
         p.order = NULL;
         p.c = a->o;
+        if (g->split && g->split_min) { /* the tail split (gm_split) */
+            p.split_min = g->split_min;
+            p.split_ref = g->num_sms / 2 > 0 ? g->num_sms / 2 : 1; /* as comet_gemm_split_of */
+            p.split_count = (uint32_t *)g->split;
+            p.split_part = (float *)((char *)g->split + GM_SPLIT_HEADER);
+        }
     }
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */

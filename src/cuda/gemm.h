@@ -61,6 +61,9 @@ typedef struct {
     uint32_t *sched;           /* device, 4 words zeroed once, kept as long as the GEMM (the tile
                                 * counters; every launch leaves them 0), or NULL: prepare allocates
                                 * and zeroes its own (synchronous calls: not inside a stream capture) */
+    void *split;               /* device, comet_gemm_split_bytes(&d) bytes, its first 1 KiB zeroed once and
+                                * kept as long as the GEMM (GEMM1's tail split: counters, fp32 partials),
+                                * or NULL: no split; with sched NULL prepare allocates its own */
 } comet_gemm_args_t;
 
 /* Optional hooks of one launch; a zeroed struct (or NULL) means none. */
@@ -106,6 +109,18 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
  * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
+/* Bytes of comet_gemm_args_t.split for dims d: 0 when GEMM1 never splits
+ * (K too short for two pieces, or COMET_GEMM_SPLIT=0), else 16 MiB + 1 KiB.
+ * GEMM1's tail split: when its tiles (at most 6 waves of them) leave the
+ * last wave part empty, the
+ * tiles of the last few row blocks run as 2-8 pieces over K, each an fp32
+ * partial, summed in piece order by the CTA that completes the tile; which
+ * tiles split and where depends only on the plan's block count, the shape
+ * and the device's SM count, so every launch mode computes the same bits
+ * (gm_split in gemm.cu). COMET_GEMM_SPLIT (read here and at prepare): 0
+ * off, N > 0 the fewest 64-wide k-slices a piece may have (default 32). */
+size_t comet_gemm_split_bytes(const comet_dims_t *d);
+
 /* Build the tensor maps once per layer (host, no kernel launch; the tile
  * counters are args->sched, or, when that is NULL, 16 bytes of device memory
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
@@ -124,6 +139,11 @@ int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *
 void comet_gemm_destroy(comet_gemm_t *g);
 /* CTAs the launches of g run as 2-CTA clusters at most (even), or 0: no clusters. */
 int comet_gemm_cluster_ctas(const comet_gemm_t *g);
+
+/* GEMM1's tail split for a plan of num_blocks row blocks: the pieces a split
+ * tile runs as (1: no split) and, in *first_block (may be NULL), the first
+ * block whose tiles split (the rest after it). Host only, no GPU call. */
+int comet_gemm_split_of(const comet_gemm_t *g, int num_blocks, int *first_block);
 
 /* Host: 1 and a message naming rank, role, tile and block when the report
  * (host view of hooks.timeout_report) records a timeout, else 0. */
