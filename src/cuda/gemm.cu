@@ -43,6 +43,9 @@
  * consumers in shared memory with the stage; the tile count is derived on the
  * device from plan.totals->num_blocks (no host sync). So one comet_gemm_t
  * runs one GEMM0 and one GEMM1 at a time.
+ * GEMM1's tail split (gm_split, gm_split_piece): the tiles that would run
+ * in a part-empty last wave run as pieces over K instead, summed in piece
+ * order by the CTA that completes a tile.
  * Not here: the SIMT fallback and the layer's other kernels (layer_kernels.cu).
  */
 #include <cuda.h>

@@ -11,7 +11,9 @@
  *          F_local + n inside one 256-wide tile; GELU is the erf form.
  *          Tiles in l0_order (local first), in groups of 4-16 blocks (gemm.cu).
  *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
- *          major (all blocks of chunk 0, then chunk 1, ...).
+ *          major (all blocks of chunk 0, then chunk 1, ...); in a short
+ *          walk whose last wave would run part empty, the last blocks'
+ *          tiles split over K (comet_gemm_split_bytes).
  * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
  * (comet_gelu_fast of src/core/numerics.h, within 1e-6 of the exact GELU for
  * g >= -2; SiLU with the SFU's ex2 and rcp, within ~2^-22 of comet_silu), h
