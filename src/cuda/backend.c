@@ -56,6 +56,7 @@ typedef struct {
     int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
                             * come through the copy engine (measurement knob, cuda_layer.h) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
+    void *gemm_split;      /* GEMM1's tail split workspace inside priv[3], sized at create, or NULL */
     const void *gemm_w1, *gemm_w2;
     int last_n_comm;       /* the protocol of the last forward launched: n_comm > 0 overlapped, 0 sequential */
     comet_cuda_replay_t *replay; /* the chain as a replayed graph (replay.c), or NULL: COMET_REPLAY=0 at create */
@@ -375,6 +376,8 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     }
     c->state = L->priv[0];
     c->a = L->priv[1], c->h = L->priv[2];
+    /* sized now: the forward hands prepare this, not what COMET_GEMM_SPLIT says by then */
+    L->gemm_split = bytes[3] > 256 ? (char *)L->priv[3] + 256 : NULL;
     c->block_ready = L->priv[4];
     c->block_rows = (uint32_t *)(c->block_ready + d->max_blocks);
     c->ov = L->priv[5];
@@ -528,7 +531,7 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
             comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16,
-                                    comet_gemm_split_bytes(&l->dims) ? (char *)L->priv[3] + 256 : NULL};
+                                    L->gemm_split};
             for (int q = 0; L->push && q < l->dims.world_size; q++) /* rank q's receive buffer */
                 if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
             char err[256];

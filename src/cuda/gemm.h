@@ -112,7 +112,9 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
 const char *comet_gemm_check(const comet_dims_t *d);
 
 /* Bytes of comet_gemm_args_t.split for dims d: 0 when GEMM1 never splits
- * (K too short for two pieces, or COMET_GEMM_SPLIT=0), else 16 MiB + 1 KiB.
+ * (K too short for two pieces, or COMET_GEMM_SPLIT=0), else 16 MiB + 1 KiB
+ * (whatever COMET_GEMM_SPLIT's value, so a workspace sized once serves any
+ * later prepare).
  * GEMM1's tail split: when its tiles (at most 6 waves of them) leave the
  * last wave part empty, the
  * tiles of the last few row blocks run as 2-8 pieces over K, each an fp32
