@@ -374,6 +374,38 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     uint16_t *o2 = (uint16_t *)malloc(2 * (size_t)(MR * H));
     CUDA_OK(cudaMemcpy(o2, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
     CHECK(memcmp(o, o2, 2 * (size_t)(MR * H)) == 0, "%s: second GEMM1 differs from the first", c->tag);
+
+    /* the device split what the rule says: GEMM1 prepared with COMET_GEMM_SPLIT=0 gives the whole
+     * tiles' rows the same bits and, on the large split case (other sums of K, random inputs), the
+     * split blocks' rows some other bits */
+    if (pieces > 1) {
+        char keep[32];
+        snprintf(keep, sizeof keep, "%s", getenv("COMET_GEMM_SPLIT") ? getenv("COMET_GEMM_SPLIT") : "");
+        setenv("COMET_GEMM_SPLIT", "0", 1);
+        comet_gemm_t *g0 = NULL;
+        rc = comet_gemm_prepare(&ga, &g0, err, sizeof err);
+        if (keep[0]) setenv("COMET_GEMM_SPLIT", keep, 1);
+        else unsetenv("COMET_GEMM_SPLIT");
+        CHECK(rc == 0 && comet_gemm_split_of(g0, nb, NULL) == 1, "%s: prepare without the split: %s", c->tag,
+              rc ? err : "it still splits");
+        if (rc == 0) {
+            CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
+            CHECK(comet_gemm1_launch(g0, 0, NULL) == 0, "%s: gemm1 launch without the split", c->tag);
+            CUDA_OK(cudaDeviceSynchronize());
+            CUDA_OK(cudaMemcpy(o2, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
+            int64_t whole_diff = 0, split_diff = 0;
+            for (int b = 0; b < nb; b++)
+                for (int64_t i = 0; i < pl.blocks[b].num_rows * H; i++) {
+                    const int64_t e = pl.blocks[b].row_start * H + i;
+                    if (o[e] != o2[e]) *(b < split_b0 ? &whole_diff : &split_diff) += 1;
+                }
+            const int large = strstr(c->tag, "(split)") != NULL;
+            CHECK(whole_diff == 0 && (!large || split_diff > 0),
+                  "%s: against GEMM1 without the split, %lld elements of whole tiles differ (want 0), %lld of "
+                  "split tiles%s", c->tag, (long long)whole_diff, (long long)split_diff, large ? " (want > 0)" : "");
+            comet_gemm_destroy(g0);
+        }
+    }
     free(o2);
 
     comet_gemm_destroy(g);

@@ -280,13 +280,13 @@ static void sym_layout(const comet_dims_t *d, int push, int partial, comet_sym_l
     lay->total = off;
 }
 
-/* Sizes of the priv buffers (cuda_layer_t). */
-static void priv_sizes(const comet_dims_t *d, size_t bytes[8]) {
+/* Sizes of the priv buffers (cuda_layer_t); hopper: the Hopper GEMM will run (its split workspace). */
+static void priv_sizes(const comet_dims_t *d, int hopper, size_t bytes[8]) {
     const size_t rows = (size_t)d->max_rows_padded, slots = (size_t)(d->max_tokens * d->topk);
     bytes[0] = sizeof(comet_cuda_state_t);
     bytes[1] = rows * (size_t)d->hidden * 2;
     bytes[2] = rows * (size_t)d->ffn_local * 2;
-    bytes[3] = 256 + comet_gemm_split_bytes(d); /* then GEMM1's tail split workspace (gemm.h) */
+    bytes[3] = 256 + (hopper ? comet_gemm_split_bytes(d) : 0); /* then GEMM1's tail split workspace (gemm.h) */
     bytes[4] = (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t));
     bytes[5] = sizeof(comet_cuda_overlap_t);
     bytes[6] = (size_t)d->world_size * slots * 8;
@@ -301,7 +301,7 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     const int w = d->world_size;
     const size_t slots = (size_t)(d->max_tokens * d->topk);
     size_t bytes[8];
-    priv_sizes(d, bytes);
+    priv_sizes(d, L->use_hopper_gemm, bytes);
     comet_cuda_state_t s;
     memset(&s, 0, sizeof s);
     for (int q = 0; q < w; q++) {
@@ -314,7 +314,7 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
     /* pushed rows arrive in recv, partials in part: poisoned (NaN) until they do, so one never sent shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
-    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, 256 + (bytes[3] > 256 ? 1024 : 0))); /* the split's counters too */
+    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, L->gemm_split ? 256 + 1024 : 256)); /* the split's counters too */
     CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
     CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
@@ -366,7 +366,7 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     size_t bytes[8];
-    priv_sizes(d, bytes);
+    priv_sizes(d, L->use_hopper_gemm, bytes);
     for (int i = 0; i < 8; i++) {
         cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
@@ -431,6 +431,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     sym_layout(d, L->push, L->partial, &c->lay);
     if (L->comm && l->world->local_rank >= 0) /* processes agree through NCCL (a failure here still hangs them) */
         CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int)));
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
+    L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
     COMET_TRY(agree_ranks(l, L, alloc_private(l, L)));
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
@@ -444,9 +447,6 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     c->o = (comet_bf16_t *)(c->sym + c->lay.o);
     c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
-    L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
     return agree_ranks(l, L, init_device_state(L, rank));
 }
 

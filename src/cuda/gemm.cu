@@ -83,7 +83,7 @@
 /* GEMM1's tail split (gm_split): at most this many pieces a tile, and this
  * many CTA-tile pieces with an fp32 partial (128 x 256, 128 KiB) in one
  * launch: the workspace is GM_SPLIT_PIECES x 128 KiB (16 MiB) after a 1 KiB
- * header of counters (one a split CTA tile, < GM_SPLIT_PIECES / 2). */
+ * header of counters (one a split CTA tile, at most GM_SPLIT_PIECES / 2). */
 #define GM_SPLIT_MAX 8
 #define GM_SPLIT_PIECES 128
 #define GM_SPLIT_HEADER 1024
@@ -799,12 +799,12 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             const int t = tv & ~(GM_HALF | GM_NARROW);
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u, mode);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
-            /* a piece of a split tile: only the CTA storing its last piece goes on, d then the sum */
+            /* a piece of a split tile: only the CTA storing its last piece goes on, with pk the sum */
             const comet_plan_block_t blk = p.blocks[tl.b];
 
-            /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d is
-             * written only by gm_split_piece: other writes made ptxas serialise the wgmmas), then the
-             * store path of this consumer's rows */
+            /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
+             * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
+             * then the store path of this consumer's rows */
             uint32_t pk[64];
             if (mode == GM_MODE_GEMM1 && tl.piece >= 0) {
                 if (!gm_split_piece(p, d, pk, tl, c, tid, split_last)) continue;
@@ -978,7 +978,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         return -1;
     }
     g->sched = args->sched, g->own_sched = args->sched == NULL;
-    g->split = args->split, g->own_split = args->sched == NULL && comet_gemm_split_bytes(d) > 0;
+    g->split = args->split, g->own_split = args->split == NULL && args->sched == NULL && comet_gemm_split_bytes(d) > 0;
     g->split_min = comet_gemm_split_bytes(d) > 0 ? gm_split_min() : 0;
     if (g->own_sched) {
         e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));

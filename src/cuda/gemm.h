@@ -65,7 +65,7 @@ typedef struct {
                                 * and zeroes its own (synchronous calls: not inside a stream capture) */
     void *split;               /* device, comet_gemm_split_bytes(&d) bytes, its first 1 KiB zeroed once and
                                 * kept as long as the GEMM (GEMM1's tail split: counters, fp32 partials),
-                                * or NULL: no split; with sched NULL prepare allocates its own */
+                                * or NULL: no split, unless sched is NULL too: prepare then allocates its own */
 } comet_gemm_args_t;
 
 /* Optional hooks of one launch; a zeroed struct (or NULL) means none. */
