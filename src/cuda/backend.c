@@ -314,7 +314,7 @@ static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
     /* pushed rows arrive in recv, partials in part: poisoned (NaN) until they do, so one never sent shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
-    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, L->gemm_split ? 256 + 1024 : 256)); /* the split's counters too */
+    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, bytes[3])); /* the split's counters too (gemm.h: its first 1 KiB) */
     CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
     CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
     CUDA_TRY(rank, cudaDeviceSynchronize());

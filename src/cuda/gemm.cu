@@ -611,19 +611,6 @@ __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t 
     return it;
 }
 
-/* GEMM1's tail split (gm_split), a consumer after a piece's k-loop: its
- * 64 x 256 fp32 partial into the workspace (thread-major, so each store
- * instruction writes 512 contiguous bytes), the CTA's piece counted once
- * (both consumers), and in the CTA that stored the tile's last piece the
- * partials summed in piece order (deterministic, whichever CTA that is)
- * into pk, bf16. Returns 1 there (pk then goes the store path), 0
- * elsewhere. The last piece also resets the counter for the next launch.
- * The sum (gm_split_sum) has the piece count as a literal, so its loads are
- * independent of each other and the compiler can batch them: a run-time
- * loop over the pieces made one chain of dependent L2 loads per element,
- * and the split lost 0.04 ms on Mixtral instead of gaining 0.09.
- * (Summing into d instead, 128 loads at a time, measured the same and
- * spilled: d is written nowhere else, see the epilogue.) */
 /* pk = bf16 of the sum, in piece order, of NP partials (thread-major, one
  * consumer's at base, the next piece's 2 x 128 x 128 floats further). */
 template <int NP> __device__ __forceinline__ void gm_split_sum(const float *base, uint32_t *pk) {
@@ -639,6 +626,19 @@ template <int NP> __device__ __forceinline__ void gm_split_sum(const float *base
     }
 }
 
+/* GEMM1's tail split (gm_split), a consumer after a piece's k-loop: its
+ * 64 x 256 fp32 partial into the workspace (thread-major, so each store
+ * instruction writes 512 contiguous bytes), the CTA's piece counted once
+ * (both consumers), and in the CTA that stored the tile's last piece the
+ * partials summed in piece order (deterministic, whichever CTA that is)
+ * into pk, bf16. Returns 1 there (pk then goes the store path), 0
+ * elsewhere. The last piece also resets the counter for the next launch.
+ * The sum (gm_split_sum) has the piece count as a literal, so its loads are
+ * independent of each other and the compiler can batch them: a run-time
+ * loop over the pieces made one chain of dependent L2 loads per element,
+ * and the split lost 0.04 ms on Mixtral instead of gaining 0.09.
+ * (Summing into d instead, 32 loads at a time, measured within noise of it and
+ * spilled: d is written nowhere else, see the epilogue.) */
 __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float *d, uint32_t *pk, const gm_tile_t &tl,
                                               int c, int tid, volatile int32_t *last) {
     const int acc = 128 * 128; /* one consumer's partial: 128 accumulators x 128 threads */
@@ -799,14 +799,13 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             const int t = tv & ~(GM_HALF | GM_NARROW);
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u, mode);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
-            /* a piece of a split tile: only the CTA storing its last piece goes on, with pk the sum */
             const comet_plan_block_t blk = p.blocks[tl.b];
 
             /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
              * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
              * then the store path of this consumer's rows */
             uint32_t pk[64];
-            if (mode == GM_MODE_GEMM1 && tl.piece >= 0) {
+            if (mode == GM_MODE_GEMM1 && tl.piece >= 0) { /* a split tile's piece: only its last CTA goes on */
                 if (!gm_split_piece(p, d, pk, tl, c, tid, split_last)) continue;
             } else if (mode == GM_MODE_GATED && (tv & GM_NARROW)) { /* h columns 0..63 only (the store masks the rest) */
 #pragma unroll
@@ -893,6 +892,11 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
     return NULL;
 }
 
+/* GEMM1's k-slices (gm_nk on the device) and the split rule's workers (split_ref): the host's
+ * comet_gemm_split_of and the launch must agree on both. */
+static int gm_host_nk(const comet_dims_t *d) { return (int)((d->ffn_local + GM_BK - 1) / GM_BK); }
+static int gm_split_ref(const comet_gemm_t *g) { return g->num_sms / 2 > 0 ? g->num_sms / 2 : 1; }
+
 /* COMET_GEMM_SPLIT: "0" no tail split, N > 0 the fewest k-slices (64 wide) a piece may have. */
 static int gm_split_min(void) {
     const char *v = getenv("COMET_GEMM_SPLIT");
@@ -903,7 +907,7 @@ static int gm_split_min(void) {
 
 extern "C" size_t comet_gemm_split_bytes(const comet_dims_t *d) {
     const int min = gm_split_min();
-    if (!min || comet_gemm_check(d) || (d->ffn_local + GM_BK - 1) / GM_BK < 2 * min) return 0; /* no piece of min slices: never splits */
+    if (!min || comet_gemm_check(d) || gm_host_nk(d) < 2 * min) return 0; /* no two pieces of min slices: never splits */
     return GM_SPLIT_HEADER + (size_t)GM_SPLIT_PIECES * GM_BM * GM_BN * sizeof(float);
 }
 
@@ -978,14 +982,15 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         return -1;
     }
     g->sched = args->sched, g->own_sched = args->sched == NULL;
-    g->split = args->split, g->own_split = args->split == NULL && args->sched == NULL && comet_gemm_split_bytes(d) > 0;
-    g->split_min = comet_gemm_split_bytes(d) > 0 ? gm_split_min() : 0;
+    const size_t split_bytes = comet_gemm_split_bytes(d);
+    g->split = args->split, g->own_split = args->split == NULL && args->sched == NULL && split_bytes > 0;
+    g->split_min = split_bytes > 0 ? gm_split_min() : 0;
     if (g->own_sched) {
         e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
         if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
     }
     if (e == cudaSuccess && g->own_split) {
-        e = cudaMalloc(&g->split, comet_gemm_split_bytes(d));
+        e = cudaMalloc(&g->split, split_bytes);
         if (e == cudaSuccess) e = cudaMemset(g->split, 0, GM_SPLIT_HEADER);
     }
     if (e != cudaSuccess) {
@@ -1003,8 +1008,8 @@ extern "C" int comet_gemm_cluster_ctas(const comet_gemm_t *g) { return g->cluste
 
 extern "C" int comet_gemm_split_of(const comet_gemm_t *g, int num_blocks, int *first_block) {
     const comet_dims_t *d = &g->args.d;
-    const gm_split_t sp = gm_split_rule(num_blocks, (int)d->hidden, (int)((d->ffn_local + GM_BK - 1) / GM_BK),
-                                        g->split ? g->split_min : 0, g->num_sms / 2 > 0 ? g->num_sms / 2 : 1);
+    const gm_split_t sp =
+        gm_split_rule(num_blocks, (int)d->hidden, gm_host_nk(d), g->split ? g->split_min : 0, gm_split_ref(g));
     if (first_block) *first_block = sp.b0;
     return sp.s;
 }
@@ -1078,7 +1083,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.c = a->o;
         if (g->split && g->split_min) { /* the tail split (gm_split) */
             p.split_min = g->split_min;
-            p.split_ref = g->num_sms / 2 > 0 ? g->num_sms / 2 : 1; /* as comet_gemm_split_of */
+            p.split_ref = gm_split_ref(g);
             p.split_count = (uint32_t *)g->split;
             p.split_part = (float *)((char *)g->split + GM_SPLIT_HEADER);
         }

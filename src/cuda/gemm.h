@@ -116,8 +116,8 @@ const char *comet_gemm_check(const comet_dims_t *d);
  * (whatever COMET_GEMM_SPLIT's value, so a workspace sized once serves any
  * later prepare).
  * GEMM1's tail split: when its tiles (at most 6 waves of them) leave the
- * last wave part empty, the
- * tiles of the last few row blocks run as 2-8 pieces over K, each an fp32
+ * last wave part empty, the tiles of the last few row blocks run as 2-8
+ * pieces over K, each an fp32
  * partial, summed in piece order by the CTA that completes the tile; which
  * tiles split and where depends only on the plan's block count, the shape
  * and the device's SM count, so every launch mode computes the same bits
