@@ -73,9 +73,9 @@ $(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.
 
 # The grouped-GEMM benchmark (against cuBLAS): built here so that its link is
 # checked everywhere; bench/run_gemm_bench.sh runs it on the GPU machine.
-$(BUILD)/bench/gemm_bench: bench/gemm_bench.cu bench/bench_check.h $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(BUILD)/bench/gemm_bench: bench/gemm_bench.cu bench/bench_check.h bench/gpu_power.h $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) $(filter-out %.h,$^) $(CUDA_LIBS) -lcublas $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
+	$(NVCC) $(NVFLAGS) $(filter-out %.h,$^) $(CUDA_LIBS) -lcublas -ldl $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 
 # NVLink transport rates (pull, push, TMA bulk, copy engine; 2 GPUs).
 $(BUILD)/bench/link_bench: bench/link_bench.cu bench/bench_check.h

@@ -28,6 +28,16 @@
  * 8): t times the ranks, each expert's ffn split t ways, rank 0's slice (the
  * per-GPU GEMMs of a TP=t layer: K of GEMM1 = ffn / t); GEMM_BENCH_SKEW=s (default 0): expert
  * popularity 1 + s N(0,1), the routing of src/workload (comet_routing_draw).
+ * Padding rows (an expert's last block past its rows) of A and h hold random
+ * values, as in a layer whose buffers held other routings' rows;
+ * GEMM_BENCH_PAD_ZERO=1 zeroes them (same work, fewer toggling bits).
+ * GEMM_BENCH_SUSTAIN=S (seconds, default 0 off): also ours and the cuBLAS
+ * loop each run GEMM0, then GEMM1, back to back for S seconds, alternated,
+ * two rounds, as a layer bench keeps the GPU busy (the rounds above leave it idle
+ * between launches, so they run at a clock a sustained load does not keep);
+ * over each phase's second half: TFLOP/s, SM clock, power and GFLOP per
+ * joule through NVML (bench/gpu_power.h; "n/a" without it), printed as a
+ * third table and written as the JSON key "sustained".
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
 #include <cublas_v2.h>
@@ -43,6 +53,7 @@
 #include "../src/workload/workload.h"
 
 #include "bench_check.h"
+#include "gpu_power.h"
 
 #define NREP 10
 #define NCURVE 6 /* num_ctas points of the GEMM_BENCH_CURVE=1 curve */
@@ -68,6 +79,13 @@ __global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
         x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
         p[i] = comet_f32_to_bf16(((float)(x & 0xffffff) / 16777216.0f * 2.0f - 1.0f) * scale);
     }
+}
+
+/* zeroes rows[0..nrows) of a row-major matrix of `width` bf16 columns */
+__global__ void k_zero_rows(uint16_t *p, const int32_t *rows, int nrows, int64_t width) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)nrows * width;
+         i += (int64_t)gridDim.x * blockDim.x)
+        p[rows[i / width] * width + i % width] = 0;
 }
 
 /* elements of o (valid rows) farther than 2 bf16 ulps from ref */
@@ -99,6 +117,13 @@ static float median(float *v, int n) {
     return v[n / 2];
 }
 
+/* A sustained phase (sustain_phase): TFLOP/s, mean SM clock (MHz), mean power (W),
+ * GFLOP per joule, NVML's clock-limit reasons (bits, OR over the samples). */
+typedef struct {
+    double tflops, mhz, watts, gflop_per_j;
+    unsigned long long reasons;
+} bsustain_t;
+
 typedef struct {
     const char *name;
     double tf[2][3]; /* [gemm][ours, loop, dense] */
@@ -110,6 +135,8 @@ typedef struct {
     int curve_ctas[NCURVE];     /* curve_ctas[0] = SMs */
     double curve_ms[2][NCURVE]; /* [gemm][point] */
     double curve_tf[2][NCURVE];
+    int nsus;                 /* sustained rounds (0: GEMM_BENCH_SUSTAIN off) */
+    bsustain_t sus[2][2][2];  /* [gemm][ours, cuBLAS loop][round] */
 } bresult_t;
 
 /* num_ctas points of the curve: SMs first, then fewer; drops values < 1 and repeats */
@@ -129,6 +156,91 @@ static double curve_eff(const bresult_t *r, int gm, int p, int sms) {
     return r->curve_tf[gm][p] / r->curve_tf[gm][0] / ((double)r->curve_ctas[p] / sms);
 }
 
+/* What a timed variant launches: ours (v 0), cuBLAS per expert (1), cuBLAS dense over the rows (2). */
+typedef struct {
+    comet_gemm_t *g;
+    cublasHandle_t cub;
+    const uint16_t *a, *w1, *h, *w2;
+    uint16_t *hbuf, *oref; /* cuBLAS outputs: GEMM0 (gate|up, no activation), GEMM1 */
+    const int64_t *cnt;    /* [E] rows per expert */
+    const int32_t *start;  /* [E] padded row offsets */
+    int64_t E, H, F, w1_rows;
+    int nrows;
+} bvar_t;
+
+static void launch_variant(const bvar_t *b, int gm, int v) {
+    const int64_t H = b->H, F = b->F;
+    if (v == 0) {
+        if (gm == 0) CK((cudaError_t)comet_gemm0_launch(b->g, 0, NULL));
+        else CK((cudaError_t)comet_gemm1_launch(b->g, 0, NULL));
+    } else if (v == 1) {
+        for (int64_t e = 0; e < b->E; e++) {
+            if (!b->cnt[e]) continue;
+            const int64_t r0 = b->start[e];
+            if (gm == 0)
+                cublas_nt(b->cub, b->a + r0 * H, b->w1 + e * b->w1_rows * H, b->hbuf + r0 * 2 * F, (int)b->cnt[e],
+                          (int)b->w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
+            else
+                cublas_nt(b->cub, b->h + r0 * F, b->w2 + e * H * F, b->oref + r0 * H, (int)b->cnt[e], (int)H, (int)F,
+                          (int)F, (int)F, (int)H);
+        }
+    } else if (gm == 0) {
+        cublas_nt(b->cub, b->a, b->w1, b->hbuf, b->nrows, (int)b->w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
+    } else {
+        cublas_nt(b->cub, b->h, b->w2, b->oref, b->nrows, (int)H, (int)F, (int)F, (int)F, (int)H);
+    }
+}
+
+static double wall_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* One sustained phase (GEMM_BENCH_SUSTAIN): variant v's GEMM gm back to
+ * back for `secs` seconds, batches of 8 with one batch always queued; over the second half: rate, mean SM clock of the samples (one after
+ * each batch), mean power (energy counter / time), GFLOP per joule, and the
+ * clock-limit reasons seen (OR). Without NVML the power fields stay 0. */
+static void sustain_phase(const bvar_t *b, int gm, int v, double secs, double flops, const gpu_power_t *pw,
+                          bsustain_t *out) {
+    cudaEvent_t done[2];
+    CK(cudaEventCreateWithFlags(&done[0], cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&done[1], cudaEventDisableTiming));
+    memset(out, 0, sizeof *out);
+    const double t0 = wall_s();
+    double th = 0, mhz = 0;
+    long runs = 0, nmhz = 0;
+    gpu_power_sample_t s0 = {0, 0, 0, 0}, s;
+    int half = 0, power = 1;
+    for (long batch = 0;; batch++) {
+        for (int i = 0; i < 8; i++) launch_variant(b, gm, v);
+        CK(cudaEventRecord(done[batch & 1]));
+        if (batch == 0) continue;
+        CK(cudaEventSynchronize(done[(batch - 1) & 1])); /* batch - 1 finished, batch queued */
+        const double t = wall_s() - t0;
+        if (half) {
+            runs += 8;
+            if (power && gpu_power_read(pw, &s)) mhz += s.mhz, nmhz++, out->reasons |= s.reasons;
+        } else if (t >= secs / 2) {
+            half = 1, th = t;
+            power = gpu_power_read(pw, &s0);
+        }
+        if (t >= secs) {
+            const double span = t - th;
+            out->tflops = runs * flops / span / 1e12;
+            if (power && nmhz && gpu_power_read(pw, &s)) {
+                out->mhz = mhz / nmhz;
+                out->watts = (s.joules - s0.joules) / span;
+                out->gflop_per_j = out->watts > 0 ? out->tflops * 1e3 / out->watts : 0;
+            }
+            break;
+        }
+    }
+    CK(cudaDeviceSynchronize());
+    CK(cudaGetLastError());
+    cudaEventDestroy(done[0]), cudaEventDestroy(done[1]);
+}
+
 /* Routing of the run (GEMM_BENCH_EP, GEMM_BENCH_TP, GEMM_BENCH_SKEW): ep x tp
  * ranks of T tokens each; the GEMMs are rank 0's (its E/ep experts, its
  * F/tp slice of each, rows from every rank). */
@@ -138,7 +250,7 @@ typedef struct {
 } brouting_t;
 
 static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublasHandle_t cub, int sms, int curve,
-                      bresult_t *res) {
+                      double sustain, int pad_zero, const gpu_power_t *pw, bresult_t *res) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     const int ep = m->experts == 1 ? 1 : br->ep, tp = m->experts == 1 ? 1 : br->tp; /* the dense shapes: one rank */
     const int world = ep * tp;
@@ -183,10 +295,13 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     const int nrows = pl.totals->num_rows;
     res->name = m->name, res->blocks = pl.totals->num_blocks, res->rows = nrows;
     res->rows_padded = pl.totals->num_rows_padded;
-    int32_t *valid_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)nrows);
-    int nv = 0;
+    const int npad = pl.totals->num_rows_padded - nrows;
+    int32_t *valid_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(pl.totals->num_rows_padded + 1));
+    int32_t *pad_rows = valid_rows + nrows; /* after the valid ones */
+    int nv = 0, np = 0;
     for (int64_t r = 0; r < pl.totals->num_rows_padded; r++)
         if (pl.rows[r].src_rank >= 0) valid_rows[nv++] = (int32_t)r;
+        else pad_rows[np++] = (int32_t)r;
 
     void *d_ws;
     uint16_t *a, *w1, *w2, *h, *o, *oref, *hbuf;
@@ -201,13 +316,17 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     CK(cudaMalloc(&hbuf, 2 * (size_t)(MR * 2 * F))); /* cuBLAS GEMM0 output (gate|up, no activation) */
     CK(cudaMalloc(&o, 2 * (size_t)(MR * H)));
     CK(cudaMalloc(&oref, 2 * (size_t)(MR * H)));
-    CK(cudaMalloc(&d_valid, sizeof(int32_t) * (size_t)(nrows + 1)));
+    CK(cudaMalloc(&d_valid, sizeof(int32_t) * (size_t)(pl.totals->num_rows_padded + 1)));
     CK(cudaMalloc(&d_bad, 8));
-    CK(cudaMemcpy(d_valid, valid_rows, sizeof(int32_t) * (size_t)nrows, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_valid, valid_rows, sizeof(int32_t) * (size_t)pl.totals->num_rows_padded, cudaMemcpyHostToDevice));
     k_fill<<<1024, 256>>>(a, (size_t)(MR * H), 1, 1.0f);
     k_fill<<<1024, 256>>>(w1, (size_t)(E * d.w1_rows * H), 2, 2.0f / sqrtf((float)H));
     k_fill<<<1024, 256>>>(w2, (size_t)(E * H * F), 3, 2.0f / sqrtf((float)F));
-    CK(cudaMemset(h, 0, 2 * (size_t)(MR * F)));
+    k_fill<<<1024, 256>>>(h, (size_t)(MR * F), 4, 1.0f); /* GEMM0 writes the valid rows only */
+    if (pad_zero && npad) {
+        k_zero_rows<<<1024, 256>>>(a, d_valid + nrows, npad, H);
+        k_zero_rows<<<1024, 256>>>(h, d_valid + nrows, npad, F);
+    }
     CK(cudaDeviceSynchronize());
 
     comet_gemm_args_t ga;
@@ -226,31 +345,13 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     cudaEvent_t ev[2];
     CK(cudaEventCreate(&ev[0]));
     CK(cudaEventCreate(&ev[1]));
+    const bvar_t bv = {g, cub, a, w1, h, w2, hbuf, oref, cnt, pl.expert_start, E, H, F, d.w1_rows, nrows};
     float t[2][3][NREP];
     for (int rep = -2; rep < NREP; rep++)
         for (int gm = 0; gm < 2; gm++)
             for (int v = 0; v < 3; v++) {
                 CK(cudaEventRecord(ev[0]));
-                if (v == 0) {
-                    if (gm == 0) CK((cudaError_t)comet_gemm0_launch(g, 0, NULL));
-                    else CK((cudaError_t)comet_gemm1_launch(g, 0, NULL));
-                } else if (v == 1) {
-                    for (int64_t e = 0; e < E; e++) {
-                        if (!cnt[e]) continue;
-                        const int64_t r0 = pl.expert_start[e];
-                        if (gm == 0)
-                            cublas_nt(cub, a + r0 * H, w1 + e * d.w1_rows * H, hbuf + r0 * 2 * F, (int)cnt[e],
-                                      (int)d.w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
-                        else
-                            cublas_nt(cub, h + r0 * F, w2 + e * H * F, oref + r0 * H, (int)cnt[e], (int)H, (int)F,
-                                      (int)F, (int)F, (int)H);
-                    }
-                } else {
-                    if (gm == 0)
-                        cublas_nt(cub, a, w1, hbuf, nrows, (int)d.w1_rows, (int)H, (int)H, (int)H, (int)(2 * F));
-                    else
-                        cublas_nt(cub, h, w2, oref, nrows, (int)H, (int)F, (int)F, (int)F, (int)H);
-                }
+                launch_variant(&bv, gm, v);
                 CK(cudaEventRecord(ev[1]));
                 CK(cudaEventSynchronize(ev[1]));
                 if (rep >= 0) CK(cudaEventElapsedTime(&t[gm][v][rep], ev[0], ev[1]));
@@ -273,6 +374,11 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
             res->ms[gm][v] = ms;
             res->tf[gm][v] = fl[gm] / (ms * 1e-3) / 1e12;
         }
+    /* sustained: ours and the loop alternated, two rounds each */
+    res->nsus = sustain > 0 ? 2 : 0;
+    for (int gm = 0; gm < 2; gm++)
+        for (int round = 0; round < res->nsus; round++)
+            for (int v = 0; v < 2; v++) sustain_phase(&bv, gm, v, sustain, fl[gm], pw, &res->sus[gm][v][round]);
     /* n_compute curve: ours with num_ctas persistent CTAs, rounds interleaved over the points */
     res->ncurve = curve ? curve_points(sms, res->curve_ctas) : 0;
     const int most = comet_gemm_cluster_ctas(g); /* clusters: the launch runs an even count, at most this */
@@ -319,13 +425,23 @@ int main(int argc, char **argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const char *cv = getenv("GEMM_BENCH_CURVE"), *ev = getenv("GEMM_BENCH_EP"), *tv = getenv("GEMM_BENCH_TP"),
-               *sv = getenv("GEMM_BENCH_SKEW");
+               *sv = getenv("GEMM_BENCH_SKEW"), *pv = getenv("GEMM_BENCH_SUSTAIN"), *zv = getenv("GEMM_BENCH_PAD_ZERO");
     const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
     brouting_t br = {ev ? atoi(ev) : 1, tv ? atoi(tv) : 1, sv ? atof(sv) : 0.0};
-    if (br.ep < 1 || br.tp < 1 || br.ep * br.tp > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1) {
-        fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP x GEMM_BENCH_TP in 1..%d, GEMM_BENCH_SKEW >= 0\n",
-                COMET_GEMM_MAX_PUSH);
+    const double sustain = pv ? atof(pv) : 0.0;
+    const int pad_zero = zv && atoi(zv) != 0;
+    if (br.ep < 1 || br.tp < 1 || br.ep * br.tp > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1 || !(sustain >= 0) ||
+        sustain > 600) {
+        fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP x GEMM_BENCH_TP in 1..%d, GEMM_BENCH_SKEW >= 0, "
+                "GEMM_BENCH_SUSTAIN in 0..600 s\n", COMET_GEMM_MAX_PUSH);
         return 2;
+    }
+    gpu_power_t pw = {0, NULL, NULL, NULL, NULL, NULL};
+    if (sustain > 0) {
+        char bus[32];
+        CK(cudaDeviceGetPCIBusId(bus, sizeof bus, 0));
+        gpu_power_open(&pw, bus);
+        if (!pw.ok) fprintf(stderr, "gemm_bench: NVML not available: the sustained rows have no clock or power\n");
     }
     cublasHandle_t cub;
     CKB(cublasCreate(&cub));
@@ -335,7 +451,8 @@ int main(int argc, char **argv) {
         int want = argc <= 2;
         for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
         if (!want) continue;
-        run_model(&models[i], models[i].tokens ? models[i].tokens : T, &br, cub, sms, curve, &res[nres]);
+        run_model(&models[i], models[i].tokens ? models[i].tokens : T, &br, cub, sms, curve, sustain, pad_zero, &pw,
+                  &res[nres]);
         fprintf(stderr, "%s done\n", models[i].name);
         nres++;
     }
@@ -343,8 +460,8 @@ int main(int argc, char **argv) {
     time_t now = time(NULL);
     strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
     printf("\ncomet grouped GEMM, %s, %s, %lld tokens a rank x EP=%d x TP=%d ranks (rank 0's experts and ffn slice; "
-           "the dense shapes one rank), routing skew %g, median of %d\n", prop.name, date, (long long)T, br.ep, br.tp,
-           br.skew, NREP);
+           "the dense shapes one rank), routing skew %g, padding rows %s, median of %d\n", prop.name, date, (long long)T,
+           br.ep, br.tp, br.skew, pad_zero ? "zero" : "random", NREP);
     printf("TFLOP/s on valid rows (ms)  | ours: comet_gemm0 (+SiLU) / comet_gemm1 | cuBLAS loop per expert | cuBLAS dense M=rows\n");
     printf("%-13s %6s %6s %-6s | %-22s | %-22s | %-22s | %s\n", "model", "rows", "blocks", "gemm", "ours", "cuBLAS loop",
            "cuBLAS dense", "ours/loop  o-bad  GEMM1 split");
@@ -373,13 +490,33 @@ int main(int argc, char **argv) {
                        q->curve_ms[1][p], curve_eff(q, 1, p, sms));
             }
     }
+    if (sustain > 0) {
+        printf("\nsustained (GEMM_BENCH_SUSTAIN=%g): each GEMM back to back for %g s a phase, ours and the cuBLAS "
+               "loop alternated, 2 rounds; over each phase's second half\n", sustain, sustain);
+        printf("%-13s %-6s %-5s %5s | %8s %9s %8s %9s  %s\n", "model", "gemm", "run", "round", "TFLOP/s", "SM MHz", "W",
+               "GFLOP/J", "clock limited by");
+        for (int r = 0; r < nres; r++)
+            for (int gm = 0; gm < 2; gm++)
+                for (int round = 0; round < res[r].nsus; round++)
+                    for (int v = 0; v < 2; v++) {
+                        const bsustain_t *q = &res[r].sus[gm][v][round];
+                        char why[96];
+                        printf("%-13s %-6s %-5s %5d | %8.1f ", res[r].name, gm ? "gemm1" : "gemm0", v ? "loop" : "ours",
+                               round, q->tflops);
+                        if (pw.ok)
+                            printf("%9.0f %8.1f %9.1f  %s\n", q->mhz, q->watts, q->gflop_per_j,
+                                   gpu_power_reasons(q->reasons, why, sizeof why));
+                        else
+                            printf("%9s %8s %9s  n/a\n", "n/a", "n/a", "n/a");
+                    }
+    }
     const char *out = getenv("OUT");
     char path[512];
     snprintf(path, sizeof path, "%s/gemm_bench.json", out && *out ? out : ".");
     FILE *f = fopen(path, "w");
     if (f) {
-        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"tp\": %d, \"skew\": %g, \"reps\": %d, ",
-                prop.name, date, (long long)T, br.ep, br.tp, br.skew, NREP);
+        fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"tp\": %d, \"skew\": %g, \"pad_zero\": %d, \"reps\": %d, ",
+                prop.name, date, (long long)T, br.ep, br.tp, br.skew, pad_zero, NREP);
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
@@ -401,6 +538,21 @@ int main(int argc, char **argv) {
                                 res[r].curve_ms[gm][p], gm, res[r].curve_tf[gm][p], gm, curve_eff(&res[r], gm, p, sms));
                     fprintf(f, "}");
                 }
+                fprintf(f, "]");
+            }
+            if (res[r].nsus) {
+                fprintf(f, ",\n   \"sustained\": [");
+                for (int gm = 0; gm < 2; gm++)
+                    for (int round = 0; round < res[r].nsus; round++)
+                        for (int v = 0; v < 2; v++) {
+                            const bsustain_t *q = &res[r].sus[gm][v][round];
+                            fprintf(f, "%s\n    {\"gemm\": %d, \"run\": \"%s\", \"round\": %d, \"seconds\": %g, \"tflops\": %.1f",
+                                    gm || round || v ? "," : "", gm, v ? "cublas_loop" : "ours", round, sustain, q->tflops);
+                            if (pw.ok)
+                                fprintf(f, ", \"sm_mhz\": %.0f, \"watts\": %.1f, \"gflop_per_j\": %.1f, \"reasons\": %llu",
+                                        q->mhz, q->watts, q->gflop_per_j, q->reasons);
+                            fprintf(f, "}");
+                        }
                 fprintf(f, "]");
             }
             fprintf(f, "}%s\n", r + 1 < nres ? "," : "");

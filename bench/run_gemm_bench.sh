@@ -23,7 +23,7 @@ if grep -E "C7508|C7510|C7511|C7515|C7520" "$OUTDIR/gemm_ptxas.log"; then echo "
 grep -E "[1-9][0-9]* bytes spill" "$OUTDIR/gemm_ptxas.log" && echo "NOTE: spills above" || true
 if command -v cuobjdump >/dev/null; then echo "HGMMA in SASS: $(cuobjdump -sass "$B/gemm.o" | grep -c HGMMA)"; fi
 $NVCC $NVF tests/test_gemm_gpu.cu "$B/gemm.o" "$B"/obj/*.o -lcudart -o "$B/test_gemm_gpu" &
-$NVCC $NVF bench/gemm_bench.cu "$B/gemm.o" "$B"/obj/*.o -lcublas -lcudart -o "$B/gemm_bench" &
+$NVCC $NVF bench/gemm_bench.cu "$B/gemm.o" "$B"/obj/*.o -lcublas -lcudart -ldl -o "$B/gemm_bench" &
 wait
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
 rc=0
