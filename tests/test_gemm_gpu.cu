@@ -273,6 +273,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     if (!nohooks) {
         hk.block_ready = d_ready;
         hk.epoch = d_epoch;
+        hk.l0_order = 1; /* the layer's overlapped walk (the plain launches above walk expert order) */
         hk.num_ctas = sms - 8;
         hk.timeout_ns = 5000000000ull;
     }
@@ -366,6 +367,15 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     printf("%s: %d blocks, %lld rows (%lld checked, %s), h/o bad %lld/%lld, padding written %lld/%lld, GEMM1 split: "
            "blocks %d.. in %d pieces\n", c->tag, nb, (long long)nrows, (long long)checked, all ? "all" : "sampled",
            (long long)bad_h, (long long)bad_o, (long long)pad_h, (long long)pad_o, pieces > 1 ? split_b0 : nb, pieces);
+
+    /* a second GEMM0 in expert order (no hooks; the first walked l0_order) writes the same bits */
+    CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
+    CHECK(comet_gemm0_launch(g, 0, NULL) == 0, "%s: gemm0 relaunch", c->tag);
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
+    CUDA_OK(cudaMemcpy(h2, d_h, 2 * (size_t)(MR * F), cudaMemcpyDeviceToHost));
+    CHECK(memcmp(h, h2, 2 * (size_t)(MR * F)) == 0, "%s: GEMM0 in expert order differs from l0_order's", c->tag);
+    free(h2);
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
     CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));

@@ -119,7 +119,7 @@ typedef struct {
     int rank;
     const comet_plan_totals_t *totals;
     const comet_plan_block_t *blocks;
-    const int32_t *order; /* GEMM0: l0_order; GEMM1: NULL (blocks in expert order) */
+    const int32_t *order; /* GEMM0: l0_order (hooks.l0_order) or NULL; GEMM1: NULL (NULL: blocks in expert order) */
     comet_bf16_t *c;      /* output, for the masked register stores */
     const uint64_t *block_ready;
     const uint64_t *epoch; /* device: what block_ready[b] must reach, read at kernel start */
@@ -149,6 +149,7 @@ struct comet_gemm {
     int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
     int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
+    int order;       /* COMET_GEMM_ORDER at prepare (a measurement knob): 1 expert, 2 local (l0_order), 0: hooks.l0_order */
     int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
     int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
@@ -956,6 +957,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     g->narrow = !(narrow && strcmp(narrow, "0") == 0);
     const char *grp = getenv("COMET_GEMM_GROUP");
     g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
+    const char *ord = getenv("COMET_GEMM_ORDER");
+    g->order = !ord ? 0 : strcmp(ord, "expert") == 0 ? 1 : strcmp(ord, "local") == 0 ? 2 : 0;
     cudaError_t e = cudaSuccess;
     for (int i = 0; i < 6 && e == cudaSuccess; i++)
         e = cudaFuncSetAttribute(gm_kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
@@ -1067,7 +1070,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.up_off = (int)d->ffn_local;
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
-        p.order = plan.l0_order;
+        p.order = (g->order ? g->order == 2 : hk.l0_order) ? plan.l0_order : NULL;
         p.c = a->h;
     } else {
         int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;

@@ -9,7 +9,9 @@
  *          row_start + num_rows) of a):  h[rows, n] = act(a[rows] W1[e]^T),
  *          n in [0, F_local); gated SiLU pairs gate row n with up row
  *          F_local + n inside one 256-wide tile; GELU is the erf form.
- *          Tiles in l0_order (local first), in groups of 4-16 blocks (gemm.cu).
+ *          Tiles in expert order (each expert's weights read from DRAM about
+ *          once), or in l0_order (local first: hooks.l0_order), in groups
+ *          of 4-16 blocks (gemm.cu).
  *   GEMM1: o[rows, c] = h[rows] W2[e]^T, c in [0, H); tiles column-chunk
  *          major (all blocks of chunk 0, then chunk 1, ...); in a short
  *          walk whose last wave would run part empty, the last blocks'
@@ -79,6 +81,14 @@ typedef struct {
      * (No printf in the kernel: any call makes ptxas serialise the wgmmas.) */
     const uint64_t *block_ready;
     const uint64_t *epoch;
+    /* GEMM0: walk the row blocks in the plan's l0_order (local rows first,
+     * for a launch that waits on block_ready while they arrive) instead of
+     * expert order. Expert order reads each expert's W1 once: the stages of
+     * l0_order split every expert's blocks, so its W1 tiles come from DRAM
+     * again (Mixtral EP2, 4096 tokens a rank, H200: 3.85 -> 2.54 GB of DRAM
+     * reads, +3.4% sustained, dev/NOTES.md). COMET_GEMM_ORDER=expert or
+     * local at prepare overrides it (a measurement knob). */
+    int l0_order;
     /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
      * call chunk c gains num_blocks * ceil(width_c / 256). */

@@ -1267,6 +1267,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.pdl = 1;
         hooks.timeout_ns = c.timeout_ns;
         hooks.block_ready = c.block_ready;
+        hooks.l0_order = 1; /* the pulls complete blocks in this order */
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
