@@ -94,7 +94,8 @@
  * Measured on H200 (gemm_bench, dev/NOTES.md): DeepSeek GEMM0 (K = 7168)
  * 472 -> 532 TFLOP/s from 16 to 8 (29 MiB of A rows crowded the B tiles
  * out of L2), 412 at 32; every other shape flat between 4 and 16.
- * COMET_GEMM_GROUP (read at prepare) overrides it for measurements. */
+ * COMET_GEMM_GROUP (read at prepare: N for both GEMMs, or N0,N1) overrides it
+ * for measurements. */
 static int gm_group_for(int64_t k) {
     int g = 16;
     while (g > 4 && (int64_t)g * GM_BM * k * 2 > ((int64_t)16 << 20)) g /= 2;
@@ -148,7 +149,7 @@ struct comet_gemm {
     int num_sms;
     int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
-    int group;       /* COMET_GEMM_GROUP at prepare (a measurement knob), or 0: gm_group_for */
+    int group[2];    /* COMET_GEMM_GROUP=N or N0,N1 at prepare (a measurement knob; GEMM0, GEMM1), or 0: gm_group_for */
     int order;       /* COMET_GEMM_ORDER at prepare (a measurement knob): 1 expert, 2 local (l0_order), 0: hooks.l0_order */
     int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
     int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
@@ -956,7 +957,10 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     const char *narrow = getenv("COMET_GEMM_NARROW");
     g->narrow = !(narrow && strcmp(narrow, "0") == 0);
     const char *grp = getenv("COMET_GEMM_GROUP");
-    g->group = grp && atoi(grp) > 0 && atoi(grp) <= 4096 ? atoi(grp) : 0;
+    for (int i = 0; i < 2; i++) { /* "N" sets both, "N0,N1" each */
+        const char *v = grp && i && strchr(grp, ',') ? strchr(grp, ',') + 1 : grp;
+        g->group[i] = v && atoi(v) > 0 && atoi(v) <= 4096 ? atoi(v) : 0;
+    }
     const char *ord = getenv("COMET_GEMM_ORDER");
     g->order = !ord ? 0 : strcmp(ord, "expert") == 0 ? 1 : strcmp(ord, "local") == 0 ? 2 : 0;
     cudaError_t e = cudaSuccess;
@@ -1094,7 +1098,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
-    p.group = g->group ? g->group : gm_group_for(p.k);
+    p.group = g->group[gemm1] ? g->group[gemm1] : gm_group_for(p.k);
     p.half = g->half && !cl;
     p.narrow = g->narrow;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
