@@ -7,7 +7,16 @@
  * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
  * the call is tiny; on the CUDA backend the overlapped mode with 16 CTAs
  * where it measured faster: 2 or more ranks with push, at least 4096 tokens
- * a rank, topk x hidden at most 16384. On 2x H200 (M >= 8192) that is
+ * a rank, topk x hidden at most 16384, F_local x hidden at most 2^25 (an
+ * expert's W1 slice, 2 x F_local x hidden bf16, at most 128 MiB: the
+ * overlapped mode walks GEMM0 local first, which reads every expert's W1
+ * once a stage, where the sequential chain walks expert order and reads it
+ * once; for larger slices that costs more than the dispatch it hides:
+ * Mixtral EP2 at M=8192 sequential 4.26 / 4.11 ms against 4.41 / 4.48
+ * overlapped, level at M=16384, Mixtral TP2 (7168 x 4096) and Phi-3.5
+ * level, 2x H200, 32ae4d5, bench/results/2026-11-22-gemm-power-h200.md; on
+ * 4 ranks Mixtral EP4 was already 0.7-1.3% faster sequential, 13fcb21).
+ * Before that bound, on 2x H200 (M >= 8192) the rule's cells were
  * Qwen2-MoE, Mixtral and Phi-3.5-MoE: 10 of their 12 such cells faster, 7
  * by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral alternated later: +-1.7%, a
  * wash (bench/results/2026-11-22-comet-h200x2-5215af5.md; at 50f5ee0, 8 of
@@ -17,8 +26,9 @@
  * 16384: TP2 x EP2 and EP4) Qwen2-MoE 7% and 10% faster, Mixtral -0.6% and
  * +1.4%, a wash (-a392388.jsonl; larger worlds not measured). Else 0, the
  * sequential chain: DeepSeek-V3-style (topk 8 x hidden 7168: 1-7% slower
- * overlapped on 2 ranks), 2048 tokens a rank (even on average), one rank,
- * COMET_PUSH=0 and partials (not measured faster).
+ * overlapped on 2 ranks), Mixtral at EP (F_local 14336), 2048 tokens a rank
+ * (even on average), one rank, COMET_PUSH=0 and partials (not measured
+ * faster).
  */
 #include "tuner.h"
 
@@ -109,7 +119,7 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
     }
     if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
     if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && t->push && d->world_size >= 2 && d->max_tokens >= 4096 &&
-        d->topk * d->hidden <= 16384)
+        d->topk * d->hidden <= 16384 && d->ffn_local * d->hidden <= ((int64_t)1 << 25))
         t->n_comm = 16;
 }
 
