@@ -61,7 +61,7 @@ $(BUILD)/libcomet.a: $(LIB_OBJ)
 	$(AR) rcs $@ $^
 
 $(BUILD)/comet: $(BUILD)/tools/comet.o $(WL_OBJ) $(BUILD)/libcomet.a
-	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@
+	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -ldl -o $@
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
 	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@

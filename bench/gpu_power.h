@@ -3,8 +3,9 @@
  * reasons through NVML, loaded at run time (dlopen of libnvidia-ml.so.1): no
  * build dependency, and where the driver's library or a query is missing the
  * probe says so (ok = 0) and the benchmark prints "n/a". For benchmarks only
- * (bench/gemm_bench.cu): under sustained load an H100/H200 GEMM is limited by
- * power, so its clock and energy per FLOP explain its rate.
+ * (bench/gemm_bench.cu; `comet bench` through tools/gpu_watch.h): under
+ * sustained load an H100/H200 GEMM is limited by power, so its clock and
+ * energy per FLOP explain its rate.
  * NVML's calls are declared here by hand (stable C ABI; the CUDA toolkit here
  * ships no nvml.h): nvmlReturn_t is an int, 0 = success; nvmlDevice_t is an
  * opaque pointer.
@@ -31,22 +32,60 @@ typedef struct {
     unsigned long long reasons;
 } gpu_power_sample_t;
 
+/* NVML's library and the calls used here, loaded once (0: not available). */
+typedef struct {
+    int ok, count;
+    int (*by_bus)(const char *, void **);      /* nvmlDeviceGetHandleByPciBusId_v2 */
+    int (*by_index)(unsigned, void **);        /* nvmlDeviceGetHandleByIndex_v2 */
+    int (*clock)(void *, int, unsigned *);
+    int (*power)(void *, unsigned *);
+    int (*energy)(void *, unsigned long long *);
+    int (*reasons)(void *, unsigned long long *);
+} gpu_power_lib_t;
+
+static inline const gpu_power_lib_t *gpu_power_lib(void) {
+    static gpu_power_lib_t l;
+    static int tried;
+    if (tried) return &l;
+    tried = 1;
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return &l;
+    int (*init)(void) = (int (*)(void))dlsym(lib, "nvmlInit_v2");
+    int (*count)(unsigned *) = (int (*)(unsigned *))dlsym(lib, "nvmlDeviceGetCount_v2");
+    l.by_bus = (int (*)(const char *, void **))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
+    l.by_index = (int (*)(unsigned, void **))dlsym(lib, "nvmlDeviceGetHandleByIndex_v2");
+    l.clock = (int (*)(void *, int, unsigned *))dlsym(lib, "nvmlDeviceGetClockInfo");
+    l.power = (int (*)(void *, unsigned *))dlsym(lib, "nvmlDeviceGetPowerUsage");
+    l.energy = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption");
+    l.reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksEventReasons");
+    if (!l.reasons) l.reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksThrottleReasons");
+    unsigned n = 0;
+    if (!init || !count || !l.by_bus || !l.by_index || !l.clock || !l.power || !l.energy || !l.reasons || init() != 0 ||
+        count(&n) != 0)
+        return &l;
+    l.count = (int)n, l.ok = 1;
+    return &l;
+}
+
+static inline void gpu_power_fill(gpu_power_t *p, const gpu_power_lib_t *l) {
+    p->clock = l->clock, p->power = l->power, p->energy = l->energy, p->reasons = l->reasons;
+}
+
 /* Opens NVML for the GPU at PCI bus id `bus` (cudaDeviceGetPCIBusId). */
 static inline void gpu_power_open(gpu_power_t *p, const char *bus) {
-    p->ok = 0;
-    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return;
-    int (*init)(void) = (int (*)(void))dlsym(lib, "nvmlInit_v2");
-    int (*by_bus)(const char *, void **) = (int (*)(const char *, void **))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
-    p->clock = (int (*)(void *, int, unsigned *))dlsym(lib, "nvmlDeviceGetClockInfo");
-    p->power = (int (*)(void *, unsigned *))dlsym(lib, "nvmlDeviceGetPowerUsage");
-    p->energy = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption");
-    p->reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksEventReasons");
-    if (!p->reasons) p->reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksThrottleReasons");
-    if (!init || !by_bus || !p->clock || !p->power || !p->energy || !p->reasons || init() != 0 ||
-        by_bus(bus, &p->dev) != 0)
-        return;
-    p->ok = 1;
+    const gpu_power_lib_t *l = gpu_power_lib();
+    p->ok = l->ok && l->by_bus(bus, &p->dev) == 0;
+    if (p->ok) gpu_power_fill(p, l);
+}
+
+/* GPUs NVML sees (every GPU of this node, whatever CUDA_VISIBLE_DEVICES says); 0 without NVML. */
+static inline int gpu_power_count(void) { return gpu_power_lib()->count; }
+
+/* Opens NVML for its GPU number i (0 .. gpu_power_count() - 1). */
+static inline void gpu_power_open_index(gpu_power_t *p, int i) {
+    const gpu_power_lib_t *l = gpu_power_lib();
+    p->ok = l->ok && i >= 0 && i < l->count && l->by_index((unsigned)i, &p->dev) == 0;
+    if (p->ok) gpu_power_fill(p, l);
 }
 
 /* Reads one sample; returns 0 when NVML is not open or a query fails. */

@@ -23,6 +23,7 @@
 #include "../src/core/validate.h"
 #include "../src/tuner/tuner.h"
 #include "../src/workload/workload.h"
+#include "gpu_watch.h"
 
 typedef struct {
     const char *model;
@@ -401,10 +402,14 @@ static int run(const char *cmd, int argc, char **argv) {
         memcpy(side_ms, sides.ms_side, sizeof side_ms);
         failed = "--comm-hidden's interleaved forwards";
     }
+    gpu_watch_t watch; /* the GPUs' clocks during the timed call (bench on GPUs, the printing process) */
+    watch.n = 0;
     if (st == COMET_SUCCESS) {
         comet_problem_poison(p);
         failed = "forward";
+        if (use_cuda && is_bench && speaks()) gpu_watch_start(&watch);
         st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
+        gpu_watch_stop(&watch);
     }
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
@@ -513,6 +518,17 @@ static int run(const char *cmd, int argc, char **argv) {
     if (use_cuda && is_bench)
         printf("inputs: %d sets of x, routing and y a rank, rotated call by call%s\n", r.input_sets,
                r.graph ? " (--graph: the captured forward's one set)" : "");
+    if (use_cuda && is_bench && watch.n) { /* one line for every GPU of this node NVML sees */
+        unsigned long long why = 0;
+        printf("GPU clocks during the timed call (NVML, every GPU of this node): SM");
+        for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.mhz[i]), why |= watch.reasons[i];
+        printf(" MHz, power");
+        for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.watts[i]);
+        char text[96];
+        printf(" W, clock limited by %s\n", gpu_power_reasons(why, text, sizeof text));
+    } else if (use_cuda && is_bench) {
+        printf("GPU clocks: not read (NVML not available)\n");
+    }
     if (use_cuda) /* src/cuda/replay.c: the forward chain captured once, then one graph launch a call */
         printf("forwards replayed as one CUDA graph on rank 0: %lld, from %lld capture%s%s\n", (long long)r.replays,
                (long long)r.captures, r.captures == 1 ? "" : "s",
@@ -553,12 +569,20 @@ static int run(const char *cmd, int argc, char **argv) {
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
                 "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
-                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]}\n",
+                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
                 ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
                 side_ms[2], side_ms[3]);
+        if (watch.n) { /* the GPUs' clocks during the call, NVML's GPU order */
+            fprintf(f, ", \"sm_mhz\": [");
+            for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.0f", i ? ", " : "", watch.mhz[i]);
+            fprintf(f, "], \"watts\": [");
+            for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.1f", i ? ", " : "", watch.watts[i]);
+            fprintf(f, "]");
+        }
+        fprintf(f, "}\n");
         fclose(f);
     }
     comet_problem_destroy(p);

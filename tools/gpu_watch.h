@@ -1,0 +1,84 @@
+/*
+ * gpu_watch.h - what the GPUs' clocks did during a timed `comet bench` call:
+ * a thread samples every GPU of this node through NVML (bench/gpu_power.h)
+ * every 100 ms; at the end, each GPU's mean SM clock over the samples, its
+ * mean power (energy counter over the call) and the clock-limit reasons
+ * seen. Under sustained load an H200 runs at its 700 W limit and a
+ * GEMM-bound layer moves by up to 10% from call to call with the clock, so
+ * a bench row records it. Without NVML nothing is watched (n = 0).
+ */
+#ifndef COMET_TOOLS_GPU_WATCH_H
+#define COMET_TOOLS_GPU_WATCH_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <time.h>
+
+#include "../bench/gpu_power.h"
+
+#define GPU_WATCH_MAX 16
+
+typedef struct {
+    int n; /* GPUs watched; 0: none (no NVML) */
+    gpu_power_t dev[GPU_WATCH_MAX];
+    double t0, joules0[GPU_WATCH_MAX], mhz_sum[GPU_WATCH_MAX];
+    long samples[GPU_WATCH_MAX];
+    unsigned long long reasons[GPU_WATCH_MAX]; /* OR over the samples */
+    double mhz[GPU_WATCH_MAX], watts[GPU_WATCH_MAX]; /* gpu_watch_stop's results (0: not read) */
+    atomic_int stop;
+    pthread_t thread;
+} gpu_watch_t;
+
+static inline double gpu_watch_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static inline void *gpu_watch_loop(void *arg) {
+    gpu_watch_t *w = (gpu_watch_t *)arg;
+    const struct timespec tick = {0, 100 * 1000 * 1000};
+    while (!atomic_load(&w->stop)) {
+        nanosleep(&tick, NULL);
+        for (int i = 0; i < w->n; i++) {
+            gpu_power_sample_t s;
+            if (gpu_power_read(&w->dev[i], &s)) w->mhz_sum[i] += s.mhz, w->samples[i]++, w->reasons[i] |= s.reasons;
+        }
+    }
+    return NULL;
+}
+
+/* Starts watching every GPU NVML sees (at most GPU_WATCH_MAX); w->n = 0 when it cannot. */
+static inline void gpu_watch_start(gpu_watch_t *w) {
+    memset(w, 0, sizeof *w);
+    const int n = gpu_power_count() < GPU_WATCH_MAX ? gpu_power_count() : GPU_WATCH_MAX;
+    for (int i = 0; i < n; i++) {
+        gpu_power_sample_t s;
+        gpu_power_open_index(&w->dev[i], i);
+        if (!gpu_power_read(&w->dev[i], &s)) return; /* w->n stays 0 */
+        w->joules0[i] = s.joules;
+    }
+    w->t0 = gpu_watch_now();
+    atomic_init(&w->stop, 0);
+    w->n = n;
+    if (n && pthread_create(&w->thread, NULL, gpu_watch_loop, w) != 0) w->n = 0;
+}
+
+/* Stops the thread and fills mhz[] and watts[] (a GPU with no sample in
+ * between gets one now). */
+static inline void gpu_watch_stop(gpu_watch_t *w) {
+    if (!w->n) return;
+    atomic_store(&w->stop, 1);
+    pthread_join(w->thread, NULL);
+    const double span = gpu_watch_now() - w->t0;
+    for (int i = 0; i < w->n; i++) {
+        gpu_power_sample_t s;
+        if (!gpu_power_read(&w->dev[i], &s)) continue;
+        if (!w->samples[i]) w->mhz_sum[i] = s.mhz, w->samples[i] = 1, w->reasons[i] |= s.reasons;
+        w->mhz[i] = w->mhz_sum[i] / w->samples[i];
+        w->watts[i] = span > 0 ? (s.joules - w->joules0[i]) / span : 0;
+    }
+}
+
+#endif
