@@ -200,7 +200,9 @@ static double wall_s(void) {
 /* One sustained phase (GEMM_BENCH_SUSTAIN): variant v's GEMM gm back to
  * back for `secs` seconds, batches of 8 with one batch always queued; over the second half: rate, mean SM clock of the samples (one after
  * each batch), mean power (energy counter / time), GFLOP per joule, and the
- * clock-limit reasons seen (OR). Without NVML the power fields stay 0. */
+ * clock-limit reasons seen (OR). Without NVML, or when a read failed, the
+ * power fields stay 0 (printed "n/a"). The phase runs on past `secs` until a
+ * batch has finished in its second half. */
 static void sustain_phase(const bvar_t *b, int gm, int v, double secs, double flops, const gpu_power_t *pw,
                           bsustain_t *out) {
     cudaEvent_t done[2];
@@ -225,7 +227,7 @@ static void sustain_phase(const bvar_t *b, int gm, int v, double secs, double fl
             half = 1, th = t;
             power = gpu_power_read(pw, &s0);
         }
-        if (t >= secs) {
+        if (half && runs > 0 && t >= secs) { /* at least one batch in the second half */
             const double span = t - th;
             out->tflops = runs * flops / span / 1e12;
             if (power && nmhz && gpu_power_read(pw, &s)) {
@@ -503,7 +505,7 @@ int main(int argc, char **argv) {
                         char why[96];
                         printf("%-13s %-6s %-5s %5d | %8.1f ", res[r].name, gm ? "gemm1" : "gemm0", v ? "loop" : "ours",
                                round, q->tflops);
-                        if (pw.ok)
+                        if (q->mhz > 0) /* NVML read in this phase */
                             printf("%9.0f %8.1f %9.1f  %s\n", q->mhz, q->watts, q->gflop_per_j,
                                    gpu_power_reasons(q->reasons, why, sizeof why));
                         else
@@ -548,7 +550,7 @@ int main(int argc, char **argv) {
                             const bsustain_t *q = &res[r].sus[gm][v][round];
                             fprintf(f, "%s\n    {\"gemm\": %d, \"run\": \"%s\", \"round\": %d, \"seconds\": %g, \"tflops\": %.1f",
                                     gm || round || v ? "," : "", gm, v ? "cublas_loop" : "ours", round, sustain, q->tflops);
-                            if (pw.ok)
+                            if (q->mhz > 0)
                                 fprintf(f, ", \"sm_mhz\": %.0f, \"watts\": %.1f, \"gflop_per_j\": %.1f, \"reasons\": %llu",
                                         q->mhz, q->watts, q->gflop_per_j, q->reasons);
                             fprintf(f, "}");

@@ -237,8 +237,8 @@ typedef struct {
                               *       else the sequential chain; at most SMs - 1; the same on every rank);
                               *       0 = tuner's choice (the `comet tune` table, else the rule:
                               *       CUDA the overlapped mode with 16 CTAs for 2+ ranks with push,
-                              *       4096+ tokens a rank, topk x hidden <= 16384 and F_local x hidden
-                              *       <= 2^25, else the sequential chain); COMET_SEQUENTIAL = the sequential
+                              *       4096+ tokens a rank, topk x hidden <= 16384 and an expert's W1 slice
+                              *       <= 128 MiB, else the sequential chain); COMET_SEQUENTIAL = the sequential
                               *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */
     int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */

@@ -368,7 +368,8 @@ static void run_case(const gcase_t *c, uint64_t seed) {
            "blocks %d.. in %d pieces\n", c->tag, nb, (long long)nrows, (long long)checked, all ? "all" : "sampled",
            (long long)bad_h, (long long)bad_o, (long long)pad_h, (long long)pad_o, pieces > 1 ? split_b0 : nb, pieces);
 
-    /* a second GEMM0 in expert order (no hooks; the first walked l0_order) writes the same bits */
+    /* a second GEMM0 in expert order (no hooks; the first walked l0_order, unless
+     * COMET_GEMM_TEST_NOHOOKS or COMET_GEMM_ORDER made both walk one order) writes the same bits */
     CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
     CHECK(comet_gemm0_launch(g, 0, NULL) == 0, "%s: gemm0 relaunch", c->tag);
     CUDA_OK(cudaDeviceSynchronize());

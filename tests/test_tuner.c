@@ -1,7 +1,7 @@
 /*
  * test_tuner.c - the knobs of a forward call: the analytical rule (the CUDA
  * rule's mode at its boundaries: world, layout, tokens a rank, topk x
- * hidden, F_local x hidden, push), the measured table (load, lookup by configuration and nearest token count,
+ * hidden, an expert's W1 slice, push), the measured table (load, lookup by configuration and nearest token count,
  * malformed lines skipped, backends kept apart, chunk width independent of the
  * rank's token count), and append -> load round trips.
  */
@@ -14,14 +14,24 @@
 #include "../src/tuner/tuner.h"
 #include "check.h"
 
-/* TP x EP ranks, 8 experts of ffn columns */
-static comet_dims_t dims_ffn(int64_t hidden, int64_t ffn, int64_t max_tokens, int64_t topk, int tp, int ep) {
+/* TP x EP ranks, 8 experts of ffn columns; GELU: W1 holds F_local rows an expert, not 2 x F_local */
+static comet_dims_t dims_act(int64_t hidden, int64_t ffn, int64_t max_tokens, int64_t topk, int tp, int ep,
+                             comet_activation_t act) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = hidden, cfg.ffn = ffn, cfg.num_experts = 8, cfg.topk = topk, cfg.tp = tp, cfg.ep = ep;
+    cfg.activation = act;
     cfg.max_tokens_per_rank = max_tokens;
     comet_dims_t d;
     comet_dims_from_config(&cfg, tp * ep, 0, &d);
     return d;
+}
+
+static comet_dims_t dims_ffn(int64_t hidden, int64_t ffn, int64_t max_tokens, int64_t topk, int tp, int ep) {
+    return dims_act(hidden, ffn, max_tokens, topk, tp, ep, COMET_ACT_SILU_GATED);
+}
+
+static comet_dims_t dims_gelu(int64_t hidden, int64_t ffn, int64_t max_tokens, int tp, int ep) {
+    return dims_act(hidden, ffn, max_tokens, 2, tp, ep, COMET_ACT_GELU);
 }
 
 static comet_dims_t dims_of(int64_t hidden, int64_t max_tokens, int64_t topk, int tp, int ep) {
@@ -53,11 +63,13 @@ int main(void) {
         {dims_of(7168, 4096, 8, 1, 4), 1, 0, "four ranks, DeepSeek-V3-style"},
         {dims_of(4096, 4096, 2, 2, 4), 1, 16, "eight ranks (not measured; the rule of 2 and 4)"},
         {dims(4096, 4096), 0, 0, "without push (COMET_PUSH=0 or partials: not measured faster)"},
-        {dims_ffn(4096, 14336, 4096, 2, 1, 2), 1, 0, "Mixtral EP2: F_local x hidden above 2^25"},
+        {dims_ffn(4096, 14336, 4096, 2, 1, 2), 1, 0, "Mixtral EP2: W1 slice above 128 MiB"},
         {dims_ffn(4096, 14336, 4096, 2, 2, 1), 1, 16, "Mixtral TP2: F_local 7168"},
         {dims_ffn(4096, 6400, 4096, 2, 1, 2), 1, 16, "Phi-3.5 EP2: F_local 6400"},
-        {dims_ffn(4096, 8192, 4096, 2, 1, 2), 1, 16, "F_local x hidden 2^25"},
+        {dims_ffn(4096, 8192, 4096, 2, 1, 2), 1, 16, "W1 slice 128 MiB (gated: F_local x hidden 2^25)"},
         {dims_ffn(4096, 8200, 4096, 2, 1, 2), 1, 0, "F_local 8200 x hidden 4096"},
+        {dims_gelu(4096, 16384, 4096, 1, 2), 1, 16, "GELU: W1 slice 16384 x 4096, 128 MiB"},
+        {dims_gelu(4096, 16392, 4096, 1, 2), 1, 0, "GELU: W1 slice 16392 x 4096"},
     };
     for (size_t i = 0; i < sizeof cuda_cases / sizeof cuda_cases[0]; i++) {
         t = (comet_tuning_t){0, 0, cuda_cases[i].push};

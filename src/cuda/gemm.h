@@ -83,7 +83,7 @@ typedef struct {
     const uint64_t *epoch;
     /* GEMM0: walk the row blocks in the plan's l0_order (local rows first,
      * for a launch that waits on block_ready while they arrive) instead of
-     * expert order. Expert order reads each expert's W1 once: the stages of
+     * expert order. Expert order reads each expert's W1 about once: the stages of
      * l0_order split every expert's blocks, so its W1 tiles come from DRAM
      * again (Mixtral EP2, 4096 tokens a rank, H200: 3.85 -> 2.54 GB of DRAM
      * reads, +3.4% sustained, dev/NOTES.md). COMET_GEMM_ORDER=expert or

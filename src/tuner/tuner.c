@@ -7,11 +7,11 @@
  * stays wide enough to amortise its flag; n_comm on the CPU engine 2 unless
  * the call is tiny; on the CUDA backend the overlapped mode with 16 CTAs
  * where it measured faster: 2 or more ranks with push, at least 4096 tokens
- * a rank, topk x hidden at most 16384, F_local x hidden at most 2^25 (an
- * expert's W1 slice, 2 x F_local x hidden bf16, at most 128 MiB: the
+ * a rank, topk x hidden at most 16384, an expert's W1 slice (w1_rows x
+ * hidden bf16; gated: 2 x F_local x hidden) at most 128 MiB (the
  * overlapped mode walks GEMM0 local first, which reads every expert's W1
  * once a stage, where the sequential chain walks expert order and reads it
- * once; for larger slices that costs more than the dispatch it hides:
+ * about once; for larger slices that costs more than the dispatch it hides:
  * Mixtral EP2 at M=8192 sequential 4.26 / 4.11 ms against 4.41 / 4.48
  * overlapped, level at M=16384, Mixtral TP2 (7168 x 4096) and Phi-3.5
  * level, 2x H200, 32ae4d5, bench/results/2026-11-22-gemm-power-h200.md; on
@@ -119,7 +119,7 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
     }
     if (t->n_comm == 0 && backend != COMET_BACKEND_CUDA) t->n_comm = num_tokens * d->topk >= 64 ? 2 : 1;
     if (t->n_comm == 0 && backend == COMET_BACKEND_CUDA && t->push && d->world_size >= 2 && d->max_tokens >= 4096 &&
-        d->topk * d->hidden <= 16384 && d->ffn_local * d->hidden <= ((int64_t)1 << 25))
+        d->topk * d->hidden <= 16384 && d->w1_rows * d->hidden <= ((int64_t)1 << 26))
         t->n_comm = 16;
 }
 
