@@ -10,6 +10,8 @@ t_comet, i.e. max(TFLOP/s / peak, GB/s / link) per GPU, against measured
 peaks on H200 (environment GEMM_PEAK_TFLOPS, default 804: cuBLAS dense
 8192^3 on a cold H200, dev/gemm/NOTES.md; LINK_GBPS, default 348: one
 direction of the NVLink pair, bench/link_bench.cu's best rate with SMs).
+The last column is each GPU's mean SM clock during the row's call (`comet
+bench` rows since bdc3fe2, NVML): GEMM-bound rows move with it.
 
 With a reference file (bench/reference-issue5.json: {"reference": ...,
 "rows": [...]}, the table of issue 5) it also prints, for each mode, the
@@ -142,8 +144,8 @@ def main(paths):
         # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch),
         # "auto: ..." where the tuner picked it; comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
-              "roofline | comm hidden | net | over GEMM-only | check (wrong/checked) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "roofline | comm hidden | net | over GEMM-only | check (wrong/checked) | SM MHz |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         within = []  # rows measured with --comm-hidden whose whole layer is within 5% of its GEMM-only side
         for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
             b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
@@ -162,9 +164,11 @@ def main(paths):
             if sides[0] > 0:
                 within.append((sides[2] <= 1.05 * sides[0], f"{r['model']} {r['M']} TP{r['tp']} EP{r['ep']}"
                                + (f" skew {r['skew']}" if r.get("skew", 0) else "")))
+            # the GPUs' mean SM clocks during the call (rows since bdc3fe2; NVML's GPU order)
+            mhz = "/".join(f"{m:.0f}" for m in r["sm_mhz"]) if r.get("sm_mhz") else "-"
             print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {mode} | {r['ms']:.3f} | {tb} | "
                   f"{sp} | {r['rate']:.0f} | {100 * roof:.0f}% | {hidden} | {net} | {over} | "
-                  f"{r['wrong']}/{r['checked']} |")
+                  f"{r['wrong']}/{r['checked']} | {mhz} |")
         if within:
             ok = sorted({name for good, name in within if good})
             print(f"\nWithin 5% of GEMM-only (the target): {sum(g for g, _ in within)} of {len(within)} rows measured "

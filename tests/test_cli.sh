@@ -78,7 +78,12 @@ if command -v python3 >/dev/null; then
     printf '%s, "comm_hidden": -0.0287, "comm_hidden_net": 0.5}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
     report="$(dirname "$0")/../bench/report.py"
     expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| - \| 0/8 \|' -- python3 "$report" "$rj"
-    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| - \| 0/8 \|' -- python3 "$report" "$rj"
+    expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| - \| 0/8 \| - \|' -- python3 "$report" "$rj"
+    # the GPUs' SM clocks during the call (sm_mhz, NVML's order), "-" without them
+    rc=$(mktemp /tmp/comet-report-XXXXXX)
+    printf '%s, "comm_hidden": -1, "sm_mhz": [1392, 1401], "watts": [689.0, 692.5]}\n' "$row" > "$rc"
+    expect report-clocks 0 '\| 0/8 \| 1392/1401 \|' -- python3 "$report" "$rc"
+    rm -f "$rc"
     rs=$(mktemp /tmp/comet-report-XXXXXX)
     printf '%s, "comm_hidden": 0.5, "sides_ms": [2.0, 1.0, 2.08, 0.1]}\n%s, "M": 32, "comm_hidden": 0.5, "sides_ms": [2.0, 1.0, 2.2, 0.1]}\n' "$row" "$row" > "$rs"
     expect report-over 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| 50% \| - \| \+4\.0% \| 0/8 \|' -- python3 "$report" "$rs"
