@@ -438,7 +438,7 @@ int main(int argc, char **argv) {
                 "GEMM_BENCH_SUSTAIN in 0..600 s\n", COMET_GEMM_MAX_PUSH);
         return 2;
     }
-    gpu_power_t pw = {0, NULL, NULL, NULL, NULL, NULL};
+    gpu_power_t pw = {0, NULL};
     if (sustain > 0) {
         char bus[32];
         CK(cudaDeviceGetPCIBusId(bus, sizeof bus, 0));

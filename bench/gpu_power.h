@@ -16,13 +16,10 @@
 #include <dlfcn.h>
 #include <stdio.h>
 
+/* One GPU as NVML knows it (ok = 0: not opened). */
 typedef struct {
     int ok;
-    void *dev;
-    int (*clock)(void *dev, int type, unsigned *mhz);         /* nvmlDeviceGetClockInfo; type 1 = SM */
-    int (*power)(void *dev, unsigned *mw);                    /* nvmlDeviceGetPowerUsage */
-    int (*energy)(void *dev, unsigned long long *mj);         /* nvmlDeviceGetTotalEnergyConsumption */
-    int (*reasons)(void *dev, unsigned long long *bits);      /* nvmlDeviceGetCurrentClocksEventReasons */
+    void *dev; /* nvmlDevice_t */
 } gpu_power_t;
 
 /* One sample: SM clock (MHz), power (W), energy since driver load (J), reasons bits. */
@@ -37,10 +34,10 @@ typedef struct {
     int ok, count;
     int (*by_bus)(const char *, void **);      /* nvmlDeviceGetHandleByPciBusId_v2 */
     int (*by_index)(unsigned, void **);        /* nvmlDeviceGetHandleByIndex_v2 */
-    int (*clock)(void *, int, unsigned *);
-    int (*power)(void *, unsigned *);
-    int (*energy)(void *, unsigned long long *);
-    int (*reasons)(void *, unsigned long long *);
+    int (*clock)(void *, int, unsigned *);        /* nvmlDeviceGetClockInfo; type 1 = SM */
+    int (*power)(void *, unsigned *);             /* nvmlDeviceGetPowerUsage (mW) */
+    int (*energy)(void *, unsigned long long *);  /* nvmlDeviceGetTotalEnergyConsumption (mJ) */
+    int (*reasons)(void *, unsigned long long *); /* nvmlDeviceGetCurrentClocksEventReasons */
 } gpu_power_lib_t;
 
 static inline const gpu_power_lib_t *gpu_power_lib(void) {
@@ -67,15 +64,10 @@ static inline const gpu_power_lib_t *gpu_power_lib(void) {
     return &l;
 }
 
-static inline void gpu_power_fill(gpu_power_t *p, const gpu_power_lib_t *l) {
-    p->clock = l->clock, p->power = l->power, p->energy = l->energy, p->reasons = l->reasons;
-}
-
 /* Opens NVML for the GPU at PCI bus id `bus` (cudaDeviceGetPCIBusId). */
 static inline void gpu_power_open(gpu_power_t *p, const char *bus) {
     const gpu_power_lib_t *l = gpu_power_lib();
     p->ok = l->ok && l->by_bus(bus, &p->dev) == 0;
-    if (p->ok) gpu_power_fill(p, l);
 }
 
 /* GPUs NVML sees (every GPU of this node, whatever CUDA_VISIBLE_DEVICES says); 0 without NVML. */
@@ -85,15 +77,15 @@ static inline int gpu_power_count(void) { return gpu_power_lib()->count; }
 static inline void gpu_power_open_index(gpu_power_t *p, int i) {
     const gpu_power_lib_t *l = gpu_power_lib();
     p->ok = l->ok && i >= 0 && i < l->count && l->by_index((unsigned)i, &p->dev) == 0;
-    if (p->ok) gpu_power_fill(p, l);
 }
 
 /* Reads one sample; returns 0 when NVML is not open or a query fails. */
 static inline int gpu_power_read(const gpu_power_t *p, gpu_power_sample_t *s) {
+    const gpu_power_lib_t *l = gpu_power_lib();
     unsigned mw = 0;
     unsigned long long mj = 0;
-    if (!p->ok || p->clock(p->dev, 1, &s->mhz) != 0 || p->power(p->dev, &mw) != 0 || p->energy(p->dev, &mj) != 0 ||
-        p->reasons(p->dev, &s->reasons) != 0)
+    if (!p->ok || l->clock(p->dev, 1, &s->mhz) != 0 || l->power(p->dev, &mw) != 0 || l->energy(p->dev, &mj) != 0 ||
+        l->reasons(p->dev, &s->reasons) != 0)
         return 0;
     s->watts = mw / 1000.0, s->joules = mj / 1000.0;
     return 1;
