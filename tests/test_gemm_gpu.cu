@@ -156,6 +156,23 @@ static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t
 
 static int split_cases; /* cases whose GEMM1 ran split tiles (comet_gemm_split_of) */
 
+/* GEMM0 (gemm1 = 0) or GEMM1 launched again without hooks into its output d_out (poisoned
+ * first) writes want's bits; got receives them. 0 after a failed CUDA call (recorded). */
+static int relaunch_same(const comet_gemm_t *g, int gemm1, void *d_out, const uint16_t *want, uint16_t *got,
+                         size_t bytes, const char *tag, const char *what) {
+    cudaError_t e = cudaMemset(d_out, 0xff, bytes);
+    if (e == cudaSuccess) {
+        CHECK((gemm1 ? comet_gemm1_launch(g, 0, NULL) : comet_gemm0_launch(g, 0, NULL)) == 0, "%s: %s: launch", tag,
+              what);
+        e = cudaDeviceSynchronize();
+    }
+    if (e == cudaSuccess) e = cudaMemcpy(got, d_out, bytes, cudaMemcpyDeviceToHost);
+    CHECK(e == cudaSuccess, "%s: %s: %s", tag, what, cudaGetErrorString(e));
+    if (e != cudaSuccess) return 0;
+    CHECK(memcmp(want, got, bytes) == 0, "%s: %s: the bits differ", tag, what);
+    return 1;
+}
+
 static void run_case(const gcase_t *c, uint64_t seed) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = c->hidden, cfg.ffn = c->ffn, cfg.num_experts = c->experts, cfg.topk = c->topk;
@@ -370,21 +387,14 @@ static void run_case(const gcase_t *c, uint64_t seed) {
 
     /* a second GEMM0 in expert order (no hooks; the first walked l0_order, unless
      * COMET_GEMM_TEST_NOHOOKS or COMET_GEMM_ORDER made both walk one order) writes the same bits */
-    CUDA_OK(cudaMemset(d_h, 0xff, 2 * (size_t)(MR * F)));
-    CHECK(comet_gemm0_launch(g, 0, NULL) == 0, "%s: gemm0 relaunch", c->tag);
-    CUDA_OK(cudaDeviceSynchronize());
     uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
-    CUDA_OK(cudaMemcpy(h2, d_h, 2 * (size_t)(MR * F), cudaMemcpyDeviceToHost));
-    CHECK(memcmp(h, h2, 2 * (size_t)(MR * F)) == 0, "%s: GEMM0 in expert order differs from l0_order's", c->tag);
+    if (!relaunch_same(g, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag, "GEMM0 in expert order against l0_order's"))
+        return;
     free(h2);
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
-    CUDA_OK(cudaMemset(d_o, 0xff, 2 * (size_t)(MR * H)));
-    CHECK(comet_gemm1_launch(g, 0, NULL) == 0, "%s: gemm1 relaunch", c->tag);
-    CUDA_OK(cudaDeviceSynchronize());
     uint16_t *o2 = (uint16_t *)malloc(2 * (size_t)(MR * H));
-    CUDA_OK(cudaMemcpy(o2, d_o, 2 * (size_t)(MR * H), cudaMemcpyDeviceToHost));
-    CHECK(memcmp(o, o2, 2 * (size_t)(MR * H)) == 0, "%s: second GEMM1 differs from the first", c->tag);
+    if (!relaunch_same(g, 1, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first")) return;
 
     /* the device split what the rule says: GEMM1 prepared with COMET_GEMM_SPLIT=0 gives the whole
      * tiles' rows the same bits and, on the large split case (other sums of K, random inputs), the
