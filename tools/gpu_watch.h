@@ -1,9 +1,14 @@
 /*
  * gpu_watch.h - what the GPUs' clocks did during a timed `comet bench` call:
  * a thread samples every GPU of this node through NVML (bench/gpu_power.h)
- * every 100 ms; at the end, each GPU's mean SM clock over the samples, its
+ * every 10 ms; at the end, each GPU's mean SM clock over the samples, its
  * mean power (energy counter over the call) and the clock-limit reasons
- * seen. Under sustained load an H200 runs at its 700 W limit and a
+ * seen. The call also holds the input sets' setup, the graph capture, the
+ * warm-up runs and idle dips (345 MHz samples, which NVML does not mark
+ * idle), so the means mix those with the timed forwards' clock; more
+ * --iters weigh the forwards more (1x H200, Mixtral M=16384 EP1: 20
+ * forwards read 1638-1692 MHz and 348-386 W, 200 forwards 1477-1504 MHz
+ * and 599-623 W, at the same 17.3-17.8 ms a forward). Under sustained load an H200 runs at its 700 W limit and a
  * GEMM-bound layer moves by up to 10% from call to call with the clock, so
  * a bench row records it. Without NVML nothing is watched (n = 0).
  */
@@ -38,7 +43,7 @@ static inline double gpu_watch_now(void) {
 
 static inline void *gpu_watch_loop(void *arg) {
     gpu_watch_t *w = (gpu_watch_t *)arg;
-    const struct timespec tick = {0, 100 * 1000 * 1000};
+    const struct timespec tick = {0, 10 * 1000 * 1000};
     while (!atomic_load(&w->stop)) {
         nanosleep(&tick, NULL);
         for (int i = 0; i < w->n; i++) {
