@@ -402,14 +402,13 @@ static int run(const char *cmd, int argc, char **argv) {
         memcpy(side_ms, sides.ms_side, sizeof side_ms);
         failed = "--comm-hidden's interleaved forwards";
     }
-    gpu_watch_t watch; /* the GPUs' clocks during the timed call (bench on GPUs, the printing process) */
+    gpu_watch_t watch; /* the GPUs' clocks over the timed forwards (bench on GPUs, the printing process) */
     watch.n = 0;
     if (st == COMET_SUCCESS) {
         comet_problem_poison(p);
         failed = "forward";
-        if (use_cuda && is_bench && speaks()) gpu_watch_start(&watch);
+        if (use_cuda && is_bench && speaks()) r.timed = gpu_watch_mark, r.timed_ctx = &watch;
         st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
-        gpu_watch_stop(&watch);
     }
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
@@ -520,12 +519,17 @@ static int run(const char *cmd, int argc, char **argv) {
                r.graph ? " (--graph: the captured forward's one set)" : "");
     if (use_cuda && is_bench && watch.n) { /* one line for every GPU of this node NVML sees */
         unsigned long long why = 0;
-        printf("GPU clocks during the timed call (NVML, every GPU of this node): SM");
+        printf("GPU clocks over the timed forwards (NVML, every GPU of this node): SM");
         for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.mhz[i]), why |= watch.reasons[i];
-        printf(" MHz, power");
-        for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.watts[i]);
+        if (watch.watts[0] < 0) { /* every GPU's span is the same */
+            printf(" MHz, power not measured (the timed forwards took under %.0f s)", GPU_WATCH_MIN_SPAN);
+        } else {
+            printf(" MHz, power");
+            for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.watts[i]);
+            printf(" W");
+        }
         char text[96];
-        printf(" W, clock limited by %s\n", gpu_power_reasons(why, text, sizeof text));
+        printf(", clock limited by %s\n", gpu_power_reasons(why, text, sizeof text));
     } else if (use_cuda && is_bench) {
         printf("GPU clocks: not read (NVML not available)\n");
     }
@@ -575,11 +579,13 @@ static int run(const char *cmd, int argc, char **argv) {
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
                 ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
                 side_ms[2], side_ms[3]);
-        if (watch.n) { /* the GPUs' clocks during the call, NVML's GPU order */
+        if (watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
             fprintf(f, ", \"sm_mhz\": [");
             for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.0f", i ? ", " : "", watch.mhz[i]);
-            fprintf(f, "], \"watts\": [");
-            for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.1f", i ? ", " : "", watch.watts[i]);
+            if (watch.watts[0] >= 0) { /* not measured under GPU_WATCH_MIN_SPAN: no key */
+                fprintf(f, "], \"watts\": [");
+                for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.1f", i ? ", " : "", watch.watts[i]);
+            }
             fprintf(f, "]");
         }
         fprintf(f, "}\n");

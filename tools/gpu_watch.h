@@ -2,13 +2,13 @@
  * gpu_watch.h - what the GPUs' clocks did during a timed `comet bench` call:
  * a thread samples every GPU of this node through NVML (bench/gpu_power.h)
  * every 10 ms; at the end, each GPU's mean SM clock over the samples, its
- * mean power (energy counter over the call) and the clock-limit reasons
- * seen. The call also holds the input sets' setup, the graph capture, the
- * warm-up runs and idle dips (345 MHz samples, which NVML does not mark
- * idle), so the means mix those with the timed forwards' clock; more
- * --iters weigh the forwards more (1x H200, Mixtral M=16384 EP1: 20
- * forwards read 1638-1692 MHz and 348-386 W, 200 forwards 1477-1504 MHz
- * and 599-623 W, at the same 17.3-17.8 ms a forward). Under sustained load an H200 runs at its 700 W limit and a
+ * mean power (energy counter over the span, if it lasted a second) and the
+ * clock-limit reasons seen. The bench watches the timed forwards alone (gpu_watch_mark, the
+ * runner's comet_run_t.timed): over the whole call, with the weight and
+ * input uploads, the graph capture and the warm-up, the means read high
+ * (1x H200, Mixtral M=16384 EP1: 20 forwards 1638-1692 MHz and 348-386 W,
+ * 200 forwards 1477-1504 MHz and 599-623 W, at the same 17.3-17.8 ms a
+ * forward). Under sustained load an H200 runs at its 700 W limit and a
  * GEMM-bound layer moves by up to 10% from call to call with the clock, so
  * a bench row records it. Without NVML nothing is watched (n = 0).
  */
@@ -23,6 +23,10 @@
 #include "../bench/gpu_power.h"
 
 #define GPU_WATCH_MAX 16
+/* Shortest span (s) whose mean power the energy counter gives: it moves in
+ * steps of tens of ms (1x H200: 801-868 W over 0.35 s under a 700 W limit, 0
+ * W over the 22 ms of 20 Qwen2 forwards). */
+#define GPU_WATCH_MIN_SPAN 1.0
 
 typedef struct {
     int n; /* GPUs watched; 0: none (no NVML) */
@@ -30,7 +34,8 @@ typedef struct {
     double t0, joules0[GPU_WATCH_MAX], mhz_sum[GPU_WATCH_MAX];
     long samples[GPU_WATCH_MAX];
     unsigned long long reasons[GPU_WATCH_MAX]; /* OR over the samples */
-    double mhz[GPU_WATCH_MAX], watts[GPU_WATCH_MAX]; /* gpu_watch_stop's results (0: not read) */
+    double mhz[GPU_WATCH_MAX], watts[GPU_WATCH_MAX]; /* gpu_watch_stop's results (0: not read; watts -1: a
+                                                      * span under GPU_WATCH_MIN_SPAN) */
     atomic_int stop;
     pthread_t thread;
 } gpu_watch_t;
@@ -82,8 +87,16 @@ static inline void gpu_watch_stop(gpu_watch_t *w) {
         if (!gpu_power_read(&w->dev[i], &s)) continue;
         if (!w->samples[i]) w->mhz_sum[i] = s.mhz, w->samples[i] = 1, w->reasons[i] |= s.reasons;
         w->mhz[i] = w->mhz_sum[i] / w->samples[i];
-        w->watts[i] = span > 0 ? (s.joules - w->joules0[i]) / span : 0;
+        w->watts[i] = span >= GPU_WATCH_MIN_SPAN ? (s.joules - w->joules0[i]) / span : -1;
     }
+}
+
+/* comet_run_t.timed's shape: start watching (end 0), or stop (end 1); w a gpu_watch_t. */
+static inline void gpu_watch_mark(void *w, int end) {
+    if (end)
+        gpu_watch_stop((gpu_watch_t *)w);
+    else
+        gpu_watch_start((gpu_watch_t *)w);
 }
 
 #endif

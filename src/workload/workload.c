@@ -428,7 +428,19 @@ typedef struct {
     double *ms;     /* [repeats] this rank's time per call */
     agree_t *agree; /* shared by the run's rank threads */
     int agreed;     /* this rank has arrived at agree (graph runs: exactly once, on every path) */
+    int warmup;     /* the untimed calls before the timed ones */
+    int marks;      /* this rank calls run->timed (the first this process runs) */
+    int timing;     /* run->timed(ctx, 0) was called, (ctx, 1) not yet */
 } rank_job_t;
+
+/* run->timed around the timed calls (rank_job_t.marks): before call i when it is the first timed one, and
+ * at the end (i < 0) if it began. */
+static void mark_timed(rank_job_t *job, int i) {
+    comet_run_t *run = job->run;
+    if (!run->timed || !job->marks) return;
+    if (i == job->warmup && !job->timing) run->timed(run->timed_ctx, 0), job->timing = 1;
+    if (i < 0 && job->timing) run->timed(run->timed_ctx, 1), job->timing = 0;
+}
 
 static double wall_ms(void) {
     struct timespec ts;
@@ -594,6 +606,7 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(in->y, 0xff, (size_t)(t * hd) * 2, stream);
         if (e != cudaSuccess) break;
         if (job->run->interleave) a->disable = interleave_side(i);
+        mark_timed(job, i);
         if (!pipe || i == 0) cudaEventRecord(e0, stream);
         if (exec)
             e = cudaGraphLaunch(exec, stream);
@@ -621,6 +634,7 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
             compare_call(job, i, p->y[r], &first);
         }
     }
+    mark_timed(job, -1);
     free(first);
     if (e == cudaSuccess) e = y_back(p, r, last);
     if (exec) cudaGraphExecDestroy(exec);
@@ -669,11 +683,13 @@ static void *rank_main(void *arg) {
             if (run->compare_repeats && i > 0)
                 memset(job->p->y[job->rank], 0xff, (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2);
             if (run->interleave) a.disable = interleave_side(i);
+            mark_timed(job, i);
             double t0 = wall_ms();
             st = comet_layer_forward(layer, &a);
             job->ms[i] = wall_ms() - t0;
             if (run->compare_repeats && st == COMET_SUCCESS) compare_call(job, i, job->p->y[job->rank], &first);
         }
+        mark_timed(job, -1);
         free(first);
     }
     if (job->rank < 64) {
@@ -729,7 +745,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     agree_t ag = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, last - first + 1, 0, 0};
     int started = first;
     for (; started <= last; started++) {
-        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0};
+        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0, warmup, started == first, 0};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
     }
     if (started <= last) { /* the threads that did not start will never arrive */

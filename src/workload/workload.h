@@ -139,6 +139,12 @@ typedef struct {
     double ms_side[4];      /* out, with interleave: each side's median over its timed calls, slowest
                              * rank of this process: [0] GEMMs only, [1] communication only, [2] whole,
                              * [3] neither (the steps every side keeps: staging, plan, launches, flags) */
+    void (*timed)(void *ctx, int end); /* when not NULL: called by the first rank this process runs (its
+                             * thread), end 0 just before its first timed call (after the warm-up, the
+                             * uploads and any capture) and end 1 after its last, whatever its status, if
+                             * it made the first; the other ranks run within a call of it (a forward
+                             * waits on its peers): e.g. to watch the GPUs' clocks over the timed calls */
+    void *timed_ctx;
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
     int n_comm_ran;         /* out, CUDA: the protocol rank 0's last forward ran (n_comm > 0 overlapped,
