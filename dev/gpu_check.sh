@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -83,12 +83,15 @@ for step in $STEPS; do
             done
         done; done; done
         ;;
-    bench) # a layout without --n-comm runs the tuner's pick ("auto:" rows); --n-comm -1 the sequential chain
+    bench) # a layout without --n-comm runs the tuner's pick ("auto:" rows); --n-comm -1 the sequential chain;
+           # BENCH_ROUNDS=N runs the whole list N times over, so a cell's rows lie a round apart and drift
+           # reaches every cell alike (one configuration spreads by up to 11% between calls a minute
+           # apart; report.py prints the median of a cell's rows)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--ep 2 --n-comm 8 --comm-hidden;--tp 2;--tp 2 --n-comm 8 --comm-hidden;--ep 1}"
-        for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
+        for round in $(seq "${BENCH_ROUNDS:-1}"); do for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
-        done; done; done
+        done; done; done; done
         ;;
     ce) # the overlapped mode with the copy-engine dispatch (COMET_DISPATCH_CE=1), CE_LAYOUTS
         IFS=';' read -ra layouts <<<"${CE_LAYOUTS:---ep 2 --n-comm 16 --comm-hidden;--tp 2 --n-comm 16 --comm-hidden}"
