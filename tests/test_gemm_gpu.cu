@@ -5,7 +5,8 @@
  * Qwen2-like many small experts, experts with zero rows, one expert only,
  * narrow last GEMM1 chunk, gated last h tiles of <= 64 columns), within two bf16 ulps; outputs are poisoned
  * (0xFFFF) first and padding rows must stay poisoned. Hooks: chunk_done
- * counts, block_ready released late by another kernel (on fewer CTAs), skip,
+ * counts, block_ready released late by another kernel (on fewer CTAs; GEMM0
+ * in l0_order, then again in expert order, the same bits), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
  * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
  * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
@@ -156,14 +157,19 @@ static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t
 
 static int split_cases; /* cases whose GEMM1 ran split tiles (comet_gemm_split_of) */
 
-/* GEMM0 (gemm1 = 0) or GEMM1 launched again without hooks into its output d_out (poisoned
- * first) writes want's bits; got receives them. 0 after a failed CUDA call (recorded). */
-static int relaunch_same(const comet_gemm_t *g, int gemm1, void *d_out, const uint16_t *want, uint16_t *got,
-                         size_t bytes, const char *tag, const char *what) {
+/* GEMM0 (gemm1 = 0) or GEMM1 launched again with hooks hk (NULL: none) into its output d_out
+ * (poisoned first) writes want's bits; got receives them. With release, k_release_late on
+ * stream rs sets release[0..n) to 3 in reverse while it runs (hk then waits for them: fewer CTAs,
+ * so that k_release_late finds an SM). 0 after a failed CUDA call (recorded). */
+static int relaunch_same(const comet_gemm_t *g, int gemm1, const comet_gemm_hooks_t *hk, uint64_t *release, int n,
+                         cudaStream_t rs, void *d_out, const uint16_t *want, uint16_t *got, size_t bytes,
+                         const char *tag, const char *what) {
     cudaError_t e = cudaMemset(d_out, 0xff, bytes);
+    if (e == cudaSuccess && release) e = cudaMemset(release, 0, sizeof(uint64_t) * (size_t)n);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize(); /* rs does not wait for the legacy stream's memsets */
     if (e == cudaSuccess) {
-        CHECK((gemm1 ? comet_gemm1_launch(g, 0, NULL) : comet_gemm0_launch(g, 0, NULL)) == 0, "%s: %s: launch", tag,
-              what);
+        CHECK((gemm1 ? comet_gemm1_launch(g, 0, hk) : comet_gemm0_launch(g, 0, hk)) == 0, "%s: %s: launch", tag, what);
+        if (release) k_release_late<<<1, 1, 0, rs>>>(release, n, 3, 20000);
         e = cudaDeviceSynchronize();
     }
     if (e == cudaSuccess) e = cudaMemcpy(got, d_out, bytes, cudaMemcpyDeviceToHost);
@@ -385,16 +391,27 @@ static void run_case(const gcase_t *c, uint64_t seed) {
            "blocks %d.. in %d pieces\n", c->tag, nb, (long long)nrows, (long long)checked, all ? "all" : "sampled",
            (long long)bad_h, (long long)bad_o, (long long)pad_h, (long long)pad_o, pieces > 1 ? split_b0 : nb, pieces);
 
-    /* a second GEMM0 in expert order (no hooks; the first walked l0_order, unless
-     * COMET_GEMM_TEST_NOHOOKS or COMET_GEMM_ORDER made both walk one order) writes the same bits */
+    /* a second GEMM0 in expert order (the first walked l0_order, unless COMET_GEMM_TEST_NOHOOKS or
+     * COMET_GEMM_ORDER made both walk one order) writes the same bits, and a third in expert order
+     * waiting for blocks released late in reverse (COMET_GEMM_ORDER=expert in the overlapped mode):
+     * slower, never stuck */
     uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
-    if (!relaunch_same(g, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag, "GEMM0 in expert order against l0_order's"))
+    if (!relaunch_same(g, 0, NULL, NULL, 0, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
+                       "GEMM0 in expert order against l0_order's"))
         return;
+    if (!nohooks) {
+        memset(&hk, 0, sizeof hk);
+        hk.block_ready = d_ready, hk.epoch = d_epoch, hk.num_ctas = sms - 8, hk.timeout_ns = 5000000000ull;
+        if (!relaunch_same(g, 0, &hk, d_ready, nb, s2, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
+                           "GEMM0 in expert order waiting for blocks released late"))
+            return;
+    }
     free(h2);
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
     uint16_t *o2 = (uint16_t *)malloc(2 * (size_t)(MR * H));
-    if (!relaunch_same(g, 1, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first")) return;
+    if (!relaunch_same(g, 1, NULL, NULL, 0, 0, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first"))
+        return;
 
     /* the device split what the rule says: GEMM1 prepared with COMET_GEMM_SPLIT=0 gives the whole
      * tiles' rows the same bits and, on the large split case (other sums of K, random inputs), the
