@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -164,6 +164,27 @@ for step in $STEPS; do
         timeout 300 torchrun --standalone --nproc-per-node "$n" --no-python build/comet check --model mixtral-8x7b \
             --tokens 1024 > "$OUT/launch.log" 2>&1
         summary+=("torchrun launch, $n ranks: exit $? ($(grep -A1 '^model' "$OUT/launch.log" | tail -n 1))")
+        ;;
+    regimes) # comet and the PyTorch layer (bench/torch_moe.py, torchrun on 2 GPUs) at each of
+             # REGIME_ITERS ("20 200") timed forwards after 5 warm-ups, on MODELS x TOKENS x LAYOUTS
+             # ("--ep 2;--tp 2"): short calls of a short layer run before the 700 W limit bites
+             # (~100 ms), long ones under it. Rows: comet.jsonl (each with its clock over the timed
+             # forwards) and torch-<iters>-tp<T>ep<E>.json
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
+        for iters in ${REGIME_ITERS:-20 200}; do for layout in "${layouts[@]}"; do
+            for m in $MODELS; do for t in $TOKENS; do
+                line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters "$iters" --warmup 5 \
+                    --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
+                summary+=("regimes comet, $iters forwards, $layout: ${line:-FAILED (see bench.log)}")
+            done; done
+            tp=1 ep=1; set -- $layout
+            while [ $# -ge 2 ]; do case $1 in --tp) tp=$2 ;; --ep) ep=$2 ;; esac; shift; done
+            f="$OUT/torch-$iters-tp${tp}ep${ep}.json"
+            timeout 420 torchrun --standalone --nproc-per-node $((tp * ep)) bench/torch_moe.py --models "$(echo $MODELS | tr ' ' ,)" \
+                --tokens "$(echo $TOKENS | tr ' ' ,)" --tp "$tp" --ep "$ep" --iters "$iters" --json "$f" >> "$OUT/torch.log" 2>&1
+            summary+=("regimes PyTorch, $iters forwards, TP$tp EP$ep: exit $? ($f)")
+        done; done
+        grep -E "M= *[0-9]+ TP=" "$OUT/torch.log"
         ;;
     torch)
         OUT="$OUT" MODELS="${TORCH_MODELS:-mixtral-8x7b,qwen2-moe,phi-3.5-moe}" TOKENS="${TORCH_TOKENS:-4096,8192,16384}" \
