@@ -407,7 +407,8 @@ static int run(const char *cmd, int argc, char **argv) {
     if (st == COMET_SUCCESS) {
         comet_problem_poison(p);
         failed = "forward";
-        if (use_cuda && is_bench && speaks()) r.timed = gpu_watch_mark, r.timed_ctx = &watch;
+        if (use_cuda && is_bench && speaks()) gpu_watch_open(&watch); /* NVML loaded before anything is timed */
+        if (watch.n) r.timed = gpu_watch_mark, r.timed_ctx = &watch;
         st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
     }
     comet_world_destroy(w);
@@ -521,7 +522,7 @@ static int run(const char *cmd, int argc, char **argv) {
         unsigned long long why = 0;
         printf("GPU clocks over the timed forwards (NVML, every GPU of this node): SM");
         for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.mhz[i]), why |= watch.reasons[i];
-        if (watch.watts[0] < 0) { /* every GPU's span is the same */
+        if (watch.span < GPU_WATCH_MIN_SPAN) {
             printf(" MHz, power not measured (the timed forwards took under %.0f s)", GPU_WATCH_MIN_SPAN);
         } else {
             printf(" MHz, power");
@@ -582,7 +583,7 @@ static int run(const char *cmd, int argc, char **argv) {
         if (watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
             fprintf(f, ", \"sm_mhz\": [");
             for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.0f", i ? ", " : "", watch.mhz[i]);
-            if (watch.watts[0] >= 0) { /* not measured under GPU_WATCH_MIN_SPAN: no key */
+            if (watch.span >= GPU_WATCH_MIN_SPAN) { /* not measured under it: no key */
                 fprintf(f, "], \"watts\": [");
                 for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.1f", i ? ", " : "", watch.watts[i]);
             }

@@ -141,9 +141,12 @@ typedef struct {
                              * [3] neither (the steps every side keeps: staging, plan, launches, flags) */
     void (*timed)(void *ctx, int end); /* when not NULL: called by the first rank this process runs (its
                              * thread), end 0 just before its first timed call (after the warm-up, the
-                             * uploads and any capture) and end 1 after its last, whatever its status, if
-                             * it made the first; the other ranks run within a call of it (a forward
-                             * waits on its peers): e.g. to watch the GPUs' clocks over the timed calls */
+                             * uploads and any capture; pipelined calls: when that call is enqueued, the
+                             * warm-up calls perhaps still running) and end 1 after its last, whatever its
+                             * status, if it made the first; the other ranks run within a call of it (a
+                             * forward waits on its peers), so the begin must be quick, or the other
+                             * ranks' first timed call holds it: e.g. to watch the GPUs' clocks over the
+                             * timed calls */
     void *timed_ctx;
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
