@@ -350,53 +350,64 @@ static void test_check(void) {
 }
 
 /* comet_run_t.timed: one begin and one end a run, from one rank's thread
- * (two ranks here), the begin just before the first timed call: rank 0's y
- * still poisoned with no warm-up, written by a warm-up call with one. */
+ * (two ranks here), the begin just before the first timed call (rank 0's y
+ * still poisoned with no warm-up, written by a warm-up call with one) and
+ * the end after the last (with y poisoned before every call, rank 0's y
+ * whole at the end). */
 typedef struct {
     const comet_problem_t *p;
-    int begins, ends, y_written; /* y_written: at the begin, rank 0's y held a forward's output */
+    int begins, ends;
+    int y_any_at_begin, y_whole_at_end; /* rank 0's y: some element written / every element written */
     pthread_t begun_by;
     int same_thread; /* the end came from the begin's thread */
 } timed_probe_t;
 
 static void timed_probe(void *ctx, int end) {
     timed_probe_t *t = ctx;
+    const int64_t n = t->p->tokens[0] * t->p->cfg.hidden;
+    int64_t written = 0;
+    for (int64_t i = 0; i < n; i++) written += t->p->y[0][i] != 0xffff;
     if (end) {
         t->ends++;
         t->same_thread = t->begins == 1 && pthread_equal(t->begun_by, pthread_self());
+        t->y_whole_at_end = written == n;
         return;
     }
     t->begins++;
     t->begun_by = pthread_self();
-    const int64_t n = t->p->tokens[0] * t->p->cfg.hidden;
-    for (int64_t i = 0; i < n; i++)
-        if (t->p->y[0][i] != 0xffff) t->y_written = 1;
+    t->y_any_at_begin = written > 0;
 }
 
 static void test_timed(void) {
     comet_problem_t *p = sides_problem(5);
     if (!p) return;
     for (int warmup = 0; warmup <= 2; warmup += 2) {
-        comet_world_t *world;
-        comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
-        comet_problem_poison(p);
-        timed_probe_t t = {p, 0, 0, 0, pthread_self(), 0};
-        comet_run_t run;
-        memset(&run, 0, sizeof run);
-        run.repeats = 4, run.n_comm = 2, run.timed = timed_probe, run.timed_ctx = &t;
-        comet_status_t st = comet_problem_run(p, world, &run, warmup);
-        CHECK(st == COMET_SUCCESS && t.begins == 1 && t.ends == 1 && t.same_thread,
-              "timed, warm-up %d: %s, %d begins and %d ends (want 1 and 1, one thread: %d)", warmup,
-              comet_status_string(st), t.begins, t.ends, t.same_thread);
-        CHECK(t.y_written == (warmup > 0), "timed, warm-up %d: rank 0's y %s at the begin", warmup,
-              t.y_written ? "written" : "still poisoned");
-        /* a run refused before any call (interleave needs 4 timed calls) calls neither */
-        t.begins = t.ends = 0;
-        run.interleave = 1;
-        st = comet_problem_run(p, world, &run, 2);
-        CHECK(st == COMET_ERR_INVALID_ARGUMENT && t.begins == 0 && t.ends == 0,
-              "timed, refused run: %s, %d begins, %d ends", comet_status_string(st), t.begins, t.ends);
-        comet_world_destroy(world);
+        for (int poison = 0; poison <= 1; poison++) { /* compare_repeats: y poisoned before every call */
+            comet_world_t *world;
+            comet_world_create_local(&world, 2, COMET_BACKEND_CPU);
+            comet_problem_poison(p);
+            timed_probe_t t = {p, 0, 0, 0, 0, pthread_self(), 0};
+            comet_run_t run;
+            memset(&run, 0, sizeof run);
+            run.repeats = 4, run.n_comm = 2, run.compare_repeats = poison, run.timed = timed_probe, run.timed_ctx = &t;
+            comet_status_t st = comet_problem_run(p, world, &run, warmup);
+            CHECK(st == COMET_SUCCESS && t.begins == 1 && t.ends == 1 && t.same_thread,
+                  "timed, warm-up %d: %s, %d begins and %d ends (want 1 and 1, one thread: %d)", warmup,
+                  comet_status_string(st), t.begins, t.ends, t.same_thread);
+            if (!poison)
+                CHECK(t.y_any_at_begin == (warmup > 0), "timed, warm-up %d: rank 0's y %s at the begin", warmup,
+                      t.y_any_at_begin ? "written" : "still poisoned");
+            else
+                CHECK(t.y_whole_at_end, "timed, warm-up %d: rank 0's y not whole at the end (the last call not done)",
+                      warmup);
+            /* a run refused before any call (interleave needs 4 timed calls) calls neither */
+            t.begins = t.ends = 0;
+            run.interleave = 1, run.compare_repeats = 0;
+            st = comet_problem_run(p, world, &run, 2);
+            CHECK(st == COMET_ERR_INVALID_ARGUMENT && t.begins == 0 && t.ends == 0,
+                  "timed, refused run: %s, %d begins, %d ends", comet_status_string(st), t.begins, t.ends);
+            comet_world_destroy(world);
+        }
     }
     comet_problem_destroy(p);
 }

@@ -402,9 +402,17 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     if (!nohooks) {
         memset(&hk, 0, sizeof hk);
         hk.block_ready = d_ready, hk.epoch = d_epoch, hk.num_ctas = sms - 8, hk.timeout_ns = 5000000000ull;
-        if (!relaunch_same(g, 0, &hk, d_ready, nb, s2, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
-                           "GEMM0 in expert order waiting for blocks released late"))
-            return;
+        uint64_t *rep_h = NULL, *rep_d = NULL; /* a timeout's report, as for the first hooked launch */
+        CUDA_OK(cudaHostAlloc(&rep_h, 64, cudaHostAllocMapped));
+        CUDA_OK(cudaHostGetDevicePointer(&rep_d, rep_h, 0));
+        memset(rep_h, 0, 64);
+        hk.timeout_report = rep_d;
+        const int ok = relaunch_same(g, 0, &hk, d_ready, nb, s2, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
+                                     "GEMM0 in expert order waiting for blocks released late");
+        char msg[256];
+        if (!ok && comet_gemm_timeout_message(rep_h, msg, sizeof msg)) printf("%s\n", msg);
+        cudaFreeHost(rep_h);
+        if (!ok) return;
     }
     free(h2);
 
