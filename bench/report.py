@@ -11,7 +11,12 @@ peaks on H200 (environment GEMM_PEAK_TFLOPS, default 804: cuBLAS dense
 8192^3 on a cold H200, dev/gemm/NOTES.md; LINK_GBPS, default 348: one
 direction of the NVLink pair, bench/link_bench.cu's best rate with SMs).
 The last column is each GPU's mean SM clock during the row's call (`comet
-bench` rows since bdc3fe2, NVML): GEMM-bound rows move with it.
+bench` rows since bdc3fe2, NVML; over the timed forwards alone since
+2607d6f): GEMM-bound rows move with it. Rows that record their timed
+forwards ("iters": comet and torch_moe.py since the 16th session) pair
+with a PyTorch row over as many, and a count other than the reference's 20
+shows in the mode ("seq, 200 forwards"): short calls of a short layer run
+before the GPU's power limit bites, long ones under it.
 
 With a reference file (bench/reference-issue5.json: {"reference": ...,
 "rows": [...]}, the table of issue 5) it also prints, for each mode, the
@@ -81,6 +86,9 @@ def mode_of(r):
     mode += " partials" if r.get("partials") else ""  # the combine by partials
     mode += " gather" if r.get("gather") else ""  # GEMM0 by gather
     mode += ", graph" if r.get("graph") else ""
+    # timed forwards other than the reference's 20 (rows since the 16th session record them): a
+    # short call of a short layer runs before the GPU's power limit bites, a long one under it
+    mode += f", {r['iters']} forwards" if r.get("iters", 20) != 20 else ""
     return mode
 
 
@@ -140,7 +148,14 @@ def main(paths):
                   f"{r['gemm_ms']:.3f} | {r['gemm_tflops']:.0f} | {100 * r['gemm_share']:.0f}% | "
                   f"{r['check_rel_err']:.1e} |")
     else:
-        base = {key(r): r for r in torch_rows}
+        def baseline_of(r):
+            """the PyTorch row of r's configuration (the last given); where the rows record their timed
+            forwards (torch_moe.py and comet since the 16th session; older rows: 20), one over as many"""
+            same = [b for b in torch_rows if key(b) == key(r)]
+            if any("iters" in b for b in same):
+                same = [b for b in same if b.get("iters", 20) == r.get("iters", 20)]
+            return same[-1] if same else None
+
         # mode: seq (the sequential chain) or the overlapped mode's n_comm (ce: copy-engine dispatch),
         # "auto: ..." where the tuner picked it; comm hidden only where --comm-hidden measured it
         print("| model | M | TP | EP | skew | mode | comet ms | PyTorch ms | speedup | comet TFLOP/s/GPU | "
@@ -148,7 +163,7 @@ def main(paths):
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         within = []  # rows measured with --comm-hidden whose whole layer is within 5% of its GEMM-only side
         for r in sorted(comet_rows, key=lambda r: (key(r), r.get("n_comm", 0))):
-            b = base.get(key(r)) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
+            b = baseline_of(r) if r.get("skew", 0.0) == 0 else None  # the baseline runs uniform routing only
             tb = f"{b['ms']:.3f}" if b else "-"
             sp = f"{b['ms'] / r['ms']:.2f}x" if b else "-"
             mode = mode_of(r) + (f": {ran_of(r)}" if r.get("tuned") else "")

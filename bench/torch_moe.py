@@ -240,7 +240,7 @@ def main():
             rec = {"model": name, "M": m, "tp": tp, "ep": ep, "topk": topk, "experts": e_num, "hidden": hidden,
                    "ffn": ffn, "skew": args.skew, "zero_experts": args.zero_experts, "ms": ms,
                    "gemm_ms": gemm_ms, "gemm_tflops": flops / (gemm_ms * 1e9), "gemm_share": gemm_ms / ms,
-                   "check_rel_err": err}
+                   "check_rel_err": err, "iters": args.iters, "warmup": args.warmup}
             records.append(rec)
             if rank == 0:
                 print(f"{name:14s} M={m:6d} TP={tp} EP={ep}  {ms:8.3f} ms  gemm {gemm_ms:7.3f} ms "

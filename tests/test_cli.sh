@@ -52,6 +52,7 @@ expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "
     grep -q "\"name\": \"rank 1\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "\"kind\": \"send\"" "$1" &&
     { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
 expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/tuned.jsonl"
+expect bench-json-iters 0 '"iters": 1, "warmup": 0[,}]' -- cat "$tdir/tuned.jsonl"
 expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # without a GPU, --backend cuda is refused before any trace
@@ -97,6 +98,16 @@ if command -v python3 >/dev/null; then
     # a default run (tuned: the tuner's pick) goes to the auto grid, "ov" where it picked the overlapped mode
     printf '%s, "M": 32, "tp": 2, "ep": 1, "n_comm": 16, "tuned": 1, "comm_hidden": -1}\n' "$row" >> "$rj"
     expect report-auto 0 '\| 32 \| 2 \| 1 \| 0 \| auto: n_comm 16 \|' -- python3 "$report" "$rj"
+    # rows that record their timed forwards pair with a PyTorch row over as many, and other than 20
+    # show in the mode: 2.0 ms against the 200-forward row's 6.0 (3.00x), not the 20-forward one's 5.0
+    rf=$(mktemp /tmp/comet-report-XXXXXX) t20=$(mktemp /tmp/comet-torch-XXXXXX) t200=$(mktemp /tmp/comet-torch-XXXXXX)
+    mach='"machine": {"gpus": 2, "gpu": "g", "driver": "d", "cuda": "c", "torch": "t", "nccl": "n", "date": "x", "commit": "t"}'
+    trow='"model": "m", "M": 16, "tp": 1, "ep": 2, "topk": 2, "experts": 8, "hidden": 32, "ffn": 16, "skew": 0, "zero_experts": 0, "gemm_ms": 1.0, "gemm_tflops": 1.0, "gemm_share": 0.5, "check_rel_err": 0.001'
+    printf '{%s, "baseline": "pytorch", "records": [{%s, "ms": 5.0, "iters": 20, "warmup": 5}]}' "$mach" "$trow" > "$t20"
+    printf '{%s, "baseline": "pytorch", "records": [{%s, "ms": 6.0, "iters": 200, "warmup": 5}]}' "$mach" "$trow" > "$t200"
+    printf '%s, "comm_hidden": -1, "iters": 200, "warmup": 5}\n' "$row" > "$rf"
+    expect report-forwards 0 '\| seq, 200 forwards \| 2\.000 \| 6\.000 \| 3\.00x \|' -- python3 "$report" "$t200" "$t20" "$rf"
+    rm -f "$rf" "$t20" "$t200"
     expect report-auto-grid 0 '\| m \| - / - \| - / 2\.00 ms \(1\.50x, ov\) \|' -- python3 "$report" "$ref" "$rj"
     rm -f "$rj" "$ref"
 else

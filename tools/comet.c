@@ -574,12 +574,13 @@ static int run(const char *cmd, int argc, char **argv) {
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
                 "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
-                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f]",
+                "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
+                "\"iters\": %d, \"warmup\": %d",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
                 ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
-                side_ms[2], side_ms[3]);
+                side_ms[2], side_ms[3], o.iters, o.warmup);
         if (watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
             fprintf(f, ", \"sm_mhz\": [");
             for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.0f", i ? ", " : "", watch.mhz[i]);
