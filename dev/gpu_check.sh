@@ -199,4 +199,6 @@ for step in $STEPS; do
     esac
 done
 printf '%s\n' "${summary[@]}"
-[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json bench/reference-issue5.json "$OUT/comet.jsonl"
+# the regimes step's PyTorch rows (torch-<iters>-*.json) pair with comet's over as many forwards
+[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
+    bench/reference-issue5.json "$OUT/comet.jsonl"
