@@ -212,7 +212,7 @@ static void sustain_phase(const bvar_t *b, int gm, int v, double secs, double fl
     const double t0 = wall_s();
     double th = 0, mhz = 0;
     long runs = 0, nmhz = 0;
-    gpu_power_sample_t s0 = {0, 0, 0, 0}, s;
+    gpu_power_sample_t s0 = {0, 0, 0}, s;
     int half = 0, power = 1;
     for (long batch = 0;; batch++) {
         for (int i = 0; i < 8; i++) launch_variant(b, gm, v);

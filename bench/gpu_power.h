@@ -1,6 +1,6 @@
 /*
- * gpu_power.h - a GPU's SM clock, power, energy counter and clock-limit
- * reasons through NVML, loaded at run time (dlopen of libnvidia-ml.so.1): no
+ * gpu_power.h - a GPU's SM clock, energy counter (its power over a span) and
+ * clock-limit reasons through NVML, loaded at run time (dlopen of libnvidia-ml.so.1): no
  * build dependency, and where the driver's library or a query is missing the
  * probe says so (ok = 0) and the benchmark prints "n/a". For benchmarks only
  * (bench/gemm_bench.cu; `comet bench` through tools/gpu_watch.h): under
@@ -22,10 +22,12 @@ typedef struct {
     void *dev; /* nvmlDevice_t */
 } gpu_power_t;
 
-/* One sample: SM clock (MHz), power (W), energy since driver load (J), reasons bits. */
+/* One sample: SM clock (MHz), energy since driver load (J), reasons bits. (Power
+ * comes from the energy counter over a span: NVML's power reading is a moving
+ * average of its own.) */
 typedef struct {
     unsigned mhz;
-    double watts, joules;
+    double joules;
     unsigned long long reasons;
 } gpu_power_sample_t;
 
@@ -35,7 +37,6 @@ typedef struct {
     int (*by_bus)(const char *, void **);      /* nvmlDeviceGetHandleByPciBusId_v2 */
     int (*by_index)(unsigned, void **);        /* nvmlDeviceGetHandleByIndex_v2 */
     int (*clock)(void *, int, unsigned *);        /* nvmlDeviceGetClockInfo; type 1 = SM */
-    int (*power)(void *, unsigned *);             /* nvmlDeviceGetPowerUsage (mW) */
     int (*energy)(void *, unsigned long long *);  /* nvmlDeviceGetTotalEnergyConsumption (mJ) */
     int (*reasons)(void *, unsigned long long *); /* nvmlDeviceGetCurrentClocksEventReasons */
 } gpu_power_lib_t;
@@ -52,12 +53,11 @@ static inline const gpu_power_lib_t *gpu_power_lib(void) {
     l.by_bus = (int (*)(const char *, void **))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
     l.by_index = (int (*)(unsigned, void **))dlsym(lib, "nvmlDeviceGetHandleByIndex_v2");
     l.clock = (int (*)(void *, int, unsigned *))dlsym(lib, "nvmlDeviceGetClockInfo");
-    l.power = (int (*)(void *, unsigned *))dlsym(lib, "nvmlDeviceGetPowerUsage");
     l.energy = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption");
     l.reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksEventReasons");
     if (!l.reasons) l.reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksThrottleReasons");
     unsigned n = 0;
-    if (!init || !count || !l.by_bus || !l.by_index || !l.clock || !l.power || !l.energy || !l.reasons || init() != 0 ||
+    if (!init || !count || !l.by_bus || !l.by_index || !l.clock || !l.energy || !l.reasons || init() != 0 ||
         count(&n) != 0)
         return &l;
     l.count = (int)n, l.ok = 1;
@@ -82,12 +82,10 @@ static inline void gpu_power_open_index(gpu_power_t *p, int i) {
 /* Reads one sample; returns 0 when NVML is not open or a query fails. */
 static inline int gpu_power_read(const gpu_power_t *p, gpu_power_sample_t *s) {
     const gpu_power_lib_t *l = gpu_power_lib();
-    unsigned mw = 0;
     unsigned long long mj = 0;
-    if (!p->ok || l->clock(p->dev, 1, &s->mhz) != 0 || l->power(p->dev, &mw) != 0 || l->energy(p->dev, &mj) != 0 ||
-        l->reasons(p->dev, &s->reasons) != 0)
+    if (!p->ok || l->clock(p->dev, 1, &s->mhz) != 0 || l->energy(p->dev, &mj) != 0 || l->reasons(p->dev, &s->reasons) != 0)
         return 0;
-    s->watts = mw / 1000.0, s->joules = mj / 1000.0;
+    s->joules = mj / 1000.0;
     return 1;
 }
 

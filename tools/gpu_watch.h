@@ -53,7 +53,7 @@ static inline double gpu_watch_now(void) {
 
 static inline void *gpu_watch_loop(void *arg) {
     gpu_watch_t *w = (gpu_watch_t *)arg;
-    /* 10 ms, or 5 ms a GPU on nodes of more than two: each tick makes four NVML calls a GPU */
+    /* 10 ms, or 5 ms a GPU on nodes of more than two: each tick makes three NVML calls a GPU */
     const long ms = w->n > 2 ? 5L * w->n : 10L;
     const struct timespec tick = {ms / 1000, (ms % 1000) * 1000 * 1000};
     while (!atomic_load(&w->stop)) {
