@@ -234,6 +234,14 @@ static int launch_from_env(void) {
 /* Printing is rank 0's job in a launched world. */
 static int speaks(void) { return !launch.on || launch.rank == 0; }
 
+/* One value a GPU (gpu_watch_t's arrays), each as fmt, sep between them. */
+static void print_per_gpu(FILE *f, const double *v, int n, const char *sep, const char *fmt) {
+    for (int i = 0; i < n; i++) {
+        if (i) fputs(sep, f);
+        fprintf(f, fmt, v[i]);
+    }
+}
+
 /* Fill in defaults (they depend on the backend) and build the config. */
 static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, int *world, int *use_cuda) {
     const int gpus = comet_device_count();
@@ -520,13 +528,14 @@ static int run(const char *cmd, int argc, char **argv) {
                r.graph ? " (--graph: the captured forward's one set)" : "");
     if (use_cuda && is_bench && watch.n) { /* one line for every GPU of this node NVML sees */
         unsigned long long why = 0;
+        for (int i = 0; i < watch.n; i++) why |= watch.reasons[i];
         printf("GPU clocks over the timed forwards (NVML, every GPU of this node): SM");
-        for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.mhz[i]), why |= watch.reasons[i];
+        print_per_gpu(stdout, watch.mhz, watch.n, " /", " %.0f");
         if (watch.span < GPU_WATCH_MIN_SPAN) {
             printf(" MHz, power not measured (the timed forwards took under %.0f s)", GPU_WATCH_MIN_SPAN);
         } else {
             printf(" MHz, power");
-            for (int i = 0; i < watch.n; i++) printf("%s %.0f", i ? " /" : "", watch.watts[i]);
+            print_per_gpu(stdout, watch.watts, watch.n, " /", " %.0f");
             printf(" W");
         }
         char text[96];
@@ -583,12 +592,13 @@ static int run(const char *cmd, int argc, char **argv) {
                 side_ms[2], side_ms[3], o.iters, o.warmup);
         if (watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
             fprintf(f, ", \"sm_mhz\": [");
-            for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.0f", i ? ", " : "", watch.mhz[i]);
-            if (watch.span >= GPU_WATCH_MIN_SPAN) { /* not measured under it: no key */
-                fprintf(f, "], \"watts\": [");
-                for (int i = 0; i < watch.n; i++) fprintf(f, "%s%.1f", i ? ", " : "", watch.watts[i]);
-            }
+            print_per_gpu(f, watch.mhz, watch.n, ", ", "%.0f");
             fprintf(f, "]");
+            if (watch.span >= GPU_WATCH_MIN_SPAN) { /* not measured under it: no key */
+                fprintf(f, ", \"watts\": [");
+                print_per_gpu(f, watch.watts, watch.n, ", ", "%.1f");
+                fprintf(f, "]");
+            }
         }
         fprintf(f, "}\n");
         fclose(f);
