@@ -38,8 +38,10 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
 
 /* The analytical rule alone (what the table falls back to): chunk_cols about
  * hidden/8; n_comm on the CPU engine 1 or 2 workers; on the CUDA backend 16
- * (the overlapped mode) for 2+ ranks with push, max_tokens >= 4096 and topk
- * x hidden <= 16384, else 0 (the sequential chain): the 24 cells measured on
+ * (the overlapped mode) for 2+ ranks with push, max_tokens >= 4096, topk
+ * x hidden <= 16384 and an expert's W1 slice at most 2^26 elements (128
+ * MiB: w1_rows x hidden; gated, F_local x hidden <= 2^25), else 0 (the
+ * sequential chain): the 24 cells measured on
  * 2x H200 (bench/results/2026-11-22-comet-h200x2-5215af5.md) and 4 rows on
  * 4x H200 (-h200x4-a392388.jsonl; tuner.c says which). A table entry
  * decides for every token count of its configuration (the nearest entry,
