@@ -93,13 +93,18 @@ class Layer:
         self.gemm_events = None
 
     def experts(self, rows, counts):
-        """Grouped GEMM0 + gated SiLU + grouped GEMM1 over rows grouped by local expert."""
+        """Grouped GEMM0 + gated SiLU + grouped GEMM1 over rows grouped by local expert.
+        The activation is Megatron's unfused glu, silu(gate) * up in bf16: two
+        elementwise passes. (Until the seventeenth session it went through fp32,
+        silu(gate.float()) * up.float(), then to bf16: five passes with fp32
+        intermediates, which made this layer slower than the issue's reference:
+        bench/results/2026-11-22-torch-activation-h200x2.md.)"""
         offs = torch.cumsum(counts, 0).to(torch.int32)
         ev = self.gemm_events
         if ev is not None:
             ev[0].record()
         g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
-        a = (F.silu(g[:, :self.fl].float()) * g[:, self.fl:].float()).to(torch.bfloat16)
+        a = F.silu(g[:, :self.fl]) * g[:, self.fl:]
         o = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
         if ev is not None:
             ev[1].record()
