@@ -534,7 +534,7 @@ static int run(const char *cmd, int argc, char **argv) {
         for (int i = 0; i < watch.n; i++) why |= watch.reasons[i];
         printf("GPU clocks over the timed forwards (NVML, every GPU of this node): SM");
         print_per_gpu(stdout, watch.mhz, watch.n, " /", " %.0f");
-        if (watch.span < GPU_WATCH_MIN_SPAN) {
+        if (!gpu_watch_has_power(&watch)) {
             printf(" MHz, power not measured (the timed forwards took under %.0f s)", GPU_WATCH_MIN_SPAN);
         } else {
             printf(" MHz, power");
@@ -597,7 +597,7 @@ static int run(const char *cmd, int argc, char **argv) {
             fprintf(f, ", \"sm_mhz\": [");
             print_per_gpu(f, watch.mhz, watch.n, ", ", "%.0f");
             fprintf(f, "]");
-            if (watch.span >= GPU_WATCH_MIN_SPAN) { /* not measured under it: no key */
+            if (gpu_watch_has_power(&watch)) { /* not measured: no key */
                 fprintf(f, ", \"watts\": [");
                 print_per_gpu(f, watch.watts, watch.n, ", ", "%.1f");
                 fprintf(f, "]");

@@ -92,6 +92,9 @@ static inline void gpu_watch_start(gpu_watch_t *w) {
     w->running = pthread_create(&w->thread, NULL, gpu_watch_loop, w) == 0;
 }
 
+/* Whether gpu_watch_stop's span was long enough for watts[] to be measured. */
+static inline int gpu_watch_has_power(const gpu_watch_t *w) { return w->span >= GPU_WATCH_MIN_SPAN; }
+
 /* Stops the thread and fills span, mhz[] and watts[] (a GPU with no sample in
  * between gets one now). */
 static inline void gpu_watch_stop(gpu_watch_t *w) {
@@ -99,13 +102,13 @@ static inline void gpu_watch_stop(gpu_watch_t *w) {
     atomic_store(&w->stop, 1);
     pthread_join(w->thread, NULL);
     w->running = 0;
-    const double span = w->span = gpu_watch_now() - w->t0;
+    w->span = gpu_watch_now() - w->t0;
     for (int i = 0; i < w->n; i++) {
         gpu_power_sample_t s;
         if (!gpu_power_read(&w->dev[i], &s)) continue;
         if (!w->samples[i]) w->mhz_sum[i] = s.mhz, w->samples[i] = 1, w->reasons[i] |= s.reasons;
         w->mhz[i] = w->mhz_sum[i] / w->samples[i];
-        w->watts[i] = span >= GPU_WATCH_MIN_SPAN && w->joules0[i] > 0 ? (s.joules - w->joules0[i]) / span : 0;
+        w->watts[i] = gpu_watch_has_power(w) && w->joules0[i] > 0 ? (s.joules - w->joules0[i]) / w->span : 0;
     }
 }
 
