@@ -20,7 +20,7 @@ XLDLIBS := $(LDLIBS) -lm -pthread $(if $(SAN),-fsanitize=$(SAN))
 NVCC    ?= $(if $(SAN),,$(shell command -v nvcc 2>/dev/null))
 NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude -Xptxas -warn-spills
 
-LIB_SRC := $(wildcard src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c src/trace/*.c)
+LIB_SRC := $(wildcard src/api/*.c src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c src/trace/*.c)
 CU_SRC  := $(wildcard src/cuda/*.cu src/comm/*.cu)
 CU_OBJ  := $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.o))
 

@@ -81,6 +81,7 @@ __global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
     }
 }
 
+
 /* zeroes rows[0..nrows) of a row-major matrix of `width` bf16 columns */
 __global__ void k_zero_rows(uint16_t *p, const int32_t *rows, int nrows, int64_t width) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)nrows * width;
@@ -333,6 +334,7 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
 
     comet_gemm_args_t ga;
     memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
+    ga.knobs = comet_gemm_knobs_read(); /* COMET_GEMM_* as a layer created now reads them */
     ga.d = d, ga.plan_ws = d_ws, ga.a = a, ga.w1 = w1, ga.h = h, ga.w2 = w2, ga.o = o;
     comet_gemm_t *g;
     char err[256];

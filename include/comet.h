@@ -147,7 +147,37 @@ comet_status_t comet_get_unique_id(comet_unique_id_t *id);
 comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int world_size,
                                        const comet_unique_id_t *id, int device);
 
-/* Destroy a world after all its layers are destroyed. NULL is a no-op. */
+/* Options of a world, for callers that set them in code rather than in the
+ * environment. A field left at 0 (NULL) takes the environment variable named
+ * beside it, read once when the world is created, else the default. */
+typedef struct {
+    uint32_t struct_size;  /* [in] sizeof(comet_world_options_t): set by the initializer */
+    int timeout_ms;        /* [in] every wait between ranks or workers inside a layer, 1..3600000;
+                            *      0: COMET_TIMEOUT_MS, else 60000 */
+    int cpu_workers;       /* [in] compute workers per rank on the CPU engine, 1..256;
+                            *      0: COMET_CPU_WORKERS, else 2 */
+    const char *tune_file; /* [in] the tuner's table (`comet tune` writes one): NULL: COMET_TUNE_FILE, else
+                            *      none; "": none. Read when the world is created; a file that does not
+                            *      exist (yet) is an empty table */
+    int graph_replay;      /* [in] CUDA backend: 1 replays each layer's kernel chain as a captured graph,
+                            *      -1 launches its kernels one by one; 0: -1 if COMET_REPLAY=0, else 1 */
+} comet_world_options_t;
+
+#define COMET_WORLD_OPTIONS_INIT {sizeof(comet_world_options_t), 0, 0, NULL, 0}
+
+/* comet_world_create_local and comet_world_create_nccl with options (NULL:
+ * every field at its default). */
+comet_status_t comet_world_create_local_opts(comet_world_t **world, int num_ranks, comet_backend_t backend,
+                                             const comet_world_options_t *options);
+comet_status_t comet_world_create_nccl_opts(comet_world_t **world, int rank, int world_size,
+                                            const comet_unique_id_t *id, int device,
+                                            const comet_world_options_t *options);
+/* The options the world runs with, every default filled in (tune_file ""
+ * for none; the string lives as long as the world). */
+comet_status_t comet_world_get_options(const comet_world_t *world, comet_world_options_t *out);
+
+/* Destroy a world after all its layers are destroyed (a world with a live
+ * layer is refused: COMET_ERR_INVALID_ARGUMENT). NULL is a no-op. */
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
 comet_backend_t comet_world_backend(const comet_world_t *world);
@@ -207,13 +237,10 @@ comet_status_t comet_layer_destroy(comet_layer_t *layer);
  * symmetric (reachable by every rank) and private. CPU backend: staged
  * tokens, routing, fp32 partials and flags symmetric; plan, gathered rows,
  * activations and expert outputs private (host memory). CUDA backend: staged
- * tokens, routing, flags, the plan, the expert outputs and, with push (the
- * default on 2-8 ranks), the receive buffer of expert output rows pushed home
- * symmetric (COMET_PUSH=0: home ranks pull the rows instead; COMET_PARTIALS=1:
- * a buffer of fp32 partials sent home instead); gathered rows,
- * activations, a local copy of every rank's routing, the plan builder's and
- * the overlapped mode's state and, with COMET_DISPATCH_CE=1, the copy-engine
- * staging private (device memory). */
+ * tokens, routing, flags, the plan, the expert outputs and, with the push
+ * combine, the receive buffer of expert output rows pushed home symmetric;
+ * gathered rows, activations, a local copy of every rank's routing, the plan
+ * builder's and the overlapped mode's state private (device memory). */
 typedef struct {
     size_t symmetric_bytes;
     size_t private_bytes;
@@ -232,15 +259,13 @@ typedef struct {
     comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16 */
     comet_tensor_t y;        /* [out] (T, H) bf16 */
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
-    int n_comm;              /* [in]  communication workers (CPU engine) or CTAs beside the GEMM
-                              *       (CUDA: > 0 runs the overlapped mode when the Hopper GEMM runs,
-                              *       else the sequential chain; at most SMs - 1; the same on every rank);
-                              *       0 = tuner's choice (the `comet tune` table, else the rule:
-                              *       CUDA the overlapped mode with 16 CTAs for 2+ ranks with push,
-                              *       4096+ tokens a rank, topk x hidden <= 16384 and an expert's W1 slice
-                              *       <= 128 MiB, else the sequential chain); COMET_SEQUENTIAL = the sequential
-                              *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */
-    int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
+    int n_comm;              /* [in]  communication workers (CPU engine, 1..64) or CTAs beside GEMM0 (CUDA:
+                              *       > 0 runs the overlapped mode where the Hopper GEMM runs, capped at
+                              *       SMs - 1); 0 = the tuner's choice (src/tuner/tuner.h);
+                              *       COMET_SEQUENTIAL = the sequential chain (CUDA; the CPU engine, which
+                              *       always overlaps, takes it as 0). The same on every rank */
+    int chunk_cols;          /* [in]  CPU engine: layer-1 column-chunk width, 0 = the tuner's choice;
+                              *       ignored by the CUDA backend (no chunked combine there) */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;
 
@@ -257,6 +282,54 @@ typedef struct {
 #define COMET_FORWARD_ARGS_INIT \
     {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0, 0}
 
+/* ---------------------------------------------------------------------------
+ * Protocol: how a forward ran. The tuner chooses it (a table measured by
+ * `comet tune`, else an analytical rule: src/tuner/tuner.h) unless the call's
+ * n_comm fixed it; every rank of a forward runs the same one.
+ * ------------------------------------------------------------------------- */
+typedef enum {
+    COMET_MODE_SEQUENTIAL = 0, /* dispatch, GEMM0, GEMM1, combine one after another (CUDA) */
+    COMET_MODE_OVERLAPPED = 1  /* communication beside the GEMMs: n_comm workers (CPU) or CTAs (CUDA) */
+} comet_mode_t;
+
+typedef enum {
+    COMET_COMBINE_PARTIALS = 0, /* CPU engine: each rank sends fp32 partials home, column chunk by chunk */
+    COMET_COMBINE_PUSH = 1,     /* CUDA: GEMM1 stores each expert output row into its token's home rank */
+    COMET_COMBINE_PULL = 2      /* CUDA: the home rank reads expert output rows from the ranks that made them
+                                 * (where push cannot run: the SIMT GEMM, more than 8 ranks) */
+} comet_combine_t;
+
+typedef enum {
+    COMET_GEMM_CPU = 0,    /* the CPU engine's loops */
+    COMET_GEMM_HOPPER = 1, /* the Hopper (sm_90a) grouped GEMM: TMA, wgmma, warp specialised */
+    COMET_GEMM_SIMT = 2    /* plain CUDA tiles: other GPUs, or shapes the Hopper GEMM does not take */
+} comet_gemm_kind_t;
+
+typedef enum {
+    COMET_CHOSEN_BY_ARGS = 0,  /* args.n_comm fixed the mode */
+    COMET_CHOSEN_BY_TABLE = 1, /* the tuner's table held this configuration */
+    COMET_CHOSEN_BY_RULE = 2   /* the tuner's analytical rule */
+} comet_choice_t;
+
+typedef struct {
+    uint32_t struct_size;      /* [in] sizeof(comet_protocol_t): set by the initializer */
+    comet_mode_t mode;         /* [out] */
+    int n_comm;                /* [out] communication workers (CPU) or CTAs beside GEMM0 (CUDA overlapped);
+                                *       0 in the sequential mode */
+    int chunk_cols;            /* [out] layer-1 column-chunk width (CPU engine); 0 on the CUDA backend */
+    comet_combine_t combine;   /* [out] */
+    comet_gemm_kind_t gemm;    /* [out] */
+    comet_choice_t chosen_by;  /* [out] what decided mode and n_comm */
+    int graph_replay;          /* [out] CUDA: 1 if the forward replayed the layer's captured kernel chain */
+} comet_protocol_t;
+
+#define COMET_PROTOCOL_INIT {sizeof(comet_protocol_t), COMET_MODE_SEQUENTIAL, 0, 0, COMET_COMBINE_PARTIALS, \
+                             COMET_GEMM_CPU, COMET_CHOSEN_BY_ARGS, 0}
+
+/* The protocol of this rank's last forward (launched, on the CUDA backend).
+ * Before the first forward: COMET_ERR_INVALID_ARGUMENT. */
+comet_status_t comet_layer_last_protocol(const comet_layer_t *layer, comet_protocol_t *out);
+
 /* Collective: every rank calls it with its own tokens. On failure no output is
  * written on any rank: a rank whose own input is invalid returns the specific
  * status; the others return COMET_ERR_PEER_FAILED.
@@ -266,10 +339,9 @@ typedef struct {
  * and the layer's buffers, so replay it only while those stay as they were:
  * same weights, no change of trace). Outside a capture, the layer replays
  * its own kernel chain as a graph: the first call of each protocol (mode,
- * n_comm, chunk width, disable bits, weights) captures and instantiates it
- * (a one-off host cost; after a layer's first 64 captures a miss launches
- * directly), later calls launch it (COMET_REPLAY=0 at layer create: the
- * kernels one by one). Shapes are checked at once; the routing
+ * n_comm, disable bits, weights) captures and instantiates it (a one-off
+ * host cost; after a layer's first 64 captures a miss launches directly),
+ * later calls launch it (options.graph_replay -1: the kernels one by one). Shapes are checked at once; the routing
  * content (device memory) is checked on the device: comet_layer_sync reports
  * it, and an invalid routing on any rank leaves every y untouched. */
 comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
@@ -277,9 +349,9 @@ comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_arg
 /* Wait for this rank's last forward and return what the device found:
  * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx),
  * COMET_ERR_PEER_FAILED (another rank's) or COMET_ERR_INVALID_ARGUMENT (this
- * rank's arguments, or the ranks ran different protocols: n_comm, chunk_cols
- * and the tuner's table must agree). CPU backend: COMET_SUCCESS at once.
- * CUDA backend: a wait between ranks that times out (COMET_TIMEOUT_MS) prints
+ * rank's arguments, or the ranks ran different protocols: n_comm and the
+ * tuner's table must agree). CPU backend: COMET_SUCCESS at once.
+ * CUDA backend: a wait between ranks that times out (options.timeout_ms) prints
  * rank, role and index and traps; this then returns COMET_ERR_TIMEOUT (GEMM0's
  * readiness wait, with its report) or COMET_ERR_CUDA (the others: the message
  * went to stdout), and the device context is unusable. */

@@ -8,9 +8,8 @@
  * counts, block_ready released late by another kernel (on fewer CTAs; GEMM0
  * in l0_order, then again in expert order, the same bits), skip,
  * and the block_ready timeout (in a forked child, which must trap and leave a
- * report). Every case runs three times: without clusters (COMET_GEMM_CLUSTER=0),
- * in 2-CTA clusters sharing B tiles (the default), and with blocks of <= 64
- * rows computed by one consumer warpgroup (COMET_GEMM_HALF=1, no clusters); the cases
+ * report). Every case runs twice: without clusters (COMET_GEMM_CLUSTER=0) and
+ * in 2-CTA clusters sharing B tiles (the default); the cases
  * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0), and every
  * case again with GEMM1's tail split forced on (COMET_GEMM_SPLIT=1: pieces of one k-slice and up),
  * with and without clusters; one case splits under the default rule (on 132 SMs).
@@ -44,6 +43,7 @@ typedef struct {
 static uint16_t rand_bf16(comet_rng_t *r, float scale) {
     return comet_f32_to_bf16((float)(comet_rng_uniform(r) * 2.0 - 1.0) * scale);
 }
+
 
 /* got within two bf16 ulps of ref, or within atol: the floor for values
  * near zero, where the fp32 sums of another order differ by more than ulps
@@ -248,6 +248,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
 
     comet_gemm_args_t ga;
     memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
+    ga.knobs = comet_gemm_knobs_read(); /* COMET_GEMM_* as a layer created now reads them */
     ga.d = d, ga.plan_ws = d_ws, ga.a = d_a, ga.w1 = d_w1, ga.h = d_h, ga.w2 = d_w2, ga.o = d_o;
     comet_gemm_t *g = NULL;
     char err[256];
@@ -494,6 +495,7 @@ static int timeout_child(void) {
     memset(report_h, 0, 64);
     comet_gemm_args_t ga;
     memset(&ga, 0, sizeof ga); /* no push targets; prepare allocates the tile counters */
+    ga.knobs = comet_gemm_knobs_read(); /* COMET_GEMM_* as a layer created now reads them */
     uint16_t *p = (uint16_t *)buf;
     const size_t part = (size_t)1 << 18; /* elements; every operand of this shape fits */
     ga.d = d, ga.plan_ws = d_ws, ga.a = p, ga.w1 = p + part, ga.h = p + 2 * part, ga.w2 = p + 3 * part,
@@ -567,20 +569,15 @@ int main(void) {
     check_gelu_device();
     /* COMET_GEMM_TEST_SMALL=1 (e.g. under compute-sanitizer): only the small cases */
     const int small = getenv("COMET_GEMM_TEST_SMALL") != NULL;
-    /* every case without clusters, as 2-CTA clusters sharing B tiles (the default), and with blocks
-     * of <= 64 rows on one consumer (COMET_GEMM_HALF=1); both read at prepare */
-    static const char *const pass[3] = {"without clusters (COMET_GEMM_CLUSTER=0)", "in 2-CTA clusters (the default)",
-                                        "with half blocks on one consumer (COMET_GEMM_HALF=1, COMET_GEMM_CLUSTER=0)"};
-    for (int cl = 0; cl < 3; cl++) {
+    /* every case without clusters and as 2-CTA clusters sharing B tiles (the default; read at prepare) */
+    static const char *const pass[2] = {"without clusters (COMET_GEMM_CLUSTER=0)", "in 2-CTA clusters (the default)"};
+    for (int cl = 0; cl < 2; cl++) {
         if (cl == 1) unsetenv("COMET_GEMM_CLUSTER");
         else setenv("COMET_GEMM_CLUSTER", "0", 1);
-        if (cl == 2) setenv("COMET_GEMM_HALF", "1", 1);
-        else unsetenv("COMET_GEMM_HALF");
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
     }
-    unsetenv("COMET_GEMM_HALF");
     unsetenv("COMET_GEMM_CLUSTER");
     /* GEMM1's tail split with pieces of one k-slice and up (COMET_GEMM_SPLIT=1, read at prepare): most
      * cases split then, in clusters and without */

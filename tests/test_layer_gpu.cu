@@ -9,15 +9,14 @@
  * element must be within the tolerance of a different GEMM accumulation order
  * (comet_problem_check), every output written, a second run bitwise equal
  * to the first (fixed reduction order), and so with the Hopper GEMM on single
- * CTAs (COMET_GEMM_CLUSTER=0; 2-CTA clusters are the default) and with half
- * blocks on one consumer (COMET_GEMM_HALF=1), and the overlapped mode (n_comm > 0)
+ * CTAs (COMET_GEMM_CLUSTER=0; 2-CTA clusters are the default), and the
+ * overlapped mode (n_comm > 0)
  * bitwise equal to the sequential chain, and so both with GEMM1 pushing its
  * rows home (the default, COMET_PUSH=1 here; the other cases set
  * COMET_PUSH=0 for the pull combine; receive buffers poisoned at create),
  * and --comm-hidden's interleaved sides leave the next whole call's bits
- * alone, and the overlapped mode with its remote rows through the copy engine
- * (COMET_DISPATCH_CE=1) too, and both with partials sent home
- * (COMET_PARTIALS=1) in place of rows, all with GEMM1's tail split on
+ * alone, and the protocol the layer reports is the one asked for, all with
+ * GEMM1's tail split on
  * pieces of two k-slices and up (COMET_GEMM_SPLIT=2, so that these small
  * shapes split; unless set by the caller); one layer
  * run 100 times in each mode,
@@ -25,7 +24,7 @@
  * inside the caller's captured CUDA graph, gives the same
  * bits every time, and so 30 calls over 3 input sets (the tokens rotated:
  * each call hands the layer new tensors), replayed and launched kernel by
- * kernel (COMET_REPLAY=0), and 12 calls in flight at once on 12 sets. Ranks asking for different protocols get an error and
+ * kernel (a world with graph_replay -1), and 12 calls in flight at once on 12 sets. Ranks asking for different protocols get an error and
  * write nothing. An invalid expert id on one rank must
  * leave every output untouched and be reported by comet_layer_sync.
  * Without a GPU it prints "skipped (no GPU)". COMET_LAYER_TEST_WORLDS (a
@@ -64,7 +63,7 @@ static comet_status_t run_with_env(comet_problem_t *p, comet_world_t *world, com
 }
 
 static comet_status_t run_with_push(comet_problem_t *p, comet_world_t *world, comet_run_t *run) {
-    static const char *const push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
+    static const char *const push[] = {"COMET_PUSH", "1", NULL};
     return run_with_env(p, world, run, push);
 }
 
@@ -119,19 +118,16 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     int same = same_output(p, first, w, cfg->hidden, st);
     CHECK(same, "%s: a second run differs bitwise", tag);
 
-    /* the Hopper GEMM's variants (read at layer create): single CTAs instead
-     * of the default 2-CTA clusters sharing B tiles, blocks of <= 64 rows on
-     * one consumer, and that with GEMM1 pushing its rows home (W > 1): the
-     * same bits */
-    static const char *const gemm_env[3][9] = {
-        {"COMET_GEMM_CLUSTER", "0", "COMET_GEMM_HALF", "0", NULL},
-        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", NULL},
-        {"COMET_GEMM_HALF", "1", "COMET_GEMM_CLUSTER", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL}};
-    for (int v = 0; v < (w > 1 ? 3 : 2); v++) {
+    /* the Hopper GEMM's knobs (read at layer create): single CTAs instead of
+     * the default 2-CTA clusters sharing B tiles, and that with GEMM1
+     * pushing its rows home (W > 1): the same bits */
+    static const char *const gemm_env[2][5] = {{"COMET_GEMM_CLUSTER", "0", NULL},
+                                               {"COMET_GEMM_CLUSTER", "0", "COMET_PUSH", "1", NULL}};
+    for (int v = 0; v < (w > 1 ? 2 : 1); v++) {
         comet_problem_poison(p);
         st = run_with_env(p, world, &run, gemm_env[v]);
         same = same_output(p, first, w, cfg->hidden, st);
-        CHECK(same, "%s: %s=%s%s: %s, output %s", tag, gemm_env[v][0], gemm_env[v][1], v == 2 ? " with push" : "",
+        CHECK(same, "%s: %s=%s%s: %s, output %s", tag, gemm_env[v][0], gemm_env[v][1], v == 1 ? " with push" : "",
               comet_status_string(st), same ? "equal" : "differs from the default GEMM's");
     }
 
@@ -155,7 +151,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
      * GEMMs find the previous call's o, so the bits alone cannot tell a
      * state a left-out side corrupts from a correct one: the hangs and
      * timeouts are what this catches. */
-    static const char *const push_on[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL};
+    static const char *const push_on[] = {"COMET_PUSH", "1", NULL};
     static const char *const as_set[] = {NULL};
     for (int v = 0; v < (w > 1 ? 4 : 2); v++) {
         comet_run_t sides = run;
@@ -167,7 +163,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         if (same) {
             sides.compare_repeats = 1;
             st = run_with_env(p, world, &sides, v >= 2 ? push_on : as_set);
-            const int want = strstr(sides.modes, "simt") ? 0 : 4; /* the SIMT fallback ignores disable */
+            const int want = sides.protocol.gemm == COMET_GEMM_SIMT ? 0 : 4; /* the SIMT fallback ignores disable */
             for (int s = 0; s < w; s++) differ_ok &= sides.repeats_differ[s] == want;
         }
         CHECK(same && st == COMET_SUCCESS && differ_ok && sides.ms_side[0] > 0 && sides.ms_side[1] > 0 &&
@@ -195,32 +191,14 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         same = same_output(p, first, w, cfg->hidden, st);
         CHECK(same, "%s: overlapped with push: %s, output %s", tag, comet_status_string(st),
               same ? "equal" : "differs from the sequential one");
-        /* and the remote rows through the copy engine (COMET_DISPATCH_CE=1), with push and without */
-        static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
-        static const char *const ce_pull[] = {"COMET_PUSH", "0", "COMET_DISPATCH_CE", "1", NULL};
-        for (int pass = 0; pass < 2; pass++) {
-            const size_t private_bytes = run.memory.private_bytes;
-            comet_problem_poison(p);
-            st = run_with_env(p, world, &run, pass ? ce_pull : ce_push);
-            same = same_output(p, first, w, cfg->hidden, st);
-            CHECK(same && (pass || run.memory.private_bytes > private_bytes),
-                  "%s: overlapped, copy-engine dispatch, %s: %s, output %s, staging %s", tag, pass ? "pull" : "push",
-                  comet_status_string(st), same ? "equal" : "differs from the sequential one",
-                  pass || run.memory.private_bytes > private_bytes ? "allocated" : "missing");
-        }
-        /* partials (COMET_PARTIALS=1): each rank sends its fp32 partial of a
-         * remote token home, computed as the combine would: the same bits */
-        static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
-        for (int pass = 0; pass < 2; pass++) {
-            comet_problem_poison(p);
-            run.n_comm = pass ? 8 : COMET_SEQUENTIAL;
-            st = run_with_env(p, world, &run, partials);
-            same = same_output(p, first, w, cfg->hidden, st);
-            CHECK(same && run.memory.symmetric_bytes > pull_bytes, "%s: %s with partials: %s, output %s, part buffer %s",
-                  tag, pass ? "overlapped" : "sequential", comet_status_string(st),
-                  same ? "equal" : "differs from the pull combine's",
-                  run.memory.symmetric_bytes > pull_bytes ? "allocated" : "missing");
-        }
+        /* the protocol the layer reports: overlapped, push, Hopper (or the SIMT fallback) */
+        const comet_protocol_t *pr = &run.protocol;
+        CHECK(pr->struct_size == sizeof(comet_protocol_t) && pr->chosen_by == COMET_CHOSEN_BY_ARGS &&
+                  (pr->gemm == COMET_GEMM_SIMT ? pr->mode == COMET_MODE_SEQUENTIAL && pr->combine == COMET_COMBINE_PULL
+                                               : pr->mode == COMET_MODE_OVERLAPPED && pr->n_comm == 8 &&
+                                                     pr->combine == (w <= 8 ? COMET_COMBINE_PUSH : COMET_COMBINE_PULL)),
+              "%s: the protocol reported: mode %d, n_comm %d, combine %d, gemm %d, chosen by %d", tag, (int)pr->mode,
+              pr->n_comm, (int)pr->combine, (int)pr->gemm, (int)pr->chosen_by);
     }
     for (int s = 0; s < w; s++) free(first[s]);
     comet_world_destroy(world);
@@ -230,14 +208,14 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
 /* One run of repeat_case: it succeeded, every call's y (repeats_differ) and
  * the last one equal ref[rank], and the layer replayed every call from one
  * capture where replay says it may (not inside a caller's capture, not with
- * COMET_REPLAY=0), and never with the SIMT GEMM (COMET_SIMT_GEMM, or not
+ * graph replay off), and never with the SIMT GEMM (COMET_SIMT_GEMM, or not
  * Hopper). */
 static void check_repeat_run(const comet_problem_t *p, int w, int64_t hidden, uint16_t *const *ref,
                              const comet_run_t *run, comet_status_t st, int replay, const char *what) {
     int differ = 0;
     for (int s = 0; s < w; s++)
         differ += run->repeats_differ[s] + (memcmp(ref[s], p->y[s], (size_t)(p->tokens[s] * hidden) * 2) != 0);
-    replay = replay && !strstr(run->modes, "simt");
+    replay = replay && run->protocol.gemm != COMET_GEMM_SIMT;
     const int64_t want_replays = replay ? run->repeats : 0, want_captures = replay ? 1 : 0;
     CHECK(st == COMET_SUCCESS && differ == 0 && run->replays == want_replays && run->captures == want_captures,
           "W=%d %s, %d forwards: %s: %s, %d outputs differ, %lld replayed by the layer from %lld captures (want %lld "
@@ -245,9 +223,8 @@ static void check_repeat_run(const comet_problem_t *p, int w, int64_t hidden, ui
           (long long)run->replays, (long long)run->captures, (long long)want_replays, (long long)want_captures);
 }
 
-/* For each of sequential, overlapped and (W > 1) both with push, the
- * overlapped mode with push and the copy-engine dispatch, and the
- * overlapped mode with partials, replayed by the layer from its own graph
+/* For each of sequential, overlapped and (W > 1) both with push, replayed
+ * by the layer from its own graph
  * (one capture, then every call) and replayed from the caller's CUDA graph
  * (captured on a fresh layer's first forward; the layer then launches its
  * kernels into it): a layer created for the run, 100 forwards (output
@@ -267,21 +244,15 @@ static void repeat_case(int w) {
         return;
     }
     uint16_t *ref[2] = {NULL, NULL};
-    static const char *const names[6] = {"sequential", "overlapped", "sequential with push", "overlapped with push",
-                                         "overlapped with push, copy-engine dispatch", "overlapped with partials"};
-    static const char *const ce_push[] = {"COMET_PUSH", "1", "COMET_PARTIALS", "0", "COMET_DISPATCH_CE", "1", NULL};
-    static const char *const partials[] = {"COMET_PARTIALS", "1", NULL};
-    for (int mode = 0; mode < (w > 1 ? 12 : 4); mode++) {
+    static const char *const names[4] = {"sequential", "overlapped", "sequential with push", "overlapped with push"};
+    for (int mode = 0; mode < (w > 1 ? 8 : 4); mode++) {
         const int kind = mode / 2, graph = mode % 2;
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = kind % 2 || kind == 4 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
+        run.n_comm = kind % 2 ? 8 : COMET_SEQUENTIAL, run.graph = graph, run.repeats = 100;
         run.compare_repeats = 1;
         comet_problem_poison(p);
-        comet_status_t st = kind == 5  ? run_with_env(p, world, &run, partials)
-                            : kind == 4 ? run_with_env(p, world, &run, ce_push)
-                            : kind >= 2 ? run_with_push(p, world, &run)
-                                        : comet_problem_run(p, world, &run, 0);
+        comet_status_t st = kind >= 2 ? run_with_push(p, world, &run) : comet_problem_run(p, world, &run, 0);
         if (mode == 0) { /* the reference output of the others: written, and right */
             comet_check_t chk;
             comet_problem_check(p, 0, -1, &chk);
@@ -301,42 +272,41 @@ static void repeat_case(int w) {
     }
     /* the layer's replay handed each call's tensors: 3 input sets, each the tokens rotated by
      * its index (the runner puts y back in token order), called in turn, in both modes with
-     * push; the same launched kernel by kernel (COMET_REPLAY=0); and (W > 1) replayed with the
-     * pull combine and with partials (k_combine_ov and k_final write y there, not k_final_flat):
-     * all the same bits as the first run */
-    static const char *const rot_env[4][7] = {
-        {"COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
-        {"COMET_REPLAY", "0", "COMET_PUSH", "1", "COMET_PARTIALS", "0", NULL},
-        {"COMET_PUSH", "0", "COMET_PARTIALS", "0", NULL},
-        {"COMET_PARTIALS", "1", NULL}};
-    static const char *const rot_name[4] = {"with push", "with push, launched kernel by kernel",
-                                            "with the pull combine", "with partials"};
-    for (int v = 0; v < (w > 1 ? 7 : 4); v++) {
-        const int env = v < 4 ? v / 2 : v == 4 ? 2 : 3; /* v 4: pull, overlapped; 5, 6: partials, both modes */
+     * push; the same launched kernel by kernel (a world with graph_replay -1); and (W > 1)
+     * overlapped with the pull combine: all the same bits as the first run */
+    static const char *const rot_env[3][3] = {{"COMET_PUSH", "1", NULL}, {"COMET_PUSH", "1", NULL}, {"COMET_PUSH", "0", NULL}};
+    static const char *const rot_name[3] = {"with push", "with push, launched kernel by kernel", "with the pull combine"};
+    comet_world_options_t no_replay = COMET_WORLD_OPTIONS_INIT;
+    no_replay.graph_replay = -1;
+    comet_world_t *direct = NULL;
+    CHECK(comet_world_create_local_opts(&direct, w, COMET_BACKEND_CUDA, &no_replay) == COMET_SUCCESS,
+          "a world without graph replay: %s", comet_last_error());
+    for (int v = 0; direct && v < (w > 1 ? 5 : 4); v++) {
+        const int env = v < 4 ? v / 2 : 2; /* v 4: pull, overlapped */
         comet_run_t run;
         memset(&run, 0, sizeof run);
-        run.n_comm = (v < 4 ? v % 2 : v != 5) ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1;
+        run.n_comm = (v < 4 ? v % 2 : 1) ? 8 : COMET_SEQUENTIAL, run.repeats = 30, run.compare_repeats = 1;
         run.input_sets = 3;
         comet_problem_poison(p);
-        comet_status_t st = run_with_env(p, world, &run, rot_env[env]);
+        comet_status_t st = run_with_env(p, env == 1 ? direct : world, &run, rot_env[env]);
         char what[160];
         snprintf(what, sizeof what, "%s %s, 3 rotated input sets", run.n_comm > 0 ? "overlapped" : "sequential",
                  rot_name[env]);
         check_repeat_run(p, w, cfg.hidden, ref, &run, st, env != 1, what);
     }
+    comet_world_destroy(direct);
     /* and 12 calls enqueued back to back before one sync (the runner's pipeline), each on its
      * own rotated input set, so replays with different tensors are in flight together: with
-     * push, sequential and overlapped, and (W > 1) overlapped with partials (k_combine_ov on
-     * the second stream) */
-    for (int v = 0; v < (w > 1 ? 3 : 2); v++) {
+     * push, sequential and overlapped */
+    for (int v = 0; v < 2; v++) {
         comet_run_t run;
         memset(&run, 0, sizeof run);
         run.n_comm = v ? 8 : COMET_SEQUENTIAL, run.repeats = 12, run.compare_repeats = 1, run.pipeline = 1;
         comet_problem_poison(p);
-        comet_status_t st = run_with_env(p, world, &run, rot_env[v == 2 ? 3 : 0]);
+        comet_status_t st = run_with_env(p, world, &run, rot_env[0]);
         char what[160];
         snprintf(what, sizeof what, "%s %s, in flight together on as many rotated input sets",
-                 v ? "overlapped" : "sequential", rot_name[v == 2 ? 3 : 0]);
+                 v ? "overlapped" : "sequential", rot_name[0]);
         check_repeat_run(p, w, cfg.hidden, ref, &run, st, 1, what);
     }
     for (int s = 0; s < w; s++) free(ref[s]);
@@ -431,7 +401,6 @@ int main(void) {
      * random and narrow configurations only */
     const int small = getenv("COMET_LAYER_TEST_SMALL") != NULL;
     setenv("COMET_PUSH", "0", 1); /* the pull combine, except where run_with_push asks for push */
-    setenv("COMET_PARTIALS", "0", 1); /* and where the partials passes ask for partials */
     /* GEMM1's tail split on pieces of two k-slices and up (the default, 32, never splits these small
      * shapes): so the modes' bitwise comparisons cover split tiles (unless the caller set it) */
     setenv("COMET_GEMM_SPLIT", "2", 0);

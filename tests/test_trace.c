@@ -35,7 +35,7 @@ static comet_status_t run_traced(comet_problem_t *p, int n_comm, int chunk, int 
     comet_world_t *world;
     comet_status_t st = comet_world_create_local(&world, p->world_size, COMET_BACKEND_CPU);
     if (st) return st;
-    if (n_compute) *n_compute = world->cpu_workers;
+    if (n_compute) *n_compute = world->settings.cpu_workers;
     comet_run_t run;
     memset(&run, 0, sizeof run);
     run.n_comm = n_comm, run.chunk_cols = chunk, run.repeats = repeats, run.trace = trace;

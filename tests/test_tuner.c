@@ -40,6 +40,25 @@ static comet_dims_t dims_of(int64_t hidden, int64_t max_tokens, int64_t topk, in
 
 static comet_dims_t dims(int64_t hidden, int64_t max_tokens) { return dims_of(hidden, max_tokens, 2, 1, 2); }
 
+/* The table the checks below pick from (one per world in the library). */
+static comet_tune_table_t *table;
+
+static int load(const char *path) {
+    comet_tune_table_free(table);
+    return comet_tune_table_load(path, &table);
+}
+
+/* comet_tuner_choose with the fields of t (n_comm, chunk_cols: the call's;
+ * push: the layer's combine) in and the protocol's out. */
+static void pick(const comet_dims_t *d, comet_backend_t backend, int64_t tokens, comet_tuning_t *t) {
+    comet_protocol_t p = COMET_PROTOCOL_INIT;
+    p.gemm = backend == COMET_BACKEND_CUDA ? COMET_GEMM_HOPPER : COMET_GEMM_CPU;
+    p.combine = backend != COMET_BACKEND_CUDA ? COMET_COMBINE_PARTIALS : t->push ? COMET_COMBINE_PUSH : COMET_COMBINE_PULL;
+    comet_tuner_choose(table, d, backend, tokens, t->n_comm, t->chunk_cols, &p);
+    t->n_comm = p.n_comm;
+    if (backend != COMET_BACKEND_CUDA) t->chunk_cols = p.chunk_cols;
+}
+
 int main(void) {
     /* rule */
     comet_dims_t d = dims(4096, 4096);
@@ -106,35 +125,34 @@ int main(void) {
                "cpu\t4096\tnot-a-number\n"
                "gpu\t4096\t1024\t8\t2\t1\t2\t4096\t20\t768\t1.0\n");
     fclose(f);
-    CHECK(comet_tuner_load(path) == 4, "four good lines (n_comm 0: CUDA only)");
+    CHECK(load(path) == 4, "four good lines (n_comm 0: CUDA only)");
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&d, COMET_BACKEND_CPU, 900, &t);
+    pick(&d, COMET_BACKEND_CPU, 900, &t);
     CHECK(t.n_comm == 3, "n_comm from the entry nearest 900 tokens: %d", t.n_comm);
     CHECK(t.chunk_cols == 1024, "chunk from the entry nearest max_tokens 4096: %d", t.chunk_cols);
     comet_tuning_t u = {0, 0, 0};
-    comet_tuner_pick(&d, COMET_BACKEND_CPU, 3900, &u);
+    pick(&d, COMET_BACKEND_CPU, 3900, &u);
     CHECK(u.n_comm == 7 && u.chunk_cols == t.chunk_cols, "other token count: n_comm %d, same chunk %d", u.n_comm,
           u.chunk_cols);
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&d, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.n_comm == 20 && t.chunk_cols == 768, "the CUDA entry for the CUDA backend: %d %d", t.n_comm, t.chunk_cols);
+    pick(&d, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 20, "the CUDA entry for the CUDA backend: %d", t.n_comm);
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&d, COMET_BACKEND_CUDA, 10, &t);
+    pick(&d, COMET_BACKEND_CUDA, 10, &t);
     CHECK(t.n_comm == 20, "CUDA: n_comm from the entry nearest max_tokens, not this rank's 10 tokens: %d", t.n_comm);
     comet_dims_t seq = dims(2048, 4096);
     t = (comet_tuning_t){0, 0, 1}; /* with push: the rule alone would overlap */
-    comet_tuner_pick(&seq, COMET_BACKEND_CUDA, 4096, &t);
-    CHECK(t.n_comm == 0 && t.chunk_cols == 256,
-          "a CUDA entry recording the sequential chain, kept where the rule would overlap: %d %d", t.n_comm,
-          t.chunk_cols);
+    pick(&seq, COMET_BACKEND_CUDA, 4096, &t);
+    CHECK(t.n_comm == 0, "a CUDA entry recording the sequential chain, kept where the rule would overlap: %d",
+          t.n_comm);
     comet_dims_t other = dims(2048, 4096);
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.chunk_cols == 256 && t.n_comm == 2, "a configuration not in the table gets the rule: %d %d", t.chunk_cols,
           t.n_comm);
     comet_dims_t cuda_other = dims_of(2048, 4096, 2, 2, 1);
     t = (comet_tuning_t){0, 0, 1};
-    comet_tuner_pick(&cuda_other, COMET_BACKEND_CUDA, 4096, &t);
+    pick(&cuda_other, COMET_BACKEND_CUDA, 4096, &t);
     CHECK(t.n_comm == 16, "a CUDA configuration not in the table gets the rule: %d", t.n_comm);
 
     /* append -> load */
@@ -142,18 +160,19 @@ int main(void) {
     comet_tuning_t w = {4, 64, 0};
     CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append");
     CHECK(comet_tuner_append(path, &d, COMET_BACKEND_CPU, 4096, &w, 2.5) == 0, "append again");
-    CHECK(comet_tuner_load(path) == 2, "both appended entries load (one header)");
+    CHECK(load(path) == 2, "both appended entries load (one header)");
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 4 && t.chunk_cols == 64, "round trip: %d %d", t.n_comm, t.chunk_cols);
     comet_tuning_t again = {6, 128, 0}; /* a re-tune of the same configuration: the later line wins */
     CHECK(comet_tuner_append(path, &other, COMET_BACKEND_CPU, 4096, &again, 2.0) == 0, "append a re-tune");
-    CHECK(comet_tuner_load(path) == 3, "three entries");
+    CHECK(load(path) == 3, "three entries");
     t = (comet_tuning_t){0, 0, 0};
-    comet_tuner_pick(&other, COMET_BACKEND_CPU, 4096, &t);
+    pick(&other, COMET_BACKEND_CPU, 4096, &t);
     CHECK(t.n_comm == 6 && t.chunk_cols == 128, "the re-tune wins: %d %d", t.n_comm, t.chunk_cols);
     unlink(path);
-    CHECK(comet_tuner_load("/nonexistent/dir/table.tsv") == -1, "missing file");
-    CHECK(comet_tuner_load(NULL) == 0, "clear");
+    CHECK(load("/nonexistent/dir/table.tsv") == -1, "missing file");
+    CHECK(load(NULL) == 0, "clear");
+    comet_tune_table_free(table);
     return check_summary("test_tuner");
 }

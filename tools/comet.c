@@ -305,18 +305,9 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     return 0;
 }
 
-/* Whether the comma-separated words of modes (comet_run_t.modes) include word. */
-static int has_mode(const char *modes, const char *word) {
-    const size_t n = strlen(word);
-    for (const char *s = modes; *s;) {
-        const char *e = strchr(s, ',');
-        const size_t len = e ? (size_t)(e - s) : strlen(s);
-        if (len == n && strncmp(s, word, n) == 0) return 1;
-        if (!e) break;
-        s = e + 1;
-    }
-    return 0;
-}
+static const char *const combine_names[] = {"partials", "push", "pull"};
+static const char *const gemm_names[] = {"cpu", "hopper", "simt"};
+static const char *const chosen_names[] = {"args", "table", "rule"};
 
 /* Timed GPU runs rotate their inputs (the benchmarks' rules: "rotated among
  * several buffers larger than L2"): sets of x, routing and y (each rank's
@@ -491,13 +482,11 @@ static int run(const char *cmd, int argc, char **argv) {
                  (cfg.activation == COMET_ACT_SILU_GATED ? 3 : 2);
     }
     /* CUDA: the protocol the layer ran (n_comm > 0 overlapped, 0 the sequential chain, always with
-     * the SIMT GEMM); shown "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. The
-     * layer's create-time knobs: the copy-engine dispatch shows as "<n>ce" (overlapped calls), the
-     * combine by partials as a trailing "p" */
-    const int ran_comm = use_cuda ? r.n_comm_ran : o.n_comm;
-    const int ce = has_mode(r.modes, "ce") && ran_comm > 0, partials = has_mode(r.modes, "partials");
+     * the SIMT GEMM); shown "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it */
+    const comet_protocol_t *proto = &r.protocol;
+    const int ran_comm = use_cuda ? proto->n_comm : o.n_comm;
     const double link_gbps =
-        (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, partials) / world /
+        (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, 0) / world /
         (r.ms_median * 1e6);
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
@@ -509,7 +498,7 @@ static int run(const char *cmd, int argc, char **argv) {
         snprintf(how, sizeof how, "%sseq", auto_tag);
     else
         snprintf(how, sizeof how, o.n_comm > 0 ? "%d" : "auto", o.n_comm);
-    snprintf(ncomm, sizeof ncomm, "%s%s%s", how, ce ? "ce" : "", partials ? "p" : "");
+    snprintf(ncomm, sizeof ncomm, "%s", how);
     double rate = use_cuda ? flops / world / (r.ms_median * 1e9) : flops / (r.ms_median * 1e6);
     printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %9s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o.model,
            (long long)total, cfg.tp, cfg.ep, (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden,
@@ -519,10 +508,11 @@ static int run(const char *cmd, int argc, char **argv) {
         printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
                chk.worst, (long long)chk.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
-           use_cuda ? "once per token and rank; expert output rows sent home (\"p\" rows, COMET_PARTIALS=1: one fp32 "
-                      "partial per token and rank); \"ce\" rows (COMET_DISPATCH_CE=1, which the overlapped mode with "
-                      "the Hopper GEMM honours) copy whole stages, not counted"
-                    : "fp32 partials stored");
+           use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
+    if (proto->struct_size)
+        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s\n",
+               proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm, combine_names[proto->combine],
+               gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r.memory.symmetric_bytes / 1048576.0,
            r.memory.private_bytes / 1048576.0, use_cuda ? "device" : "host");
     if (is_bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o.iters, o.warmup);
@@ -549,9 +539,9 @@ static int run(const char *cmd, int argc, char **argv) {
     if (use_cuda) /* src/cuda/replay.c: the forward chain captured once, then one graph launch a call */
         printf("forwards replayed as one CUDA graph on rank 0: %lld, from %lld capture%s%s\n", (long long)r.replays,
                (long long)r.captures, r.captures == 1 ? "" : "s",
-               has_mode(r.modes, "replay") ? "" : " (COMET_REPLAY=0: each forward launched kernel by kernel)");
+               r.replays || r.captures ? "" : " (graph replay off: each forward launched kernel by kernel)");
     /* the SIMT GEMM fallback ignores args.disable: every side ran whole there */
-    const int sides_differ = !(use_cuda && has_mode(r.modes, "simt"));
+    const int sides_differ = !(use_cuda && proto->gemm == COMET_GEMM_SIMT);
     /* benchmarks.md's figure; and net of the steps every side keeps (staging,
      * plan, launches: t_neither), which that formula counts once too often */
     const double comm_net = side_ms[1] - side_ms[3];
@@ -585,13 +575,13 @@ static int run(const char *cmd, int argc, char **argv) {
                 "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
                 "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                 "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
-                "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"ce\": %d, \"partials\": %d, \"comm_hidden\": %.4f, "
+                "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"combine\": \"%s\", \"gemm\": \"%s\", \"comm_hidden\": %.4f, "
                 "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
                 "\"iters\": %d, \"warmup\": %d",
                 use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o.model, (long long)total, cfg.tp, cfg.ep,
                 (long long)cfg.topk, (long long)cfg.num_experts, (long long)cfg.hidden, (long long)cfg.ffn, o.skew,
                 (long long)o.zero_experts, r.ms_median, rate, link_gbps, (long long)bad, (long long)chk.elements,
-                ran_comm, o.n_comm == 0, ce, partials, hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
+                ran_comm, o.n_comm == 0, combine_names[proto->combine], gemm_names[proto->gemm], hidden, hidden_net, r.graph, (long long)r.replays, r.input_sets, side_ms[0], side_ms[1],
                 side_ms[2], side_ms[3], o.iters, o.warmup);
         if (watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
             fprintf(f, ", \"sm_mhz\": [");
@@ -682,15 +672,15 @@ static int tune(int argc, char **argv) {
                 return 1;
             }
             if (seq)
-                printf("\nthe sequential chain: %.3f ms%s\n", r.ms_median, has_mode(r.modes, "simt") ? " (SIMT GEMM: no overlapped mode)" : "");
+                printf("\nthe sequential chain: %.3f ms%s\n", r.ms_median, r.protocol.gemm == COMET_GEMM_SIMT ? " (SIMT GEMM: no overlapped mode)" : "");
             else
                 printf(" %9.3f", r.ms_median);
             if (best_ms < 0 || r.ms_median < best_ms)
                 best.n_comm = seq ? 0 : n_comm, best.chunk_cols = chunks[c], best_ms = r.ms_median;
             if (!seq && (best_ov_ms < 0 || r.ms_median < best_ov_ms)) best_ov_ms = r.ms_median, best_ov_chunk = chunks[c];
         }
-        if (seq && has_mode(r.modes, "simt")) break; /* every n_comm would run the same sequential chain */
-        if (seq && has_mode(r.modes, "push")) n_chunks = 1, pushed = 1;
+        if (seq && r.protocol.gemm == COMET_GEMM_SIMT) break; /* every n_comm would run the same sequential chain */
+        if (use_cuda) n_chunks = 1, pushed = 1; /* no chunked combine on GPUs: the width does nothing */
         if (!seq) printf("\n");
         fflush(stdout);
     }

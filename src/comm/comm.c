@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "../core/options.h"
 #include "../core/status.h"
 #include "nccl_shim.h"
 
@@ -111,26 +112,12 @@ static comet_status_t guard_version(void) {
     return comet_comm_check_version(v);
 }
 
-static pthread_mutex_t env_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static comet_status_t force_nvls_off(void) {
-    comet_status_t st = COMET_SUCCESS;
-    pthread_mutex_lock(&env_mu);
-    const char *v = getenv("NCCL_NVLS_ENABLE");
-    if (!v || strcmp(v, "0") != 0) {
-        if (setenv("NCCL_NVLS_ENABLE", "0", 1) != 0)
-            st = comet_fail(COMET_ERR_SYSTEM, "setenv(NCCL_NVLS_ENABLE=0) failed; NVLink multicast must stay off");
-    }
-    pthread_mutex_unlock(&env_mu);
-    return st;
-}
-
 /* ------------------------------------------------------------ lifecycle */
 
 comet_status_t comet_comm_unique_id(comet_comm_id_t *id) {
     if (!id) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "comet_comm_unique_id: id is NULL");
     COMET_TRY(guard_version());
-    COMET_TRY(force_nvls_off());
+    COMET_TRY(comet_env_nvls_off());
     ncclUniqueId uid;
     ncclResult_t r = ncclGetUniqueId(&uid);
     if (r != ncclSuccess) return nccl_fail(NULL, r, "ncclGetUniqueId");
@@ -149,7 +136,7 @@ comet_status_t comet_comm_create(comet_comm_t **comm, int rank, int world_size, 
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "comet_comm_create: rank %d not in [0, %d)", rank, world_size);
     if (device < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "comet_comm_create: device %d < 0", device);
     COMET_TRY(guard_version());
-    COMET_TRY(force_nvls_off());
+    COMET_TRY(comet_env_nvls_off());
 
     comet_comm_t *c = calloc(1, sizeof *c);
     if (!c) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "comet_comm_create: out of host memory");

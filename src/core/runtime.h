@@ -1,7 +1,8 @@
 /*
  * runtime.h - the objects behind the public handles (comet_world_t,
- * comet_layer_t) and the calls a backend implements. Not part of the public
- * API.
+ * comet_layer_t) and the operations table a backend implements
+ * (src/cpu/engine.c, src/cuda/backend.c; src/api picks one per world). Not
+ * part of the public API.
  *
  * A world of the CPU backend is W threads of one process. Collective calls
  * meet in a rendezvous: the i-th collective create on every rank receives the
@@ -15,16 +16,21 @@
 #include <stdatomic.h>
 
 #include "comet.h"
+#include "options.h"
 #include "../plan/plan.h"
 
 typedef struct comet_rendezvous comet_rendezvous_t;
+typedef struct comet_backend_ops comet_backend_ops_t;
+typedef struct comet_tune_table comet_tune_table_t; /* src/tuner/tuner.h */
 
 struct comet_world {
     int size;
     comet_backend_t backend;
-    int timeout_ms;          /* every wait between ranks or workers; env COMET_TIMEOUT_MS */
-    int cpu_workers;         /* compute workers per rank (CPU backend); env COMET_CPU_WORKERS */
+    const comet_backend_ops_t *ops;
+    comet_settings_t settings;  /* options and environment, resolved at create (options.h) */
+    comet_tune_table_t *tune;   /* the tuner's table, read from settings.tune_file at create */
     atomic_int aborted;      /* set once any wait timed out: every other wait gives up */
+    atomic_int live_layers;  /* layers created and not yet destroyed */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t *next_seq;       /* [size] collective sequence number of each rank */
@@ -38,6 +44,10 @@ struct comet_layer {
     int rank;
     comet_layer_config_t cfg;
     comet_dims_t dims;
+    comet_layer_knobs_t knobs;   /* measurement knobs, read at create (options.h) */
+    comet_protocol_t protocol;   /* of the last forward (set by the backend's forward) */
+    int has_run;                 /* a forward was launched */
+    int64_t replays, captures;   /* CUDA: forwards replayed as one graph, chains captured (src/cuda/replay.c) */
     void *backend_state;
 };
 
@@ -47,38 +57,33 @@ struct comet_layer {
 typedef void *(*comet_make_fn)(void *arg);
 comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
                                       comet_make_fn make, void *arg, void **shared);
+/* The rendezvous' part of a world: set up and torn down with it (rendezvous.c). */
+void comet_rendezvous_init(comet_world_t *w);
+void comet_rendezvous_destroy(comet_world_t *w);
 
-/* CUDA backend (src/cuda/backend.c), in builds with COMET_WITH_CUDA. */
-int comet_cuda_device_count(void);
-/* device < 0: a local world (rank r on device r); else w->local_rank's device,
- * joining the others through id (128 bytes). */
-comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int device);
-void comet_cuda_world_destroy(comet_world_t *w);
-int comet_cuda_world_device(const comet_world_t *w); /* the local rank's device */
-comet_status_t comet_cuda_unique_id(void *id);
-comet_status_t comet_cuda_layer_create(comet_layer_t *layer);
-void comet_cuda_layer_destroy(comet_layer_t *layer);
-comet_status_t comet_cuda_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
-comet_status_t comet_cuda_layer_sync(comet_layer_t *layer);
-void comet_cuda_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
-/* The create-time knobs a layer runs with (cuda_layer.h), as comma-separated
- * words into buf: "push", "partials", "ce" (the overlapped mode's
- * copy-engine dispatch), "simt" (the SIMT GEMM fallback instead of the
- * Hopper GEMM), "replay" (the chain replayed as a graph, replay.c: with the
- * Hopper GEMM unless COMET_REPLAY=0); "" if none. */
-void comet_cuda_layer_modes(const comet_layer_t *layer, char *buf, size_t len);
-/* The protocol of the layer's last forward launched: its n_comm (> 0, the
- * overlapped mode, as the tuner or args chose it and capped) or 0 (the
- * sequential chain). */
-int comet_cuda_layer_last_n_comm(const comet_layer_t *layer);
-/* Forwards of the layer replayed as one CUDA graph (src/cuda/replay.c) since
- * create, and (if captures is not NULL) the chains captured for them. */
-int64_t comet_cuda_layer_replays(const comet_layer_t *layer, int64_t *captures);
+/* What a backend implements. A world holds its backend's table; the public
+ * calls (src/api) check their arguments and call through it. NULL entries:
+ * the backend has nothing to do there. */
+struct comet_backend_ops {
+    const char *name;
+    int (*device_count)(void);
+    /* a world's backend state: device < 0 a local world (rank r on device r),
+     * else w->local_rank's device, joining the others through id (128 bytes) */
+    comet_status_t (*world_init)(comet_world_t *w, const void *id, int device);
+    void (*world_destroy)(comet_world_t *w);
+    int (*world_device)(const comet_world_t *w); /* the local rank's device */
+    comet_status_t (*unique_id)(void *id);       /* 128 bytes */
+    comet_status_t (*layer_create)(comet_layer_t *layer);
+    void (*layer_destroy)(comet_layer_t *layer);
+    /* sets layer->protocol (and has_run) when it launches */
+    comet_status_t (*layer_forward)(comet_layer_t *layer, const comet_forward_args_t *args);
+    comet_status_t (*layer_sync)(comet_layer_t *layer);
+    void (*layer_memory)(const comet_layer_t *layer, comet_memory_t *out);
+    comet_status_t (*layer_set_trace)(comet_layer_t *layer, comet_trace_t *trace);
+};
 
-/* CPU backend (src/cpu/engine.c). */
-comet_status_t comet_cpu_layer_create(comet_layer_t *layer);
-void comet_cpu_layer_destroy(comet_layer_t *layer);
-comet_status_t comet_cpu_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
-void comet_cpu_layer_memory(const comet_layer_t *layer, comet_memory_t *out);
+/* The backends (src/cpu/engine.c; src/cuda/backend.c in builds with CUDA). */
+extern const comet_backend_ops_t comet_cpu_ops;
+extern const comet_backend_ops_t comet_cuda_ops;
 
 #endif /* COMET_RUNTIME_H */

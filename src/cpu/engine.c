@@ -145,7 +145,7 @@ static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char 
         if ((spin & 1023) != 1023) continue;
         if (start == 0) start = now_ms();
         int aborted = atomic_load(&l->world->aborted);
-        int timed_out = now_ms() - start > l->world->timeout_ms;
+        int timed_out = now_ms() - start > l->world->settings.timeout_ms;
         if (!aborted && !timed_out) continue;
         char what[256], msg[512];
         va_list ap;
@@ -155,7 +155,7 @@ static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char 
         if (timed_out) {
             atomic_store(&l->world->aborted, 1);
             snprintf(msg, sizeof msg, "rank %d %s %d: timed out after %d ms waiting for %s (flag %llu < %llu)",
-                     l->rank, role, worker, l->world->timeout_ms, what, (unsigned long long)v,
+                     l->rank, role, worker, l->world->settings.timeout_ms, what, (unsigned long long)v,
                      (unsigned long long)target);
         } else {
             snprintf(msg, sizeof msg, "rank %d %s %d: gave up waiting for %s: another wait of the world timed out",
@@ -186,7 +186,7 @@ static uint64_t trace_wait_begin(const cpu_layer_t *L, flag_t *flag, uint64_t ta
     return comet_trace_now_ns();
 }
 
-comet_status_t comet_cpu_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
+static comet_status_t cpu_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
     cpu_layer_t *L = l->backend_state;
     if (!L) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has no CPU state", l->rank);
     L->trace = trace;
@@ -258,7 +258,7 @@ static void *take(cpu_layer_t *L, size_t bytes, int aligned) {
     return ptr;
 }
 
-comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
+static comet_status_t cpu_layer_create(comet_layer_t *l) {
     const comet_dims_t *d = &l->dims;
     cpu_layer_t *L = calloc(1, sizeof *L);
     if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer", l->rank);
@@ -296,12 +296,12 @@ comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
     return COMET_SUCCESS;
 }
 
-void comet_cpu_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+static void cpu_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
     out->symmetric_bytes = sym_bytes(&l->dims);
     out->private_bytes = ((const cpu_layer_t *)l->backend_state)->private_bytes;
 }
 
-void comet_cpu_layer_destroy(comet_layer_t *l) {
+static void cpu_layer_destroy(comet_layer_t *l) {
     cpu_layer_t *L = l->backend_state;
     if (!L) return;
     release_shared(L->sh);
@@ -511,18 +511,16 @@ static comet_status_t wait_all_ranks(comet_layer_t *l, int use_done, uint64_t ta
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     cpu_layer_t *L = l->backend_state;
     const comet_dims_t *d = &l->dims;
     cpu_sym_t *me = &L->sh->rank[l->rank];
     int64_t t = 0;
     comet_status_t own = comet_check_forward_args(d, args, 1, &t);
-    comet_tuning_t tune = {0, 0, 0};
-    if (own == COMET_SUCCESS) {
-        tune.n_comm = args->n_comm > 0 ? args->n_comm : 0; /* COMET_SEQUENTIAL: this engine always overlaps */
-        tune.chunk_cols = args->chunk_cols;
-        comet_tuner_pick(d, COMET_BACKEND_CPU, t, &tune);
-    }
+    comet_protocol_t proto = COMET_PROTOCOL_INIT; /* the CPU engine's GEMM and fp32 partials' combine */
+    if (own == COMET_SUCCESS) /* COMET_SEQUENTIAL: this engine always overlaps */
+        comet_tuner_choose(l->world->tune, d, COMET_BACKEND_CPU, t, args->n_comm > 0 ? args->n_comm : 0,
+                           args->chunk_cols, &proto);
 
     const uint64_t epoch = ++L->epoch;
     L->err = COMET_SUCCESS;
@@ -538,7 +536,7 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
         memcpy(me->topk_idx, args->topk_idx.data, (size_t)(t * d->topk) * sizeof(int32_t));
         memcpy(me->topk_w, args->topk_w.data, (size_t)(t * d->topk) * sizeof(float));
         me->token_count = t;
-        me->chunk_cols = tune.chunk_cols;
+        me->chunk_cols = proto.chunk_cols;
     }
     atomic_store_explicit(&me->entry, epoch, memory_order_release);
     if (th) th = comet_trace_now_ns();
@@ -558,10 +556,10 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
             st = COMET_ERR_PEER_FAILED;
             snprintf(msg, sizeof msg, "rank %d failed with %s: %s", q,
                      comet_status_string((comet_status_t)peer->status), peer->message);
-        } else if (peer->chunk_cols != tune.chunk_cols) {
+        } else if (peer->chunk_cols != proto.chunk_cols) {
             st = COMET_ERR_INVALID_ARGUMENT;
             snprintf(msg, sizeof msg, "chunk_cols differ across ranks: %d on rank %d, %d on rank %d",
-                     tune.chunk_cols, l->rank, peer->chunk_cols, q);
+                     proto.chunk_cols, l->rank, peer->chunk_cols, q);
         }
     }
     if (st != COMET_SUCCESS) {
@@ -588,11 +586,12 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     L->w2 = args->w2.data;
     L->y = args->y.data;
     L->num_tokens = t;
-    L->n_comm = tune.n_comm;
-    L->n_compute = l->world->cpu_workers;
-    L->chunk_cols = tune.chunk_cols;
+    L->n_comm = proto.n_comm;
+    L->n_compute = l->world->settings.cpu_workers;
+    L->chunk_cols = proto.chunk_cols;
     L->disable = args->disable;
-    L->n_chunks = (int)((d->hidden + tune.chunk_cols - 1) / tune.chunk_cols);
+    l->protocol = proto, l->has_run = 1;
+    L->n_chunks = (int)((d->hidden + proto.chunk_cols - 1) / proto.chunk_cols);
     COMET_TRY(run_workers(l));
 
     const int64_t nb = L->plan.totals->num_blocks;
@@ -601,3 +600,12 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     atomic_store_explicit(&me->done, epoch, memory_order_release);
     return COMET_SUCCESS;
 }
+
+const comet_backend_ops_t comet_cpu_ops = {
+    .name = "cpu",
+    .layer_create = cpu_layer_create,
+    .layer_destroy = cpu_layer_destroy,
+    .layer_forward = cpu_layer_forward,
+    .layer_memory = cpu_layer_memory,
+    .layer_set_trace = cpu_layer_set_trace,
+};

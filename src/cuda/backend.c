@@ -29,17 +29,23 @@
 #include "../trace/trace.h"
 #include "../tuner/tuner.h"
 
+/* The layer's private device buffers (alloc_private sizes and carves them). */
+typedef struct {
+    comet_cuda_state_t *state; /* the device state (cuda_layer.h) */
+    comet_bf16_t *a;           /* (max_rows_padded, H) gathered token rows */
+    comet_bf16_t *h;           /* (max_rows_padded, F_local) activations */
+    char *scratch;             /* 256 B zeroed: the barrier's float at 0, the GEMM's tile counters at word 16;
+                                * then GEMM1's tail split workspace (gemm.h), if any */
+    uint64_t *block_ready;     /* [max_blocks], then block_rows [max_blocks] uint32 (overlapped dispatch) */
+    int32_t *routes;           /* every rank's routing copied here: W x (max_T, topk) int32, then fp32 */
+    void *plan_scratch;        /* the plan builder's count table (plan_kernel.h) */
+} cuda_buffers_t;
+
 typedef struct {
     comet_comm_t *comm;    /* NULL for a single rank */
     comet_sym_t sym;       /* symmetric buffer (comm) */
     void *sym_single;      /* the same, single rank */
-    void *priv[8];         /* state, a, h, scratch (256 B zeroed: the barrier's float at 0, the GEMM's
-                            * tile counters at word 16; then the GEMM1 split's workspace), block_ready + block_rows, overlap state, routing copies,
-                            * the plan builder's count table */
-    cudaStream_t stream2;  /* overlapped mode: the communication CTAs' stream (and the copy engine's) */
-    cudaEvent_t ev_gemm0, ev_comm, ev_plan, ev_ce;
-    void *ce_stage;        /* copy-engine dispatch's staging, or NULL (cuda_layer.h) */
-    uint64_t *ce_one;      /* pinned host memory holding 1 (the copy engine's flag value) */
+    cuda_buffers_t buf;
     size_t private_bytes;  /* what layer_init allocated */
     int *agree;            /* device word of agree_ranks (ranks in separate processes) */
     uint64_t *gemm_report; /* host-mapped, 8 words: GEMM0's readiness-wait timeout (gemm.h) */
@@ -49,18 +55,12 @@ typedef struct {
     comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
     cudaStream_t last_stream;
     int device;
-    int use_hopper_gemm;   /* comet_gemm_check passed and the device is sm_90 */
-    int push;              /* at create, unless COMET_PUSH=0 or partials: GEMM1 pushes o rows home (both modes) */
-    int partial;           /* at create, COMET_PARTIALS=1 and W > 1: each remote token's partial is
-                            * sent home in place of its rows (cuda_layer.h) */
-    int ce;                /* at create, COMET_DISPATCH_CE=1 and W > 1: the overlapped mode's remote rows
-                            * come through the copy engine (measurement knob, cuda_layer.h) */
+    comet_protocol_t base; /* what create decided: the GEMM kind (Hopper where the device is sm_90 and
+                            * comet_gemm_check passes) and the combine (the tuner's) */
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
-    void *gemm_split;      /* GEMM1's tail split workspace inside priv[3], sized at create, or NULL */
+    void *gemm_split;      /* GEMM1's tail split workspace inside buf.scratch, sized at create, or NULL */
     const void *gemm_w1, *gemm_w2;
-    int last_n_comm;       /* the protocol of the last forward launched: n_comm > 0 overlapped, 0 sequential */
-    comet_cuda_replay_t *replay; /* the chain as a replayed graph (replay.c), or NULL: COMET_REPLAY=0 at create */
-    int64_t replays;       /* forwards replayed */
+    comet_cuda_replay_t *replay; /* the chain as a replayed graph (replay.c), or NULL: replay off */
 } cuda_layer_t;
 
 static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
@@ -73,7 +73,7 @@ static comet_status_t cuda_fail(int rank, cudaError_t e, const char *what) {
         if (e_ != cudaSuccess) return cuda_fail(rank, e_, #call);                \
     } while (0)
 
-int comet_cuda_device_count(void) {
+static int cuda_device_count(void) {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
@@ -89,18 +89,18 @@ typedef struct {
     int device;                 /* external worlds: this rank's device */
 } cuda_world_t;
 
-int comet_cuda_world_device(const comet_world_t *w) { return ((const cuda_world_t *)w->backend_world)->device; }
+static int cuda_world_device(const comet_world_t *w) { return ((const cuda_world_t *)w->backend_world)->device; }
 
-static int device_of(const comet_world_t *w, int rank) { return w->local_rank >= 0 ? comet_cuda_world_device(w) : rank; }
+static int device_of(const comet_world_t *w, int rank) { return w->local_rank >= 0 ? cuda_world_device(w) : rank; }
 
-comet_status_t comet_cuda_unique_id(void *id) {
+static comet_status_t cuda_unique_id(void *id) {
     comet_comm_id_t cid;
     COMET_TRY(comet_comm_unique_id(&cid));
     memcpy(id, cid.bytes, sizeof cid.bytes);
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int device) {
+static comet_status_t cuda_world_init(comet_world_t *w, const void *id, int device) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
@@ -128,7 +128,7 @@ comet_status_t comet_cuda_world_init(comet_world_t *w, const void *id, int devic
     return COMET_SUCCESS;
 }
 
-void comet_cuda_world_destroy(comet_world_t *w) {
+static void cuda_world_destroy(comet_world_t *w) {
     cuda_world_t *cw = w->backend_world;
     if (!cw) return;
     if (w->local_rank >= 0) comet_comm_destroy(cw->comm[w->local_rank]);
@@ -167,7 +167,7 @@ static void release_shared_id(cuda_shared_t *s) {
 }
 
 /* The rank's communicator, created on first use (local worlds), and checks
- * that every rank brought the same config and combine choice (push, partials: both size the
+ * that every rank brought the same config and combine (push sizes the
  * symmetric buffer, which every rank must allocate alike). */
 static comet_status_t join_ranks(comet_layer_t *l, int combine, comet_comm_t **comm) {
     const comet_dims_t *d = &l->dims;
@@ -207,8 +207,8 @@ static comet_status_t join_ranks(comet_layer_t *l, int combine, comet_comm_t **c
         if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
         if (host[0] != ~host[1])
             return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                              "rank %d: ranks passed different configs to comet_layer_create (or COMET_PUSH or "
-                              "COMET_PARTIALS differs)",
+                              "rank %d: ranks passed different configs to comet_layer_create (or chose "
+                              "different combines: COMET_PUSH differs)",
                               rank);
     }
     *comm = cw->comm[rank];
@@ -231,18 +231,17 @@ static void free_all(cuda_layer_t *L) {
     cudaSetDevice(L->device);
     comet_gemm_destroy(L->gemm);
     comet_cuda_replay_destroy(L->replay);
-    for (int i = 0; i < 8; i++) cudaFree(L->priv[i]);
+    cudaFree(L->buf.state);
+    cudaFree(L->buf.a);
+    cudaFree(L->buf.h);
+    cudaFree(L->buf.scratch);
+    cudaFree(L->buf.block_ready);
+    cudaFree(L->buf.routes);
+    cudaFree(L->buf.plan_scratch);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
-    if (L->stream2) cudaStreamDestroy(L->stream2);
-    if (L->ev_gemm0) cudaEventDestroy(L->ev_gemm0);
-    if (L->ev_comm) cudaEventDestroy(L->ev_comm);
-    if (L->ev_plan) cudaEventDestroy(L->ev_plan);
-    if (L->ev_ce) cudaEventDestroy(L->ev_ce);
-    cudaFree(L->ce_stage);
     cudaFree(L->agree);
     if (L->gemm_report) cudaFreeHost(L->gemm_report);
-    if (L->ce_one) cudaFreeHost(L->ce_one);
     cudaFree(L->sym_single);
     if (L->comm) comet_comm_free_symmetric(L->comm, &L->sym);
     free(L);
@@ -252,7 +251,7 @@ static void free_all(cuda_layer_t *L) {
  * zeroed before any rank's first forward reads them. */
 static comet_status_t barrier(cuda_layer_t *L, int rank) {
     if (!L->comm) return COMET_SUCCESS;
-    float *one = L->priv[3];
+    float *one = (float *)L->buf.scratch;
     ncclResult_t r = ncclAllReduce(one, one, 1, ncclFloat, ncclSum, comet_comm_nccl(L->comm), 0);
     if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: barrier: %s", rank, ncclGetErrorString(r));
     CUDA_TRY(rank, cudaStreamSynchronize(0));
@@ -260,8 +259,8 @@ static comet_status_t barrier(cuda_layer_t *L, int rank) {
 }
 
 /* The symmetric buffer of dims d (cuda_layer.h), every field 4 KiB aligned;
- * the receive buffer of pushed o rows only with push, the part buffer only with partials. */
-static void sym_layout(const comet_dims_t *d, int push, int partial, comet_sym_layout_t *lay) {
+ * the receive buffer of pushed o rows only with push. */
+static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay) {
     size_t off = 0;
 #define COMET_SYM_FIELD(field, bytes)                  \
     do {                                               \
@@ -275,48 +274,52 @@ static void sym_layout(const comet_dims_t *d, int push, int partial, comet_sym_l
     COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
     COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
     COMET_SYM_FIELD(recv, push ? (size_t)(d->tp * d->max_tokens * d->topk * d->hidden) * 2 : 0);
-    COMET_SYM_FIELD(part, partial ? (size_t)((d->world_size - 1) * d->max_tokens * d->hidden) * 4 : 0);
 #undef COMET_SYM_FIELD
     lay->total = off;
 }
 
-/* Sizes of the priv buffers (cuda_layer_t); hopper: the Hopper GEMM will run (its split workspace). */
-static void priv_sizes(const comet_dims_t *d, int hopper, size_t bytes[8]) {
+/* Sizes of the private buffers (cuda_buffers_t, in its order); split: GEMM1's
+ * tail split workspace (the Hopper GEMM runs and splits). */
+#define CUDA_NUM_BUFFERS 7
+static void buffer_sizes(const comet_dims_t *d, size_t split, size_t bytes[CUDA_NUM_BUFFERS]) {
     const size_t rows = (size_t)d->max_rows_padded, slots = (size_t)(d->max_tokens * d->topk);
     bytes[0] = sizeof(comet_cuda_state_t);
     bytes[1] = rows * (size_t)d->hidden * 2;
     bytes[2] = rows * (size_t)d->ffn_local * 2;
-    bytes[3] = 256 + (hopper ? comet_gemm_split_bytes(d) : 0); /* then GEMM1's tail split workspace (gemm.h) */
+    bytes[3] = 256 + split;
     bytes[4] = (size_t)d->max_blocks * (sizeof(uint64_t) + sizeof(uint32_t));
-    bytes[5] = sizeof(comet_cuda_overlap_t);
-    bytes[6] = (size_t)d->world_size * slots * 8;
-    bytes[7] = comet_cuda_plan_scratch_bytes(d);
+    bytes[5] = (size_t)d->world_size * slots * 8;
+    bytes[6] = comet_cuda_plan_scratch_bytes(d);
+}
+
+/* GEMM1's tail split workspace this layer needs (0: none). */
+static size_t split_bytes(const comet_layer_t *l, const cuda_layer_t *L) {
+    return L->base.gemm == COMET_GEMM_HOPPER ? comet_gemm_split_bytes(&l->dims, l->knobs.gemm.split_min) : 0;
 }
 
 /* The device state of a fresh layer: epoch 0, every rank's staged routing
  * as this GPU sees it, flags zeroed, receive buffers poisoned. */
-static comet_status_t init_device_state(cuda_layer_t *L, int rank) {
+static comet_status_t init_device_state(const comet_layer_t *l, cuda_layer_t *L, int rank) {
     comet_cuda_ctx_t *c = &L->ctx;
     const comet_dims_t *d = &c->d;
     const int w = d->world_size;
     const size_t slots = (size_t)(d->max_tokens * d->topk);
-    size_t bytes[8];
-    priv_sizes(d, L->use_hopper_gemm, bytes);
     comet_cuda_state_t s;
     memset(&s, 0, sizeof s);
     for (int q = 0; q < w; q++) {
         s.peer_idx[q] = (const int32_t *)(c->peers[q] + c->lay.topk_idx);
         s.peer_w[q] = (const float *)(c->peers[q] + c->lay.topk_w);
-        s.route_idx[q] = (int32_t *)L->priv[6] + (size_t)q * slots;
-        s.route_w[q] = (float *)((int32_t *)L->priv[6] + (size_t)w * slots) + (size_t)q * slots;
+        s.route_idx[q] = L->buf.routes + (size_t)q * slots;
+        s.route_w[q] = (float *)(L->buf.routes + (size_t)w * slots) + (size_t)q * slots;
     }
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
-    /* pushed rows arrive in recv, partials in part: poisoned (NaN) until they do, so one never sent shows */
+    /* pushed rows arrive in recv: poisoned (NaN) until they do, so one never sent shows */
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
-    CUDA_TRY(rank, cudaMemset(L->priv[3], 0, bytes[3])); /* the split's counters too (gemm.h: its first 1 KiB) */
-    CUDA_TRY(rank, cudaMemset(L->priv[4], 0, bytes[4]));
-    CUDA_TRY(rank, cudaMemset(L->priv[5], 0, bytes[5]));
+    size_t bytes[CUDA_NUM_BUFFERS];
+    buffer_sizes(d, split_bytes(l, L), bytes);
+    CUDA_TRY(rank, cudaMemset(L->buf.scratch, 0, bytes[3])); /* the split's counters too (gemm.h: its first 1 KiB) */
+    CUDA_TRY(rank, cudaMemset(L->buf.block_ready, 0, bytes[4]));
     CUDA_TRY(rank, cudaDeviceSynchronize());
     return COMET_SUCCESS;
 }
@@ -365,45 +368,28 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     const comet_dims_t *d = &l->dims;
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
-    size_t bytes[8];
-    priv_sizes(d, L->use_hopper_gemm, bytes);
-    for (int i = 0; i < 8; i++) {
-        cudaError_t e = cudaMalloc(&L->priv[i], bytes[i] ? bytes[i] : 1);
+    size_t bytes[CUDA_NUM_BUFFERS];
+    buffer_sizes(d, split_bytes(l, L), bytes);
+    void **bufs[CUDA_NUM_BUFFERS] = {(void **)&L->buf.state, (void **)&L->buf.a, (void **)&L->buf.h,
+                                     (void **)&L->buf.scratch, (void **)&L->buf.block_ready, (void **)&L->buf.routes,
+                                     &L->buf.plan_scratch};
+    for (int i = 0; i < CUDA_NUM_BUFFERS; i++) {
+        cudaError_t e = cudaMalloc(bufs[i], bytes[i] ? bytes[i] : 1);
         if (e != cudaSuccess)
             return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the layer's buffers: %s", rank,
                               cudaGetErrorString(e));
         L->private_bytes += bytes[i];
     }
-    c->state = L->priv[0];
-    c->a = L->priv[1], c->h = L->priv[2];
-    /* sized now: the forward hands prepare this, not what COMET_GEMM_SPLIT says by then */
-    L->gemm_split = bytes[3] > 256 ? (char *)L->priv[3] + 256 : NULL;
-    c->block_ready = L->priv[4];
+    c->state = L->buf.state;
+    c->a = L->buf.a, c->h = L->buf.h;
+    L->gemm_split = bytes[3] > 256 ? L->buf.scratch + 256 : NULL;
+    c->block_ready = L->buf.block_ready;
     c->block_rows = (uint32_t *)(c->block_ready + d->max_blocks);
-    c->ov = L->priv[5];
-    c->plan_scratch = L->priv[7];
-    CUDA_TRY(rank, cudaStreamCreateWithFlags(&L->stream2, cudaStreamNonBlocking));
-    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_gemm0, cudaEventDisableTiming));
-    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_comm, cudaEventDisableTiming));
-    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_plan, cudaEventDisableTiming));
-    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->ev_ce, cudaEventDisableTiming));
-    c->stream2 = L->stream2, c->ev_gemm0 = L->ev_gemm0, c->ev_comm = L->ev_comm;
-    c->ev_plan = L->ev_plan, c->ev_ce = L->ev_ce;
-    const char *replay_env = getenv("COMET_REPLAY"); /* replay.c; "0": every forward launches its kernels */
-    if (!(replay_env && strcmp(replay_env, "0") == 0)) {
+    c->plan_scratch = L->buf.plan_scratch;
+    if (l->world->settings.graph_replay) { /* replay.c */
         cudaError_t e = cudaSuccess;
         L->replay = comet_cuda_replay_create(&e);
         if (!L->replay) return cuda_fail(rank, e, "the replay cache's capture stream");
-    }
-    if (L->ce) { /* every peer's whole stage, one region per stage 1..W-1 */
-        const size_t ce_bytes = (size_t)(w - 1) * (size_t)d->max_tokens * (size_t)d->hidden * 2;
-        cudaError_t e = cudaMalloc(&L->ce_stage, ce_bytes);
-        if (e != cudaSuccess)
-            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the copy-engine staging (%zu bytes): %s",
-                              rank, ce_bytes, cudaGetErrorString(e));
-        L->private_bytes += ce_bytes;
-        CUDA_TRY(rank, cudaHostAlloc((void **)&L->ce_one, sizeof(uint64_t), cudaHostAllocDefault));
-        *L->ce_one = 1;
     }
     CUDA_TRY(rank, cudaHostAlloc((void **)&L->gemm_report, 8 * sizeof(uint64_t), cudaHostAllocMapped));
     memset(L->gemm_report, 0, 8 * sizeof(uint64_t));
@@ -428,12 +414,9 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     const int rank = l->rank, w = d->world_size;
     comet_cuda_ctx_t *c = &L->ctx;
     c->d = *d;
-    sym_layout(d, L->push, L->partial, &c->lay);
+    sym_layout(d, L->base.combine == COMET_COMBINE_PUSH, &c->lay);
     if (L->comm && l->world->local_rank >= 0) /* processes agree through NCCL (a failure here still hangs them) */
         CUDA_TRY(rank, cudaMalloc((void **)&L->agree, sizeof(int)));
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
-    L->use_hopper_gemm = major == 9 && comet_gemm_check(d) == NULL && getenv("COMET_SIMT_GEMM") == NULL;
     COMET_TRY(agree_ranks(l, L, alloc_private(l, L)));
     if (w > 1) {
         COMET_TRY(comet_comm_alloc_symmetric(L->comm, c->lay.total, &L->sym));
@@ -445,39 +428,28 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
     }
     c->plan_ws = c->sym + c->lay.plan; /* peers read my plan's row_of_slot and my o */
     c->o = (comet_bf16_t *)(c->sym + c->lay.o);
-    c->timeout_ns = (uint64_t)l->world->timeout_ms * 1000000ull;
+    c->timeout_ns = (uint64_t)l->world->settings.timeout_ms * 1000000ull;
     cudaDeviceGetAttribute(&c->num_sms, cudaDevAttrMultiProcessorCount, L->device);
-    return agree_ranks(l, L, init_device_state(L, rank));
+    return agree_ranks(l, L, init_device_state(l, L, rank));
 }
 
-void comet_cuda_layer_modes(const comet_layer_t *l, char *buf, size_t len) {
-    const cuda_layer_t *L = l->backend_state;
-    snprintf(buf, len, "%s%s%s%s%s", L->push ? "push," : "", L->partial ? "partials," : "", L->ce ? "ce," : "",
-             L->use_hopper_gemm ? "" : "simt,", L->replay && L->use_hopper_gemm ? "replay," : "");
-    const size_t n = strlen(buf);
-    if (n) buf[n - 1] = 0; /* the last comma */
-}
-
-comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
+static comet_status_t cuda_layer_create(comet_layer_t *l) {
     const int rank = l->rank;
     cuda_layer_t *L = calloc(1, sizeof *L);
     if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
     L->device = device_of(l->world, rank);
     cudaError_t e = cudaSetDevice(L->device);
     comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
-    /* push (the default since it measured as fast or faster everywhere,
-     * dev/NOTES.md; COMET_PUSH=0 keeps the pull combine): GEMM1 stores each
-     * o row into its home rank too, so the combine reads local memory */
-    const char *push_env = getenv("COMET_PUSH");
+    int major = 0;
+    if (st == COMET_SUCCESS) cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, L->device);
+    const comet_protocol_t none = COMET_PROTOCOL_INIT;
+    L->base = none;
+    L->base.gemm = major == 9 && comet_gemm_check(&l->dims) == NULL && !l->knobs.force_simt ? COMET_GEMM_HOPPER
+                                                                                             : COMET_GEMM_SIMT;
+    L->base.combine = comet_tuner_combine(&l->dims, COMET_BACKEND_CUDA, L->base.gemm, l->knobs.force_pull);
     const int w = l->dims.world_size;
-    /* partials: off by default (sent after GEMM1 they take the link time that
-     * push hides inside GEMM1, dev/NOTES.md) */
-    const char *part_env = getenv("COMET_PARTIALS");
-    L->partial = L->ctx.partial = w > 1 && part_env && strcmp(part_env, "1") == 0;
-    L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
-    const char *ce_env = getenv("COMET_DISPATCH_CE");
-    L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
-    const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
+    const int joined = st == COMET_SUCCESS && w > 1 &&
+                       (st = join_ranks(l, (int)L->base.combine, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
         char msg[1024]; /* the clean-up's own failures must not replace the reason */
@@ -490,7 +462,7 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     return COMET_SUCCESS;
 }
 
-void comet_cuda_layer_destroy(comet_layer_t *l) {
+static void cuda_layer_destroy(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     if (!L) return;
     cudaSetDevice(L->device);
@@ -502,7 +474,7 @@ void comet_cuda_layer_destroy(comet_layer_t *l) {
     l->backend_state = NULL;
 }
 
-comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     cuda_layer_t *L = l->backend_state;
     comet_cuda_ctx_t c;
     memcpy(&c, &L->ctx, sizeof c); /* padding too: replay.c compares contexts bytewise */
@@ -525,14 +497,15 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
     /* Even a rank whose arguments failed runs the protocol steps, so its
      * peers learn of the failure instead of waiting for it. */
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
-    if (own == COMET_SUCCESS && L->use_hopper_gemm) {
+    comet_protocol_t proto = L->base;
+    if (own == COMET_SUCCESS && L->base.gemm == COMET_GEMM_HOPPER) {
         /* tensor maps name the weights: made again (host only, no sync) when they move */
         if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
             /* the tile counters live in the layer's scratch, so preparing makes no
              * CUDA call on a stream (a forward may be captured in a graph) */
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->priv[3] + 16,
-                                    L->gemm_split};
-            for (int q = 0; L->push && q < l->dims.world_size; q++) /* rank q's receive buffer */
+            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->buf.scratch + 16,
+                                    L->gemm_split, l->knobs.gemm};
+            for (int q = 0; L->base.combine == COMET_COMBINE_PUSH && q < l->dims.world_size; q++) /* rank q's receive buffer */
                 if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
             char err[256];
             comet_gemm_destroy(L->gemm);
@@ -542,22 +515,22 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
-        /* overlapped when asked for (n_comm > 0) or when the tuner (its table,
-         * else its rule) picks it for this configuration (n_comm 0; chosen for max_tokens, so the
-         * same on every rank), and the Hopper GEMM with its hooks runs */
-        comet_tuning_t tune = {args->n_comm > 0 ? args->n_comm : 0, args->chunk_cols, L->push};
-        if (c.gemm && args->n_comm != COMET_SEQUENTIAL) comet_tuner_pick(&l->dims, COMET_BACKEND_CUDA, t, &tune);
-        if (c.gemm && tune.n_comm > 0) {
-            c.n_comm = tune.n_comm < c.num_sms - 1 ? tune.n_comm : c.num_sms - 1;
-            int64_t cc = (tune.chunk_cols + 255) / 256 * 256, min_cc = (l->dims.hidden + COMET_CUDA_MAX_CHUNKS - 1) /
-                                                                     COMET_CUDA_MAX_CHUNKS;
-            if (cc < min_cc) cc = (min_cc + 255) / 256 * 256;
-            c.chunk_cols = (int)cc;
-            c.ce_stage = (char *)L->ce_stage, c.ce_one = L->ce_one;
+        if (c.gemm) { /* else (prepare failed) the SIMT tiles and the pull combine run: returning would strand the peers */
+            /* the tuner's protocol (its table, else its rule) unless n_comm fixed it; the overlapped
+             * mode is chosen for max_tokens, so the same on every rank */
+            comet_tuner_choose(l->world->tune, &l->dims, COMET_BACKEND_CUDA, t, args->n_comm, 0, &proto);
+            c.n_comm = proto.n_comm < c.num_sms - 1 ? proto.n_comm : c.num_sms - 1;
+            proto.n_comm = c.n_comm;
+            c.push = proto.combine == COMET_COMBINE_PUSH;
+            c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
         }
-        c.push = L->push && c.gemm != NULL; /* with the Hopper GEMM, whose epilogue pushes */
-        if (c.gemm) c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
     }
+    if (!c.gemm) { /* the SIMT tiles: the sequential chain and the pull combine */
+        proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
+        proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0;
+        proto.chosen_by = args && args->struct_size == sizeof *args && args->n_comm ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
+    }
+    c.protocol = comet_cuda_protocol_word(&proto);
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;
         CUDA_TRY(l->rank, cudaMemsetAsync(L->tr_counts, 0, COMET_CUDA_TRACE_LANES * sizeof(uint32_t),
@@ -569,29 +542,22 @@ comet_status_t comet_cuda_layer_forward(comet_layer_t *l, const comet_forward_ar
                 ? comet_cuda_replay_launch(L->replay, &c, &call, (cudaStream_t)stream, &replayed)
                 : comet_cuda_forward_launch(&c, &call, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
-    L->last_stream = stream, L->last_n_comm = c.n_comm, L->replays += replayed;
+    L->last_stream = stream;
+    proto.graph_replay = replayed;
+    l->protocol = proto, l->has_run = 1;
+    l->replays += replayed;
+    l->captures = comet_cuda_replay_captures(L->replay);
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
     return COMET_SUCCESS;
 }
 
-int comet_cuda_layer_last_n_comm(const comet_layer_t *l) {
-    const cuda_layer_t *L = l->backend_state;
-    return L->last_n_comm;
-}
-
-int64_t comet_cuda_layer_replays(const comet_layer_t *l, int64_t *captures) {
-    const cuda_layer_t *L = l->backend_state;
-    if (captures) *captures = comet_cuda_replay_captures(L->replay);
-    return L->replays;
-}
-
-void comet_cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+static void cuda_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
     const cuda_layer_t *L = l->backend_state;
     out->symmetric_bytes = L->ctx.lay.total;
     out->private_bytes = L->private_bytes;
 }
 
-comet_status_t comet_cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
+static comet_status_t cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
     cuda_layer_t *L = l->backend_state;
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
     cudaFree(L->tr_events), cudaFree(L->tr_counts);
@@ -625,7 +591,7 @@ static comet_status_t trace_collect(comet_layer_t *l) {
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
+static comet_status_t cuda_layer_sync(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
     const cudaError_t se = cudaStreamSynchronize(L->last_stream);
@@ -646,11 +612,26 @@ comet_status_t comet_cuda_layer_sync(comet_layer_t *l) {
     if (st == COMET_ERR_INVALID_ARGUMENT) /* this rank's arguments (forward said so), or: */
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "rank %d: invalid arguments, or the ranks ran different protocols (sequential or "
-                          "overlapped, chunk width): n_comm, chunk_cols and COMET_TUNE_FILE must agree on every "
-                          "rank, and every rank must run the Hopper GEMM; nothing was written",
+                          "overlapped, combine, GEMM): n_comm and the tune file must agree on every rank, and "
+                          "every rank must run the Hopper GEMM; nothing was written",
                           l->rank);
     if (st != COMET_SUCCESS)
         return comet_fail((comet_status_t)st, "rank %d: the last forward failed (%s)", l->rank,
                           comet_status_string((comet_status_t)st));
     return COMET_SUCCESS;
 }
+
+const comet_backend_ops_t comet_cuda_ops = {
+    .name = "cuda",
+    .device_count = cuda_device_count,
+    .world_init = cuda_world_init,
+    .world_destroy = cuda_world_destroy,
+    .world_device = cuda_world_device,
+    .unique_id = cuda_unique_id,
+    .layer_create = cuda_layer_create,
+    .layer_destroy = cuda_layer_destroy,
+    .layer_forward = cuda_layer_forward,
+    .layer_sync = cuda_layer_sync,
+    .layer_memory = cuda_layer_memory,
+    .layer_set_trace = cuda_layer_set_trace,
+};

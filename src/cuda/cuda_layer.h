@@ -13,25 +13,17 @@
  *   plan      comet_plan_t workspace    my plan (peers read its row_of_slot)
  *   o         (max_rows_padded, H) bf16 my expert outputs (GEMM1), pulled by
  *                                       the home ranks of their tokens
- *   recv      (TP, max_T, topk, H) bf16 with push (default on 2-8 ranks; not with COMET_PUSH=0
- *                                       or COMET_PARTIALS=1): [tp][t][j] the o row
+ *   recv      (TP, max_T, topk, H) bf16 with the push combine: [tp][t][j] the o row
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
- *   part      (W-1, max_T, H) fp32 with partials (COMET_PARTIALS=1 at create,
- *                                       instead of push):
- *                                       [s-1][t] rank q's partial of my token t
- *                                       (s = q's stage from me), the top-k
- *                                       reduce over t's rows on q, stored by q
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
  * device memory, so a captured graph replays correctly):
  *   enter    the call's tensors into state->call; e = ++epoch; wait done[q] >= e-1 for every rank q
  *   stage    copy x/idx/w into my stage; check my routing on the device
- *   publish  my status, my T, my protocol (mode: 0 sequential, 1 sequential
- *            with push, 3 overlapped with push, 5 sequential with partials,
- *            else the overlapped mode's chunk width, + 1 with partials), entry = e
+ *   publish  my status, my T, my protocol (comet_cuda_protocol_word), entry = e
  *            (k_plan's thread 0, before its wait)
  *   plan     wait entry[q] >= e; any bad status, or a mode unlike mine (the
  *            ranks chose different protocols) -> skip (nothing written);
@@ -39,20 +31,18 @@
  *            from it (two launches, plan_kernel.cu)
  *   dispatch pull my experts' token rows from the peers' stages: each token
  *            once, stored into every row of its slots here (the overlapped
- *            mode pulls by row block)
- *   gemm0    h = act(a W1^T)           gemm1  o = h W2^T
- *   partials with partials: for each token of another rank with rows here,
- *            its partial (as the combine computes one) into its home's part
- *            (overlapped: by the comm CTAs beside GEMM1, chunk by chunk)
- *   signal   o_ready[me] = e on every rank (my o, and the partials I sent,
- *            are complete; every k_final(_flat) CTA's thread 0, before its skip
+ *            mode pulls by row block, beside GEMM0)
+ *   gemm0    h = act(a W1^T)
+ *   gemm1    o = h W2^T; with push its epilogue also stores each o row into
+ *            the recv buffer of its token's home rank
+ *   signal   o_ready[me] = e on every rank (my o, and the rows I pushed, are
+ *            complete; every k_final(_flat) CTA's thread 0, before its skip
  *            check and its wait)
  *   combine  wait o_ready[q] >= e for all q; for each of my tokens and each
  *            contributing rank q (ascending): q's partial = top-k reduce
  *            (ascending slot, fmaf) over the o rows of its slots on q, pulled
  *            from q's o at the rows q's plan gives (row_of_slot), or with
- *            push read from my recv[tp of q][t][j] (my own rows: my o), or
- *            with partials q's partial read from my part; y = the
+ *            push read from my recv[tp of q][t][j] (my own rows: my o); y = the
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
  * Every wait times out (timeout_ns) with a message naming rank, role and
@@ -65,6 +55,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comet.h"
 #include "../core/numerics.h"
 #include "../plan/plan.h"
 
@@ -73,7 +64,6 @@ extern "C" {
 #endif
 
 #define COMET_CUDA_MAX_RANKS 64
-#define COMET_CUDA_MAX_CHUNKS 32 /* layer-1 column chunks of the overlapped mode */
 /* Trace lanes of one rank on a GPU: 0 the stream's own steps, 1..8 the
  * communication CTAs (CTA index mod 8), 9 GEMM0, 10 GEMM1. */
 #define COMET_CUDA_TRACE_LANES 11
@@ -84,26 +74,12 @@ typedef struct {
     uint64_t done;            /* last finished epoch */
     uint64_t status;          /* comet_status_t of this rank's input check, this epoch */
     uint64_t token_count;     /* T of this rank, this epoch */
-    uint64_t mode;            /* this epoch's protocol (every rank must run the same): 0 sequential,
-                               * 1 sequential with push, 3 overlapped with push, 5 sequential with
-                               * partials, else the overlapped mode's chunk width (+ 1 with partials) */
-    uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan) are complete */
-    uint64_t chunk_flag[COMET_CUDA_MAX_RANKS][COMET_CUDA_MAX_CHUNKS]; /* overlapped: [q][c] = e once
-                                                  column chunk c of rank q's o is complete (with
-                                                  partials: once q's partials of it are in my part) */
+    uint64_t mode;            /* this epoch's protocol (comet_cuda_protocol_word): every rank must run the same */
+    uint64_t o_ready[COMET_CUDA_MAX_RANKS]; /* [q] = e once rank q's o (and plan, and pushed rows) are complete */
 } comet_sym_flags_t;
 
-/* Private device state of the overlapped mode: flags between the comm CTAs
- * and the GEMM CTAs of one rank (same GPU: release/acquire at gpu scope). */
 typedef struct {
-    uint64_t chunk_done[COMET_CUDA_MAX_CHUNKS]; /* GEMM1 tiles stored per chunk this call (GEMM hook; 0 from k_enter) */
-    uint32_t chunk_sent[COMET_CUDA_MAX_CHUNKS]; /* with partials: comm CTAs that sent their share of a chunk (0 from k_enter) */
-    uint64_t ce_ready[COMET_CUDA_MAX_RANKS];    /* copy-engine dispatch: [q] = 1 once the stage of
-                                                 * stage-q's rank is in ce_stage (0 from k_enter) */
-} comet_cuda_overlap_t;
-
-typedef struct {
-    size_t flags, x, topk_idx, topk_w, plan, o, recv, part, total; /* byte offsets, total size */
+    size_t flags, x, topk_idx, topk_w, plan, o, recv, total; /* byte offsets, total size */
 } comet_sym_layout_t;
 
 /* One call's tensors (comet_layer_forward's arguments). They reach the
@@ -152,6 +128,8 @@ typedef struct {
     uint64_t timeout_ns;
     int num_sms;
     void *gemm;                    /* host: prepared Hopper GEMM (gemm.h) for this call's weights, or NULL: SIMT tiles */
+    uint64_t protocol;             /* comet_cuda_protocol_word of this call's protocol, published for the
+                                    * ranks to compare */
     /* overlapped mode (n_comm > 0, Hopper GEMM only): in layer 0, one
      * dispatch CTA per SM: those beyond n_comm copy the local tokens and
      * exit, the n_comm communication CTAs pull the remote tokens in GEMM0's
@@ -159,39 +137,16 @@ typedef struct {
      * block_ready[b] when its last row is in, which GEMM0 waits for. GEMM0
      * follows on the same stream as a programmatic dependent on every SM
      * (its CTAs take the copiers' SMs at once and the pullers' SMs when the
-     * pulls are done). Without push, in
-     * layer 1 n_comm comm CTAs on a second stream run beside GEMM1 on the
-     * other SMs: comm CTA 0 flags each GEMM1 column chunk
-     * on every rank as soon as its tiles are stored (with partials: every
-     * comm CTA sends its share of the chunk's partials home, and the last to
-     * finish flags it), and all comm CTAs combine a chunk (pull the o rows of
-     * my tokens, or read the partials sent, reduce, sum) once every rank has
-     * flagged it. With push, layer 1 has no comm CTAs: GEMM1 runs on every SM,
-     * pushes, and the sequential chain's signal and combine follow. */
+     * pulls are done). Layer 1 has no comm CTAs: GEMM1 runs on every SM
+     * (and pushes, with the push combine), and the sequential chain's signal
+     * and combine follow. */
     int n_comm;                    /* 0: the sequential chain */
     int push;                      /* GEMM1 pushes o rows into their home ranks' recv; the combine reads
-                                    * them there after GEMM1 (overlapped: no comm CTAs in layer 1) */
-    int partial;                   /* instead of push: each remote token's partial is stored into its
-                                    * home's part (sequential: k_send_partials after GEMM1; overlapped:
-                                    * k_combine_ov chunk by chunk beside it); the combine reads it there */
-    int chunk_cols;                /* layer-1 chunk width, a multiple of 256 */
+                                    * them there after GEMM1 */
     int disable;                   /* COMET_DISABLE_* bits (measurement only) */
     uint64_t *block_ready;         /* device [max_blocks] */
     uint32_t *block_rows;          /* device [max_blocks]: the overlapped dispatch's rows stored per block */
-    comet_cuda_overlap_t *ov;      /* device */
-    void *stream2, *ev_gemm0, *ev_comm; /* cudaStream_t, cudaEvent_t */
-    /* copy-engine dispatch (overlapped mode, COMET_DISPATCH_CE=1 at layer
-     * create): on stream2, right after k_plan (every peer has staged), the
-     * copy engine copies each peer's whole stage (max_tokens rows of x) into
-     * ce_stage, region q-1 for stage q, then sets ce_ready[q] = 1 with an
-     * 8-byte copy of ce_one (no kernel: none could be sure of an SM while
-     * the pullers wait and GEMM0 fills the rest); the pulling CTAs wait for
-     * the stages their blocks need and copy the remote rows from there
-     * (local reads) instead of over NVLink. NULL: they pull over NVLink. */
-    char *ce_stage;                /* device, (W - 1, max_tokens, H) bf16, or NULL */
     uint64_t *gemm_report;         /* host-mapped (device address): GEMM0's readiness-wait timeout report */
-    const uint64_t *ce_one;        /* pinned host memory holding 1 */
-    void *ev_plan, *ev_ce;         /* cudaEvent_t: every rank has staged; the copies are done */
     /* tracing (comet_layer_set_trace): events in the layout of
      * src/trace/trace.h, [COMET_CUDA_TRACE_LANES][tr_capacity], counts per lane */
     void *tr_events;               /* device, or NULL: not tracing */
@@ -199,6 +154,13 @@ typedef struct {
     uint32_t tr_capacity;
 } comet_cuda_ctx_t;
 
+
+/* The protocol as the ranks compare it on the device (k_plan): mode,
+ * combine and GEMM kind in one word (n_comm may differ between ranks). The
+ * one encoding of comet_protocol_t for the device. */
+static inline uint64_t comet_cuda_protocol_word(const comet_protocol_t *p) {
+    return 1u + (uint64_t)p->mode + 4u * (uint64_t)p->combine + 16u * (uint64_t)p->gemm;
+}
 
 /* Enqueue one whole forward (every step above) of the call's tensors on
  * stream. Returns the CUDA launch status as an int (cudaError_t). With

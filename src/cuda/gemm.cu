@@ -15,28 +15,18 @@
  * registers, bf16 (RNE, cvt.rn.bf16x2), stmatrix into a swizzled 64x128 buffer per consumer,
  * TMA store (overlaps the next tile); a consumer whose 64 rows are not all
  * valid stores from registers, masked, so padding rows are never written.
- * COMET_GEMM_HALF=1 (read at prepare; a measurement knob, off, and only
- * without clusters): a block of <= 64 rows (an expert's last, ~half of
- * them) runs on consumer 0 alone, which then has the tensor cores to itself,
- * and consumer 1 only waits for and releases the stages (the producer marks
- * the tile's first stage with GM_HALF). Measured on H200 (gemm_bench, 16384
- * tokens, no clusters): GEMM1 +1-3%, Qwen2 and Phi-3.5 GEMM0 +0-3%,
- * DeepSeek's GEMM0 (K=7168) -3%; DeepSeek's layer 1-3% slower; at M=4096
- * (EP2, a third of the blocks are such tails) DeepSeek's GEMM0 -12%, GEMM1
- * -2% (4ac04ff; a tail out of step with its expert's full block may read its
- * B tile from HBM again: unmeasured). So off.
  * Gated SiLU: the 256-row B tile is 128 gate rows + the matching 128 up rows
  * (two TMA loads); the accumulator holds gate in columns 0..127 and up in
  * 128..255, the epilogue pairs them into a 128-wide h tile.
  * A last h tile of <= 64 columns (F_local % 128 in 1..64: Qwen2-MoE at TP2,
  * F_local 704) loads 64 gate + 64 up rows (64-row boxes) and runs wgmma
- * m64n128k16 instead (GM_NARROW; COMET_GEMM_NARROW=0 at prepare turns it off):
+ * m64n128k16 instead (GM_NARROW; the knob narrow = 0 at prepare turns it off):
  * half the tensor work of the full tile, whose other half was masked columns.
  *
  * 2-CTA clusters with B multicast (dev/gemm's v8: +9% over v5 from clusters
  * and the TMA store together) are a second set of kernels, the default since
  * 2026-11-22 (in the layer on 2x H200, M=16384: DeepSeek +0-4%, Phi-3.5
- * +1-2%, Qwen2 +0-1%, Mixtral within drift); COMET_GEMM_CLUSTER=0 at prepare
+ * +1-2%, Qwen2 +0-1%, Mixtral within drift); the knob cluster = 0 at prepare
  * runs the single-CTA kernels.
  * Tile walk: each CTA's producer (in clusters CTA 0's, for the pair) claims the next tile with an atomic counter
  * (per comet_gemm_t and GEMM, reset by the last claimer) and hands its id to the
@@ -74,7 +64,6 @@
  * chain (release.cta arrives plus the data dependency): 3 slots of slack. */
 #define GM_RING 8
 /* A stage's tile id (stage_tile) with this bit: its block has <= 64 rows (gm_body). */
-#define GM_HALF (1 << 30)
 /* ... with this bit: a gated tile of <= 64 h columns, F_local's last (gm_body). */
 #define GM_NARROW (1 << 29)
 #define GM_SMEM_BYTES                                                                                             \
@@ -88,13 +77,12 @@
 #define GM_SPLIT_PIECES 128
 #define GM_SPLIT_HEADER 1024
 #define GM_SPLIT_WAVES 6 /* longer walks: no split (Mixtral TP2, 8.2 waves, 2 pieces: 3% slower) */
-#define GM_SPLIT_MIN_DEFAULT 32 /* 16-slice pieces (DeepSeek, K 2048) lost 1%, 50-56 gained 6-11% */
 /* Row blocks walked together (L2 reuse of A and B): the largest power of two
  * up to 16 whose A rows (group x 128 x K bf16) fit in 16 MiB, at least 4.
  * Measured on H200 (gemm_bench, dev/NOTES.md): DeepSeek GEMM0 (K = 7168)
  * 472 -> 532 TFLOP/s from 16 to 8 (29 MiB of A rows crowded the B tiles
  * out of L2), 412 at 32; every other shape flat between 4 and 16.
- * COMET_GEMM_GROUP (read at prepare: N for both GEMMs, or N0,N1) overrides it
+ * the knob group (comet_gemm_knobs_t: N for both GEMMs, or N0,N1) overrides it
  * for measurements. */
 static int gm_group_for(int64_t k) {
     int g = 16;
@@ -114,7 +102,6 @@ typedef struct {
     int tile_cols;  /* output columns per tile: 128 gated, 256 otherwise */
     int chunk_cols; /* GEMM1 chunk width (multiple of 256); GEMM0: n */
     int group;      /* row blocks per group of the tile walk (gm_group_coords) */
-    int half;       /* blocks of <= 64 rows on consumer 0 alone (GM_HALF; COMET_GEMM_HALF=1) */
     int narrow;     /* gated: a last h tile of <= 64 columns computes those alone (GM_NARROW) */
     int pdl;        /* launched as a programmatic dependent: wait for the primary before exiting */
     int rank;
@@ -147,17 +134,15 @@ struct comet_gemm {
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast; gated w1
                              * with 64-row boxes: GM_NARROW's gate and up rows */
     int num_sms;
-    int cluster_ctas;       /* unless COMET_GEMM_CLUSTER=0 at prepare: most CTAs that run as 2-CTA clusters at
+    int cluster_ctas;       /* unless knobs.cluster is 0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
-    int group[2];    /* COMET_GEMM_GROUP=N or N0,N1 at prepare (a measurement knob; GEMM0, GEMM1), or 0: gm_group_for */
-    int order;       /* COMET_GEMM_ORDER at prepare (a measurement knob): 1 expert, 2 local (l0_order), 0: hooks.l0_order */
-    int half;        /* COMET_GEMM_HALF=1 at prepare (GM_HALF; only without clusters) */
-    int narrow;      /* unless COMET_GEMM_NARROW=0 at prepare (GM_NARROW) */
+    int group[2];    /* knobs.group at prepare (GEMM0, GEMM1), or 0: gm_group_for */
+    int narrow;      /* knobs.narrow at prepare (GM_NARROW) */
     uint32_t *sched; /* device, 4 words: GEMM0's and GEMM1's tile counters */
     int own_sched;   /* sched allocated here (args.sched was NULL) */
     void *split;     /* GEMM1 tail split's workspace (args.split, or allocated here), or NULL: no split */
     int own_split;
-    int split_min;   /* COMET_GEMM_SPLIT at prepare (gm_split_min): 0 off, else fewest k-slices a piece */
+    int split_min;   /* knobs.split_min at prepare: 0 off, else fewest k-slices a piece */
 };
 
 /* ---------------------------------------------------------------------------
@@ -584,27 +569,25 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
  * 0..63 (gate in 0..31, up in 32..63; gm_act pairs them as GM_ACT_NARROW), half the
  * tensor work and two thirds of the bytes of the n256 path. */
 __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t *full, uint64_t *empty, int it, int nk,
-                                        int c, int cl, int mma, int lane, const int narrow) {
+                                        int c, int cl, int lane, const int narrow) {
     for (int k = 0; k < nk; k++, it++) {
         const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
         if (k > 0) gm_mbar_wait(&full[s], ph);
-        if (mma) {
-            unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
-            unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
-            gm_wgmma_fence();
+        unsigned char *sa = base + s * GM_STAGE_BYTES + c * 64 * 128;
+        unsigned char *sb = base + s * GM_STAGE_BYTES + GM_A_BYTES;
+        gm_wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const int acc = (k > 0 || kk > 0) ? 1 : 0;
-                if (narrow) {
-                    gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
-                } else {
-                    gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
-                }
+        for (int kk = 0; kk < 4; kk++) {
+            const int acc = (k > 0 || kk > 0) ? 1 : 0;
+            if (narrow) {
+                gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+            } else {
+                gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
             }
-            gm_wgmma_commit();
-            GM_WGMMA_WAIT(1);
-            gm_reg_fence(d);
         }
+        gm_wgmma_commit();
+        GM_WGMMA_WAIT(1);
+        gm_reg_fence(d);
         if (k > 0 && lane == 0) {
             gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
             if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
@@ -746,8 +729,8 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
                     gm_mbar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = base + s * GM_STAGE_BYTES;
-                    if (k == tl.k0) { /* published by the arrive below (release.cta); GM_HALF: consumer 1 has no rows */
-                        stage_tile[s] = t | (p.half && blk.num_rows <= 64 ? GM_HALF : 0) | (narrow ? GM_NARROW : 0);
+                    if (k == tl.k0) { /* published by the arrive below (release.cta) */
+                        stage_tile[s] = t | (narrow ? GM_NARROW : 0);
                         stage_nk[s] = tl.nk;
                     }
                     gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
@@ -783,22 +766,18 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             const int tv = stage_tile[it % GM_STAGES];
             if (tv < 0) break;
             const int nkt = mode == GM_MODE_GEMM1 ? stage_nk[it % GM_STAGES] : gm_nk(p); /* GEMM0: all of K */
-            /* a block of <= 64 rows (GM_HALF): consumer 1 only keeps the ring's rhythm, and consumer 0
-             * gets the tensor cores alone (so the tile should take about half the time; unmeasured) */
-            const int mma = cl || c == 0 || !(tv & GM_HALF); /* cl: never set (a literal: no register) */
-            /* no block (cl): the pair's rhythm on stale data, no store */
             if (mode == GM_MODE_GATED && (tv & GM_NARROW))
-                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, mma, lane, 1);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 1);
             else
-                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, mma, lane, 0);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 0);
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
             if (lane == 0) {
                 gm_mbar_arrive(&empty[(it - 1) % GM_STAGES]);
                 if (cl) gm_mbar_arrive_peer(&empty[(it - 1) % GM_STAGES], gm_cluster_rank() ^ 1u);
             }
-            /* the tile decoded only now: nothing but tv (and mma) stays live across the main loop */
-            const int t = tv & ~(GM_HALF | GM_NARROW);
+            /* the tile decoded only now: nothing but tv stays live across the main loop */
+            const int t = tv & ~GM_NARROW;
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u, mode);
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
             const comet_plan_block_t blk = p.blocks[tl.b];
@@ -899,17 +878,8 @@ extern "C" const char *comet_gemm_check(const comet_dims_t *d) {
 static int gm_host_nk(const comet_dims_t *d) { return (int)((d->ffn_local + GM_BK - 1) / GM_BK); }
 static int gm_split_ref(const comet_gemm_t *g) { return g->num_sms / 2 > 0 ? g->num_sms / 2 : 1; }
 
-/* COMET_GEMM_SPLIT: "0" no tail split, N > 0 the fewest k-slices (64 wide) a piece may have. */
-static int gm_split_min(void) {
-    const char *v = getenv("COMET_GEMM_SPLIT");
-    if (!v || !*v) return GM_SPLIT_MIN_DEFAULT;
-    const int n = atoi(v);
-    return n > 0 && n <= 4096 ? n : 0;
-}
-
-extern "C" size_t comet_gemm_split_bytes(const comet_dims_t *d) {
-    const int min = gm_split_min();
-    if (!min || comet_gemm_check(d) || gm_host_nk(d) < 2 * min) return 0; /* no two pieces of min slices: never splits */
+extern "C" size_t comet_gemm_split_bytes(const comet_dims_t *d, int min) {
+    if (min <= 0 || comet_gemm_check(d) || gm_host_nk(d) < 2 * min) return 0; /* no two pieces of min slices: never splits */
     return GM_SPLIT_HEADER + (size_t)GM_SPLIT_PIECES * GM_BM * GM_BN * sizeof(float);
 }
 
@@ -952,22 +922,13 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     g->num_sms = sms > 0 ? sms : 132;
-    const char *half = getenv("COMET_GEMM_HALF");
-    g->half = half && strcmp(half, "1") == 0;
-    const char *narrow = getenv("COMET_GEMM_NARROW");
-    g->narrow = !(narrow && strcmp(narrow, "0") == 0);
-    const char *grp = getenv("COMET_GEMM_GROUP");
-    for (int i = 0; i < 2; i++) { /* "N" sets both, "N0,N1" each */
-        const char *v = grp && i && strchr(grp, ',') ? strchr(grp, ',') + 1 : grp;
-        g->group[i] = v && atoi(v) > 0 && atoi(v) <= 4096 ? atoi(v) : 0;
-    }
-    const char *ord = getenv("COMET_GEMM_ORDER");
-    g->order = !ord ? 0 : strcmp(ord, "expert") == 0 ? 1 : strcmp(ord, "local") == 0 ? 2 : 0;
+    const comet_gemm_knobs_t *kn = &args->knobs;
+    g->narrow = kn->narrow;
+    for (int i = 0; i < 2; i++) g->group[i] = kn->group[i] > 0 && kn->group[i] <= 4096 ? kn->group[i] : 0;
     cudaError_t e = cudaSuccess;
     for (int i = 0; i < 6 && e == cudaSuccess; i++)
         e = cudaFuncSetAttribute(gm_kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
-    const char *cl = getenv("COMET_GEMM_CLUSTER");
-    if (e == cudaSuccess && !(cl && strcmp(cl, "0") == 0)) {
+    if (e == cudaSuccess && kn->cluster) {
         int most = -1;
         for (int i = 3; i < 6 && e == cudaSuccess; i++) { /* the cluster kernels */
             cudaLaunchConfig_t lc;
@@ -989,9 +950,9 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
         return -1;
     }
     g->sched = args->sched, g->own_sched = args->sched == NULL;
-    const size_t split_bytes = comet_gemm_split_bytes(d);
+    const size_t split_bytes = comet_gemm_split_bytes(d, kn->split_min);
     g->split = args->split, g->own_split = args->split == NULL && args->sched == NULL && split_bytes > 0;
-    g->split_min = split_bytes > 0 ? gm_split_min() : 0;
+    g->split_min = split_bytes > 0 ? kn->split_min : 0;
     if (g->own_sched) {
         e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
         if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
@@ -1074,7 +1035,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         p.up_off = (int)d->ffn_local;
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
-        p.order = (g->order ? g->order == 2 : hk.l0_order) ? plan.l0_order : NULL;
+        p.order = hk.l0_order ? plan.l0_order : NULL;
         p.c = a->h;
     } else {
         int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;
@@ -1099,7 +1060,6 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
     p.group = g->group[gemm1] ? g->group[gemm1] : gm_group_for(p.k);
-    p.half = g->half && !cl;
     p.narrow = g->narrow;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;

@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "../core/numerics.h"
+#include "../core/options.h"
 #include "../plan/plan.h"
 
 #ifdef __cplusplus
@@ -68,6 +69,7 @@ typedef struct {
     void *split;               /* device, comet_gemm_split_bytes(&d) bytes, its first 1 KiB zeroed once and
                                 * kept as long as the GEMM (GEMM1's tail split: counters, fp32 partials),
                                 * or NULL: no split, unless sched is NULL too: prepare then allocates its own */
+    comet_gemm_knobs_t knobs;  /* cluster, narrow, group, split (src/core/options.h) */
 } comet_gemm_args_t;
 
 /* Optional hooks of one launch; a zeroed struct (or NULL) means none. */
@@ -121,31 +123,25 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
  * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
 
-/* Bytes of comet_gemm_args_t.split for dims d: 0 when GEMM1 never splits
- * (K too short for two pieces, or COMET_GEMM_SPLIT=0), else 16 MiB + 1 KiB
- * (whatever COMET_GEMM_SPLIT's value, so a workspace sized once serves any
- * later prepare).
+/* Bytes of comet_gemm_args_t.split for dims d and knobs.split_min: 0 when
+ * GEMM1 never splits (K too short for two pieces, or split_min 0), else 16
+ * MiB + 1 KiB.
  * GEMM1's tail split: when its tiles (at most 6 waves of them) leave the
  * last wave part empty, the tiles of the last few row blocks run as 2-8
  * pieces over K, each an fp32
  * partial, summed in piece order by the CTA that completes the tile; which
  * tiles split and where depends only on the plan's block count, the shape
  * and the device's SM count, so every launch mode computes the same bits
- * (gm_split in gemm.cu). COMET_GEMM_SPLIT (read here and at prepare): 0
- * off, N > 0 the fewest 64-wide k-slices a piece may have (default 32). */
-size_t comet_gemm_split_bytes(const comet_dims_t *d);
+ * (gm_split in gemm.cu). */
+size_t comet_gemm_split_bytes(const comet_dims_t *d, int split_min);
 
 /* Build the tensor maps once per layer (host, no kernel launch; the tile
  * counters are args->sched, or, when that is NULL, 16 bytes of device memory
  * allocated and zeroed here). Two GEMMs that may run at the same time must not
- * share counters. COMET_GEMM_GROUP (a measurement knob, read here): row blocks
- * per group of the tile walk instead of the rule in gemm.cu (4 to 16 by K).
- * 2-CTA clusters (the default; COMET_GEMM_CLUSTER=0, read here, turns them
- * off): pairs of blocks of one expert share each B tile (multicast); grids
- * then even, at most what fits as clusters.
- * COMET_GEMM_HALF=1 (read here; a measurement knob, off; only with
- * COMET_GEMM_CLUSTER=0): a row block of <= 64 rows runs on one consumer
- * warpgroup alone. COMET_GEMM_NARROW=0 (read here): the gated GEMM0's last h
+ * share counters. args->knobs: group, row blocks per group of the tile walk
+ * instead of the rule in gemm.cu (4 to 16 by K); cluster (the default),
+ * pairs of blocks of one expert share each B tile (multicast), grids then
+ * even, at most what fits as clusters; narrow 0, the gated GEMM0's last h
  * tile of <= 64 columns runs at full width, masked, instead of half width.
  * Returns 0 and *out, or -1 with a message in err. Device pointers of args may
  * not move afterwards; comet_gemm_destroy frees *out. */

@@ -1,10 +1,10 @@
 /*
  * layer_kernels.cu - the CUDA layer: one forward as a chain of kernels on
  * the caller's stream, with no host synchronisation (cuda_layer.h lists the
- * steps and the flag protocol): the sequential chain (n_comm -1, or the
- * tuner's pick), and the overlapped mode (n_comm > 0, Hopper GEMM): k_dispatch_ov with GEMM0 as its
- * programmatic dependent, optionally the copy-engine dispatch, and
- * k_combine_ov beside GEMM1 without push.
+ * steps and the flag protocol): the sequential chain, and the overlapped
+ * mode (Hopper GEMM): k_dispatch_ov with GEMM0 as its programmatic
+ * dependent; GEMM1 on every SM (pushing its rows home with the push
+ * combine), then the combine.
  *
  * The expert GEMMs run on the Hopper grouped GEMM (gemm.cu) when the shapes
  * suit it (comet_gemm_check), else on the simple SIMT tiles below, which are
@@ -96,13 +96,6 @@ __device__ static inline void wait_geq(const uint64_t *flag, uint64_t target, co
     wait_flag(flag, target, c->timeout_ns, c->d.rank, role, index);
 }
 
-/* This call's protocol, as every rank must run it (cuda_layer.h: mode). */
-__device__ static inline uint64_t comet_cuda_mode(const comet_cuda_ctx_t *c) {
-    const int overlapped = c->gemm && c->n_comm > 0;
-    if (overlapped && !c->push) return (uint64_t)c->chunk_cols + (c->partial ? 1u : 0u);
-    return c->push ? (overlapped ? 3u : 1u) : c->partial ? 5u : 0u;
-}
-
 __device__ static inline comet_sym_flags_t *flags_of(const comet_cuda_ctx_t *c, int q) {
     return (comet_sym_flags_t *)(c->peers[q] + c->lay.flags);
 }
@@ -164,10 +157,6 @@ __global__ void k_enter(comet_cuda_ctx_t c, comet_cuda_call_t call) {
     uint64_t e = s->epoch + 1;
     s->epoch = e;
     s->own_status = 0;
-    if (c.ce_stage) /* the copy engine sets them to 1 after this call's copies (no epoch: its value is a constant) */
-        for (int q = 0; q < c.d.world_size; q++) c.ov->ce_ready[q] = 0;
-    if (c.gemm && c.n_comm > 0) /* this call's GEMM1 tiles and partials' senders count from 0 */
-        for (int ch = 0; ch < COMET_CUDA_MAX_CHUNKS; ch++) c.ov->chunk_done[ch] = 0, c.ov->chunk_sent[ch] = 0;
     for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
 }
 
@@ -200,7 +189,7 @@ __global__ void k_plan(comet_cuda_ctx_t c) {
     if (threadIdx.x != 0) return;
     comet_cuda_state_t *s = c.state;
     const uint64_t e = s->epoch, t0 = TRACE_T0;
-    const uint64_t mode = comet_cuda_mode(&c);
+    const uint64_t mode = c.protocol; /* every rank must run the same (comet_cuda_protocol_word) */
     comet_sym_flags_t *own = flags_of(&c, c.d.rank);
     own->status = s->own_status;
     own->token_count = (uint64_t)s->call.num_tokens;
@@ -483,29 +472,19 @@ typedef struct {
  * tokens (their plans lie in their symmetric buffers) and my staged routing. */
 typedef struct {
     const int32_t *ros[COMET_CUDA_MAX_RANKS]; /* rank q: row of (home me, t, j) at [t * topk + j] */
-    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv
-                                                     * (with partials, q != me: not read) */
-    int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j]
-                                                     * (with partials too: no row is looked up there) */
-    const float *part_of[COMET_CUDA_MAX_RANKS];     /* with partials, q != me: q's partials of my tokens, or NULL */
+    const comet_bf16_t *o_of[COMET_CUDA_MAX_RANKS]; /* rank q's o rows: q's o, or with push my recv */
+    int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j] */
     const int32_t *idx;                       /* my staged topk_idx */
     const float *wts;                         /* my staged topk_w */
 } combine_src_t;
-
-/* My part buffer's region for the partials of rank q (q != me), (max_T, H) fp32. */
-__device__ static inline float *partials_from(const comet_cuda_ctx_t *c, int q) {
-    const size_t region = (size_t)(comet_stage_of(c->d.rank, q, c->d.world_size) - 1) * (size_t)c->d.max_tokens;
-    return (float *)(c->sym + c->lay.part) + region * (size_t)c->d.hidden;
-}
 
 __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t *src) {
     for (int q = threadIdx.x; q < c->d.world_size; q += blockDim.x) {
         comet_plan_t pq;
         comet_plan_carve(&c->d, c->peers[q] + c->lay.plan, &pq);
         src->ros[q] = pq.row_of_slot + (int64_t)c->d.rank * c->d.max_tokens * c->d.topk;
-        src->pushed[q] = (c->push || c->partial) && q != c->d.rank;
+        src->pushed[q] = c->push && q != c->d.rank;
         src->o_of[q] = (const comet_bf16_t *)(src->pushed[q] ? c->sym + c->lay.recv : c->peers[q] + c->lay.o);
-        src->part_of[q] = c->partial && q != c->d.rank ? partials_from(c, q) : NULL;
     }
     if (threadIdx.x == 0) {
         src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
@@ -515,8 +494,8 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
 }
 
 /* Where rank q (tp index tpi) has slot j of my token t: with push my recv
- * row [tpi][t][j] (computed; with partials the same, never read), else the
- * row q's plan gives (a load, remote for other ranks). */
+ * row [tpi][t][j] (computed), else the row q's plan gives (a load, remote
+ * for other ranks). */
 __device__ static inline int32_t slot_row(const comet_cuda_ctx_t *c, const combine_src_t *src, int q, int tpi,
                                           int64_t t, int64_t j) {
     const int64_t k = c->d.topk;
@@ -549,25 +528,18 @@ __device__ static inline void combine_lane_row(const comet_cuda_ctx_t *c, const 
     x->row = slot_row(c, src, x->g * tp + lane % tp, lane % tp, x->t, lane / tp);
 }
 
-/* Slots whose rows the partials' sender keeps in flight at once (its only
- * accumulators are one part; the combine's take the registers for more
- * than SLOT_BATCH). */
-#define SEND_SLOTS 8
-
 /* One batch of n slots of a top-k reduce over ng 256-column groups (both
- * constants at each call: SLOT_BATCH x COL_GROUPS for the combine,
- * SEND_SLOTS x 1 for the sender after GEMM1, SLOT_BATCH x 1 beside the
- * combine in k_combine_ov), by every lane of a warp: part[gi * 8 + e]
+ * constants at the call), by every lane of a warp: part[gi * 8 + e]
  * += wj[u] * o[r[u]] (fmaf, u ascending; r[u] < 0: no row) for the lane's
  * columns g0 + gi*256 + lane*8 + e (gi < ng) below c1, every row's loads
  * issued before the first is used. */
-__device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64_t hd, const int32_t r[SEND_SLOTS],
-                                                    const float wj[SEND_SLOTS], int n, int ng, int64_t g0,
+__device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64_t hd, const int32_t r[SLOT_BATCH],
+                                                    const float wj[SLOT_BATCH], int n, int ng, int64_t g0,
                                                     int64_t c1, float *part) {
     const int lane = threadIdx.x % 32, vec = hd % 8 == 0;
-    uint4 v[SEND_SLOTS][COL_GROUPS];
+    uint4 v[SLOT_BATCH][COL_GROUPS];
 #pragma unroll
-    for (int u = 0; u < SEND_SLOTS; u++)
+    for (int u = 0; u < SLOT_BATCH; u++)
 #pragma unroll
         for (int gi = 0; gi < COL_GROUPS; gi++) {
             const int64_t col = g0 + gi * 256 + lane * 8;
@@ -575,7 +547,7 @@ __device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64
             if (u < n && gi < ng && r[u] >= 0 && cn) v[u][gi] = ld8_bf16(o + (int64_t)r[u] * hd + col, cn, vec && cn == 8);
         }
 #pragma unroll
-    for (int u = 0; u < SEND_SLOTS; u++)
+    for (int u = 0; u < SLOT_BATCH; u++)
 #pragma unroll
         for (int gi = 0; gi < COL_GROUPS; gi++) {
             const int cn = cols_below(g0 + gi * 256 + lane * 8, c1);
@@ -587,28 +559,18 @@ __device__ static __forceinline__ void reduce_batch(const comet_bf16_t *o, int64
 /* Rank q's partial of token x.t (q = group g, tp index tpi): the top-k reduce
  * (ascending slot, fmaf, from 0) over the token's slots in group g, with the
  * bf16 rows of q's o, for columns g0 + gi*256 + lane*8 + e (gi < COL_GROUPS,
- * below c1) into part[gi * 8 + e]; with partials (q != me), q computed it
- * (send_partials) and it is read from my part buffer. Slots whose lane is
- * beyond the warp are read directly. Every lane of the warp calls it (shuffles). */
+ * below c1) into part[gi * 8 + e]. Slots whose lane is beyond the warp are
+ * read directly. Every lane of the warp calls it (shuffles). */
 __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src_t *src, const combine_lane_t *x,
                                     int32_t g, int tpi, int64_t g0, int64_t c1, float *part) {
     const int64_t hd = c->d.hidden, k = c->d.topk;
-    const int lane = threadIdx.x % 32, tp = c->d.tp;
+    const int tp = c->d.tp;
     const int q = g * tp + tpi;
-    if (src->part_of[q]) {
-#pragma unroll
-        for (int gi = 0; gi < COL_GROUPS; gi++) {
-            const int64_t col = g0 + gi * 256 + lane * 8;
-            const int cn = cols_below(col, c1);
-            ld8_f32(src->part_of[q] + x->t * hd + col, part + gi * 8, cn, hd % 8 == 0 && cn == 8);
-        }
-        return;
-    }
 #pragma unroll
     for (int i = 0; i < COL_GROUPS * 8; i++) part[i] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += SLOT_BATCH) {
-        int32_t r[SEND_SLOTS];
-        float wj[SEND_SLOTS];
+        int32_t r[SLOT_BATCH];
+        float wj[SLOT_BATCH];
 #pragma unroll
         for (int u = 0; u < SLOT_BATCH; u++) {
             const int64_t j = j0 + u, l = j * tp + tpi;
@@ -630,100 +592,9 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
     }
 }
 
-/* What a lane of the partials' sender holds of one token of home rank h:
- * the token (t, -1 past the list) and, lane j < min(topk, 32), slot j's row
- * here (r, -1 if none) and weight (w). */
-typedef struct {
-    int64_t t;
-    int32_t r;
-    float w;
-} send_lane_t;
-
-/* Item i of home rank h's send list: its token, loaded two items ahead. */
-__device__ static inline int64_t send_token(const comet_plan_t *p, int h, int64_t mt, int64_t i, int32_t n) {
-    return i < n ? p->send_tokens[h * mt + i] : -1;
-}
-
-/* Its slots' rows (one item ahead) and weights (in the item's turn: they
- * are used after the rows' loads are issued). */
-__device__ static inline send_lane_t send_rows(const comet_plan_t *p, int h, int64_t mt, int64_t k, int64_t t) {
-    const int lane = threadIdx.x % 32;
-    send_lane_t x = {t, -1, 0.0f};
-    if (t >= 0 && lane < k) x.r = p->row_of_slot[(h * mt + t) * k + lane];
-    return x;
-}
-
-/* Partials (cuda_layer.h), columns [c0, c1): for every token of another
- * home rank with rows here (the plan's send lists), its partial -- the top-k
- * reduce of rank_partial, the same fmaf order, weights from the plan rows --
- * stored fp32 into the home rank's part buffer (my region there). One warp a
- * token, warps `warp` of `warps` calling, 256 columns a pass; each lane
- * keeps `slots` (a constant at each call, <= SEND_SLOTS) rows' 16-byte
- * loads in flight, and the next tokens' list entries and rows are fetched
- * while this one reduces. */
-__device__ static __forceinline__ void send_partials(const comet_cuda_ctx_t *c, const comet_plan_t *p, int64_t c0,
-                                                     int64_t c1, int64_t warp, int64_t warps, int slots) {
-    const int w = c->d.world_size, me = c->d.rank, lane = threadIdx.x % 32;
-    const int64_t hd = c->d.hidden, k = c->d.topk, mt = c->d.max_tokens;
-    for (int h = 0; h < w; h++) {
-        if (h == me) continue;
-        const int32_t n = p->send_count[h];
-        float *dst = (float *)(c->peers[h] + c->lay.part) + (size_t)(comet_stage_of(h, me, w) - 1) * (size_t)(mt * hd);
-        send_lane_t x = send_rows(p, h, mt, k, send_token(p, h, mt, warp, n));
-        int64_t t1 = send_token(p, h, mt, warp + warps, n);
-        for (int64_t i = warp; i < n; i += warps) {
-            const int64_t t2 = send_token(p, h, mt, i + 2 * warps, n);
-            const send_lane_t x1 = send_rows(p, h, mt, k, t1);
-            x.w = x.r >= 0 ? p->rows[x.r].weight : 0.0f;
-            const int32_t *ros = p->row_of_slot + (h * mt + x.t) * k; /* slots beyond the warp */
-            for (int64_t g0 = c0; g0 < c1; g0 += 256) {
-                float part[8];
-#pragma unroll
-                for (int e = 0; e < 8; e++) part[e] = 0.0f;
-                for (int64_t j0 = 0; j0 < k; j0 += slots) {
-                    int32_t r[SEND_SLOTS];
-                    float wj[SEND_SLOTS];
-#pragma unroll
-                    for (int u = 0; u < SEND_SLOTS; u++) {
-                        if (u >= slots) break;
-                        const int64_t j = j0 + u;
-                        if (j < 32) {
-                            r[u] = __shfl_sync(0xffffffffu, x.r, (int)j);
-                            wj[u] = __shfl_sync(0xffffffffu, x.w, (int)j);
-                        } else {
-                            r[u] = j < k ? ros[j] : -1;
-                            wj[u] = r[u] >= 0 ? p->rows[r[u]].weight : 0.0f;
-                        }
-                    }
-                    reduce_batch(c->o, hd, r, wj, slots, 1, g0, c1, part);
-                }
-                const int64_t col = g0 + lane * 8;
-                const int cn = cols_below(col, c1);
-                if (cn) st8_f32(dst + x.t * hd + col, part, cn, hd % 8 == 0 && cn == 8);
-            }
-            x = x1, t1 = t2;
-        }
-    }
-}
-
-/* The sequential chain's partials: all columns on every SM after GEMM1;
- * k_final's signal then tells the home ranks. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_send_partials(comet_cuda_ctx_t c) {
-    if (c.state->skip || (c.disable & COMET_DISABLE_COMM)) return;
-    const uint64_t t0 = TRACE_T0;
-    comet_plan_t p;
-    comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-    send_partials(&c, &p, 0, c.d.hidden, (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, warps, SEND_SLOTS);
-    if (c.tr_events) {
-        __syncthreads();
-        if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, -1, -1, t0);
-    }
-}
-
 /* A 64-bit word of the call in the state (k_enter stored it there), loaded
  * at every use by a volatile load (an L1 hit): plain loads, hoisted and held
- * across the combine's loops, spilled k_combine_ov. */
+ * across the combine's loops, spill registers. */
 __device__ static inline uint64_t call_word(const void *p) {
     uint64_t v;
     asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
@@ -833,10 +704,9 @@ __device__ static void flat_token(const comet_cuda_ctx_t *c, flat_entry_t f, int
 }
 
 /* Columns [c0, c1) of y for every local token: each contributing rank's
- * partial (rank_partial: from that rank's o rows, pulled or pushed here, or
- * the partial it sent) summed in
- * ascending rank order (fp32, from 0), stored bf16; flat (a literal at
- * each call, for topk x tp <= 32 and no partials): the same sums by
+ * partial (rank_partial: from that rank's o rows, pulled or pushed here)
+ * summed in ascending rank order (fp32, from 0), stored bf16; flat (a
+ * literal at each call, for topk x tp <= 32): the same sums by
  * flat_token, whose registers need the group loop's compiled out. One warp a token, 8
  * columns a lane; a token's routing is fetched over the two tokens before it
  * (local loads two ahead, the rows on the slots' ranks one ahead), so no load
@@ -879,8 +749,8 @@ __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, c
 
 /* The combine of the sequential chain (and of the overlapped mode with push):
  * first the signal (every CTA's thread 0, so that none waits on a CTA not
- * yet resident): my o (and plan, and with partials the partials I sent),
- * complete as the kernels before this one ended, announced to every rank;
+ * yet resident): my o (and plan), complete as the kernels before this one
+ * ended, announced to every rank;
  * then, once every rank's o is complete, y of every local token over all columns;
  * flat (a literal in each kernel): k_final_flat, where the layer's shape
  * allows it (final_flat). */
@@ -908,8 +778,8 @@ __device__ static __forceinline__ void final_body(const comet_cuda_ctx_t &c, con
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_final(comet_cuda_ctx_t c) { final_body(c, 0); }
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_final_flat(comet_cuda_ctx_t c) { final_body(c, 1); }
 
-/* The combine's entries of a token fit a warp, and no partials are read. */
-static inline int final_flat(const comet_cuda_ctx_t *c) { return !c->partial && c->d.topk * c->d.tp <= 32; }
+/* The combine's entries of a token fit a warp. */
+static inline int final_flat(const comet_cuda_ctx_t *c) { return c->d.topk * c->d.tp <= 32; }
 
 /* Trace: mark where a step starts (end 0) or record it (end 1) as one
  * interval: which 0 and 1 are GEMM0 and GEMM1 (their own lanes), 2 the plan
@@ -961,19 +831,9 @@ __device__ static void dispatch_count(const comet_cuda_ctx_t *c, const comet_pla
             if (sm->rows[k][j] >= 0) count_row(c, p, sm->rows[k][j], e);
 }
 
-/* Where the overlapped dispatch reads the row of a remote token (home rank
- * src_rank, stage q from me): that rank's stage over NVLink, or its region
- * of the copy engine's staging. */
-__device__ static inline const char *remote_src(const comet_cuda_ctx_t *c, int q, int32_t src_rank, int32_t src_token) {
-    const size_t row_bytes = (size_t)c->d.hidden * 2;
-    if (c->ce_stage) return c->ce_stage + ((size_t)(q - 1) * (size_t)c->d.max_tokens + (size_t)src_token) * row_bytes;
-    return c->peers[src_rank] + c->lay.x + (size_t)src_token * row_bytes;
-}
-
-/* Copy-engine dispatch: wait until stages 1..q are in ce_stage (they arrive
- * in order); *ready, this thread's view, is advanced. */
-__device__ static inline void ce_wait(const comet_cuda_ctx_t *c, int *ready, int q) {
-    for (; *ready < q; ++*ready) wait_geq(&c->ov->ce_ready[*ready + 1], 1, c, "dispatch: copy-engine stage", *ready + 1);
+/* The row of a remote token (home rank src_rank) in that rank's stage. */
+__device__ static inline const char *remote_src(const comet_cuda_ctx_t *c, int32_t src_rank, int32_t src_token) {
+    return c->peers[src_rank] + c->lay.x + (size_t)src_token * (size_t)c->d.hidden * 2;
 }
 
 /* Layer 0 of the overlapped mode, one CTA per SM. CTAs n_comm.. copy the
@@ -1023,18 +883,10 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     const int32_t nb = p.totals->num_blocks, l0 = p.stage_end[0], tm = (int32_t)c.d.tile_m;
     const int32_t per_pass = (int32_t)blockDim.x / tm;
     __shared__ int n;
-    const int w = c.d.world_size;
-    int ready = 0; /* copy-engine dispatch: stages 1..ready are in ce_stage (thread 0's view) */
     for (int32_t g = l0 + (int32_t)blockIdx.x * per_pass; g < nb; g += n_comm * per_pass) {
         const uint64_t t0 = TRACE_T0;
         __syncthreads(); /* the previous batch is no longer read */
-        if (threadIdx.x == 0) {
-            n = 0;
-            if (c.ce_stage) { /* blocks are in stage order: the pass's last block has its latest stage */
-                const int last = p.blocks[p.l0_order[g + per_pass - 1 < nb ? g + per_pass - 1 : nb - 1]].stage;
-                ce_wait(&c, &ready, last);
-            }
-        }
+        if (threadIdx.x == 0) n = 0;
         __syncthreads();
         const int32_t li = g + (int32_t)threadIdx.x / tm, k = (int32_t)threadIdx.x % tm;
         const comet_plan_block_t blk = p.blocks[p.l0_order[li < nb ? li : g]];
@@ -1053,7 +905,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
             }
             if (lo == key) { /* it comes now, with all its rows */
                 const int at = atomicAdd(&n, 1);
-                sm.src[at] = remote_src(&c, comet_stage_of(me, pr.src_rank, w), pr.src_rank, pr.src_token);
+                sm.src[at] = remote_src(&c, pr.src_rank, pr.src_token);
                 sm.rows[at] = ros;
             }
         }
@@ -1076,80 +928,6 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
     }
 }
 
-/* Tiles GEMM1 stores into chunk c this call (its completion hook adds one per
- * 128 x 256 tile). */
-__device__ static inline uint64_t chunk_tiles(const comet_cuda_ctx_t *c, int nb, int chunk) {
-    const int64_t c0 = (int64_t)chunk * c->chunk_cols;
-    const int64_t width = c->d.hidden - c0 < c->chunk_cols ? c->d.hidden - c0 : c->chunk_cols;
-    return (uint64_t)nb * (uint64_t)((width + 255) / 256);
-}
-
-/* Layer 1, chunk by chunk: comm CTA 0 waits for GEMM1's tiles of the chunk
- * and flags the chunk on every rank (my o's columns of it are complete);
- * with partials every comm CTA waits for them, sends its share of my
- * partials of the chunk home, and the last to finish flags the chunk. Then
- * every comm CTA waits for every rank's flag of the chunk and combines its
- * columns (pull_combine). A CTA flags (or helps flag) chunk c+1 only after
- * its share of chunk c, which every rank can finish: no cycle. */
-__global__ void __launch_bounds__(COMM_THREADS, 1) k_combine_ov(comet_cuda_ctx_t c) {
-    comet_plan_t p;
-    comet_plan_carve(&c.d, c.plan_ws, &p);
-    const uint64_t e = c.state->epoch;
-    const int w = c.d.world_size, me = c.d.rank;
-    const int64_t hd = c.d.hidden;
-    const int n_chunks = (int)((hd + c.chunk_cols - 1) / c.chunk_cols);
-    comet_cuda_overlap_t *ov = c.ov;
-    if (c.state->skip) { /* nothing is combined; keep the chunk flags in step */
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            for (int q = 0; q < w; q++)
-                for (int ch = 0; ch < n_chunks; ch++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
-        return;
-    }
-    __shared__ combine_src_t src;
-    combine_src_init(&c, &src);
-    const int nb = p.totals->num_blocks;
-    comet_sym_flags_t *mine = flags_of(&c, me);
-    for (int ch = 0; ch < n_chunks; ch++) {
-        const int64_t c0 = (int64_t)ch * c.chunk_cols, c1 = c0 + c.chunk_cols < hd ? c0 + c.chunk_cols : hd;
-        uint64_t t0 = TRACE_T0;
-        const uint64_t tiles = c.disable & COMET_DISABLE_GEMM ? 0 : chunk_tiles(&c, nb, ch); /* no GEMM, no tiles */
-        if (c.partial) { /* every CTA: my tiles of the chunk, its share of my partials of it sent home */
-            if (threadIdx.x == 0) wait_geq(&ov->chunk_done[ch], tiles, &c, "comm: GEMM1 tiles of chunk", ch);
-            __syncthreads();
-            const int64_t wpc = blockDim.x / 32;
-            if (!(c.disable & COMET_DISABLE_COMM))
-                send_partials(&c, &p, c0, c1, (int64_t)blockIdx.x * wpc + threadIdx.x / 32, (int64_t)gridDim.x * wpc,
-                              SLOT_BATCH); /* the combine's registers are live here too */
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                __threadfence_system(); /* the CTA's stores (the barrier made them this thread's), before its count */
-                /* the last CTA to count: every CTA's partials of the chunk are sent */
-                if (atomicAdd(&ov->chunk_sent[ch], 1u) + 1u == gridDim.x) {
-                    __threadfence_system();
-                    for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
-                }
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_SEND, ch, -1, t0);
-            }
-            t0 = TRACE_T0;
-        } else if (blockIdx.x == 0 && threadIdx.x == 0) {
-            wait_geq(&ov->chunk_done[ch], tiles, &c, "comm: GEMM1 tiles of chunk", ch);
-            __threadfence_system();
-            for (int q = 0; q < w; q++) st_release_sys(&flags_of(&c, q)->chunk_flag[me][ch], e);
-            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_SEND, t0);
-            t0 = TRACE_T0;
-        }
-        if (threadIdx.x == 0) {
-            for (int q = 0; q < w; q++) wait_geq(&mine->chunk_flag[q][ch], e, &c, "comm: o chunk of rank", q);
-            trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_WAIT, ch, COMET_TRACE_RECV, t0);
-        }
-        __syncthreads();
-        t0 = TRACE_T0;
-        if (!(c.disable & COMET_DISABLE_COMM)) pull_combine(&c, &p, &src, c0, c1, 0);
-        __syncthreads();
-        if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_RECV, ch, -1, t0);
-    }
-}
-
 /* ---------------------------------------------------------------------------
  * Host side
  * ------------------------------------------------------------------------- */
@@ -1162,9 +940,9 @@ extern "C" int comet_cuda_layer_warm(void) {
     const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_plan,
                          (const void *)k_gather_routing,
                          (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
-                         (const void *)k_send_partials, (const void *)k_final,
+                         (const void *)k_final,
                          (const void *)k_final_flat, (const void *)k_exit,
-                         (const void *)k_dispatch_ov, (const void *)k_combine_ov,
+                         (const void *)k_dispatch_ov,
                          (const void *)k_mark};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
@@ -1186,29 +964,6 @@ static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_ho
     return cudaSuccess;
 }
 
-/* Copy-engine dispatch: on stream2, each peer's whole stage into ce_stage,
- * then ce_ready[q] = 1 by the copy engine too (an 8-byte copy from pinned
- * host memory): a kernel could not be sure of an SM while the pullers wait
- * for it and GEMM0 fills the others. ev_ce joins stream2 back before k_exit. */
-static int ce_copies(const comet_cuda_ctx_t *c, cudaStream_t stream) {
-    const comet_dims_t *d = &c->d;
-    cudaStream_t s2 = (cudaStream_t)c->stream2;
-    const size_t stage_bytes = (size_t)d->max_tokens * (size_t)d->hidden * 2;
-    cudaError_t e = cudaEventRecord((cudaEvent_t)c->ev_plan, stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c->ev_plan, 0);
-    for (int q = 1; e == cudaSuccess && q < d->world_size; q++) {
-        const int s = comet_rank_of_stage(d->rank, q, d->world_size);
-        if (!(c->disable & COMET_DISABLE_COMM))
-            e = cudaMemcpyAsync(c->ce_stage + (size_t)(q - 1) * stage_bytes, c->peers[s] + c->lay.x, stage_bytes,
-                                cudaMemcpyDeviceToDevice, s2);
-        if (e == cudaSuccess)
-            e = cudaMemcpyAsync(&c->ov->ce_ready[q], c->ce_one, sizeof(uint64_t), cudaMemcpyHostToDevice, s2);
-    }
-    const cudaError_t r = cudaEventRecord((cudaEvent_t)c->ev_ce, s2); /* on errors too: the caller joins on it */
-    return (int)(e != cudaSuccess ? e : r);
-}
-
-/* Everything after the copy-engine fork (if any) up to k_exit. */
 static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
 
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
@@ -1218,13 +973,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
     k_enter<<<1, 1, 0, stream>>>(c, *call);
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
-    const int ce = c.gemm && c.n_comm > 0 && c.ce_stage; /* every peer's stage is complete (k_plan waited for it) */
-    int e = ce ? ce_copies(&c, stream) : cudaSuccess;
-    if (e == cudaSuccess) e = forward_chain(&c, stream);
-    if (ce) { /* stream2 joins, on errors too (a capture needs it): peers may restage only after my copies */
-        const cudaError_t j = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_ce, 0);
-        if (e == cudaSuccess) e = (int)j;
-    }
+    const int e = forward_chain(&c, stream);
     if (e != cudaSuccess) return e;
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
@@ -1258,7 +1007,6 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
                                            c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 2);
-    int combine = 1; /* k_final (signal, then combine) after GEMM1 (all but the chunked overlapped combine) */
     if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
@@ -1277,30 +1025,13 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (ge != cudaSuccess) return ge;
         hooks.block_ready = NULL;
         hooks.pdl = 0;
-        if (c.push) { /* layer 1 needs no comm CTAs: GEMM1 on every SM pushes rows home, a local combine follows */
-            hooks.num_ctas = c.num_sms;
-            /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
-             * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
-            hooks.push = !(c.disable & COMET_DISABLE_COMM);
-            ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
-            if (ge != cudaSuccess) return ge;
-        } else { /* comm CTAs on stream2 beside GEMM1 combine its column chunks as they come */
-            cudaStream_t s2 = (cudaStream_t)c.stream2;
-            cudaError_t e = cudaEventRecord((cudaEvent_t)c.ev_gemm0, stream); /* after the pulls and GEMM0 */
-            if (e == cudaSuccess) e = cudaStreamWaitEvent(s2, (cudaEvent_t)c.ev_gemm0, 0);
-            if (e != cudaSuccess) return (int)e;
-            k_combine_ov<<<c.n_comm, COMM_THREADS, 0, s2>>>(c);
-            hooks.num_ctas = c.num_sms - c.n_comm;
-            hooks.chunk_done = c.ov->chunk_done; /* device address inside the overlap state */
-            hooks.chunk_cols = c.chunk_cols;
-            ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
-            /* stream2 joins on errors too (a capture needs it) */
-            e = cudaEventRecord((cudaEvent_t)c.ev_comm, s2);
-            if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, (cudaEvent_t)c.ev_comm, 0);
-            if (ge != cudaSuccess) return ge;
-            if (e != cudaSuccess) return (int)e;
-            combine = 0;
-        }
+        /* layer 1: GEMM1 on every SM, pushing rows home with the push combine; the combine follows */
+        hooks.num_ctas = c.num_sms;
+        /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
+         * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
+        hooks.push = c.push && !(c.disable & COMET_DISABLE_COMM);
+        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
+        if (ge != cudaSuccess) return ge;
     } else if (c.gemm) { /* sequential, Hopper grouped GEMM (measurements: one side left out, c.disable) */
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM), comm_on = !(c.disable & COMET_DISABLE_COMM);
         if (comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
@@ -1322,12 +1053,9 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1, -1);
     }
-    if (combine) {
-        if (c.partial) k_send_partials<<<grid, COMM_THREADS, 0, stream>>>(c);
-        if (final_flat(&c))
-            k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
-        else
-            k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
-    }
+    if (final_flat(&c))
+        k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
+    else
+        k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     return (int)cudaGetLastError();
 }

@@ -10,7 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/runtime.h"
 #include "../core/status.h"
 #include "trace.h"
 
@@ -102,13 +101,6 @@ int64_t comet_trace_dropped(const comet_trace_t *t) {
     int64_t n = atomic_load(&((comet_trace_t *)t)->out_of_range);
     for (size_t s = 0; s < (size_t)t->ranks * (size_t)t->lanes; s++) n += (int64_t)t->counts[s] - kept_in(t, s);
     return n;
-}
-
-comet_status_t comet_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
-    comet_clear_error();
-    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
-    if (l->world->backend == COMET_BACKEND_CUDA) return comet_cuda_layer_set_trace(l, trace);
-    return comet_cpu_layer_set_trace(l, trace);
 }
 
 /* ---------------------------------------------------------------------------

@@ -109,10 +109,6 @@ const char *comet_trace_role_name(int role);
 /* Layer of a kind: 0, 1, or -1 (host, wait). */
 int comet_trace_kind_layer(int kind);
 
-/* The backends' side of comet_layer_set_trace (src/cpu/engine.c,
- * src/cuda/backend.c). */
-comet_status_t comet_cpu_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
-comet_status_t comet_cuda_layer_set_trace(comet_layer_t *layer, comet_trace_t *trace);
 #endif /* C only: the recorder */
 
 #endif /* COMET_TRACE_H */

@@ -32,7 +32,6 @@
  */
 #include "tuner.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,71 +41,63 @@ typedef struct {
     comet_tuning_t t;
 } entry_t;
 
-static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_once_t table_once = PTHREAD_ONCE_INIT;
-static entry_t *table;
-static int table_len;
-static int table_loaded; /* a table was loaded (explicitly or from the environment) */
+struct comet_tune_table {
+    entry_t *entries;
+    int len;
+};
 
-int comet_tuner_load(const char *path) {
-    entry_t *fresh = NULL;
-    int n = 0, cap = 0;
-    if (path && *path) {
-        FILE *f = fopen(path, "r");
-        if (!f) return -1;
-        char line[512], backend[16];
-        while (fgets(line, sizeof line, f)) {
-            entry_t e;
-            long long v[9];
-            double ms;
-            if (sscanf(line, "%15s %lld %lld %lld %lld %lld %lld %lld %lld %lld %lf", backend, &v[0], &v[1], &v[2],
-                       &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &ms) != 11)
-                continue; /* the header, or a malformed line */
-            if (strcmp(backend, "cpu") != 0 && strcmp(backend, "cuda") != 0) continue;
-            const int cuda = strcmp(backend, "cuda") == 0; /* n_comm 0 there: the sequential chain */
-            if (v[7] < (cuda ? 0 : 1) || v[8] < 1 || v[6] < 0) continue;
-            e.backend = strcmp(backend, "cuda") == 0 ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
-            e.hidden = v[0], e.ffn = v[1], e.experts = v[2], e.topk = v[3], e.tp = v[4], e.ep = v[5], e.tokens = v[6];
-            e.t.n_comm = (int)v[7], e.t.chunk_cols = (int)v[8];
-            if (n == cap) {
-                cap = cap ? 2 * cap : 16;
-                entry_t *grown = realloc(fresh, sizeof(entry_t) * (size_t)cap);
-                if (!grown) break;
-                fresh = grown;
-            }
-            fresh[n++] = e;
-        }
-        fclose(f);
-    }
-    pthread_mutex_lock(&table_mu);
+void comet_tune_table_free(comet_tune_table_t *table) {
+    if (!table) return;
+    free(table->entries);
     free(table);
-    table = fresh, table_len = n, table_loaded = 1;
-    pthread_mutex_unlock(&table_mu);
-    return n;
 }
 
-/* COMET_TUNE_FILE, unless a table was loaded explicitly first. */
-static void load_from_env(void) {
-    pthread_mutex_lock(&table_mu);
-    int loaded = table_loaded;
-    pthread_mutex_unlock(&table_mu);
-    if (!loaded) comet_tuner_load(getenv("COMET_TUNE_FILE"));
+int comet_tune_table_load(const char *path, comet_tune_table_t **out) {
+    comet_tune_table_t *tab = calloc(1, sizeof *tab);
+    *out = tab;
+    if (!tab || !path || !*path) return 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int cap = 0;
+    char line[512], backend[16];
+    while (fgets(line, sizeof line, f)) {
+        entry_t e;
+        long long v[9];
+        double ms;
+        if (sscanf(line, "%15s %lld %lld %lld %lld %lld %lld %lld %lld %lld %lf", backend, &v[0], &v[1], &v[2],
+                   &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &ms) != 11)
+            continue; /* the header, or a malformed line */
+        if (strcmp(backend, "cpu") != 0 && strcmp(backend, "cuda") != 0) continue;
+        const int cuda = strcmp(backend, "cuda") == 0; /* n_comm 0 there: the sequential chain */
+        if (v[7] < (cuda ? 0 : 1) || v[8] < 1 || v[6] < 0) continue;
+        e.backend = cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
+        e.hidden = v[0], e.ffn = v[1], e.experts = v[2], e.topk = v[3], e.tp = v[4], e.ep = v[5], e.tokens = v[6];
+        e.t.n_comm = (int)v[7], e.t.chunk_cols = (int)v[8], e.t.push = 0;
+        if (tab->len == cap) {
+            cap = cap ? 2 * cap : 16;
+            entry_t *grown = realloc(tab->entries, sizeof(entry_t) * (size_t)cap);
+            if (!grown) break;
+            tab->entries = grown;
+        }
+        tab->entries[tab->len++] = e;
+    }
+    fclose(f);
+    return tab->len;
 }
 
 /* The entry for this configuration with the token count nearest `tokens`. */
-static int lookup(const comet_dims_t *d, comet_backend_t backend, int64_t tokens, comet_tuning_t *out) {
+static int lookup(const comet_tune_table_t *tab, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,
+                  comet_tuning_t *out) {
     int found = 0;
     int64_t best = 0;
-    pthread_mutex_lock(&table_mu);
-    for (int i = 0; i < table_len; i++) {
-        const entry_t *e = &table[i];
+    for (int i = 0; tab && i < tab->len; i++) {
+        const entry_t *e = &tab->entries[i];
         if (e->backend != (int)backend || e->hidden != d->hidden || e->ffn != d->ffn_local * d->tp ||
             e->experts != d->num_experts || e->topk != d->topk || e->tp != d->tp || e->ep != d->ep)
             continue;
         int64_t dist = e->tokens > tokens ? e->tokens - tokens : tokens - e->tokens;
         if (!found || dist <= best) found = 1, best = dist, *out = e->t; /* ties: the later line (a re-tune) */
     }
-    pthread_mutex_unlock(&table_mu);
     return found;
 }
 
@@ -123,19 +114,37 @@ void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t nu
         t->n_comm = 16;
 }
 
-void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t) {
-    pthread_once(&table_once, load_from_env);
-    comet_tuning_t m;
-    if (t->chunk_cols == 0 && lookup(d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
-        t->chunk_cols = m.chunk_cols;
-    const int64_t for_n = backend == COMET_BACKEND_CUDA ? d->max_tokens : num_tokens; /* CUDA: one protocol */
-    const int measured = t->n_comm == 0 && lookup(d, backend, for_n, &m);
-    if (measured) t->n_comm = m.n_comm; /* CUDA: 0 there is the sequential chain, which the rule must keep */
-    const int n_comm = t->n_comm;
-    comet_tuner_rule(d, backend, num_tokens, t);
-    if (measured) t->n_comm = n_comm;
+comet_combine_t comet_tuner_combine(const comet_dims_t *d, comet_backend_t backend, comet_gemm_kind_t gemm,
+                                    int force_pull) {
+    if (backend != COMET_BACKEND_CUDA) return COMET_COMBINE_PARTIALS;
+    const int can_push = gemm == COMET_GEMM_HOPPER && d->world_size >= 2 && d->world_size <= COMET_TUNER_MAX_PUSH;
+    return can_push && !force_pull ? COMET_COMBINE_PUSH : COMET_COMBINE_PULL;
 }
 
+void comet_tuner_choose(const comet_tune_table_t *table, const comet_dims_t *d, comet_backend_t backend,
+                        int64_t num_tokens, int n_comm, int chunk_cols, comet_protocol_t *p) {
+    const int cuda = backend == COMET_BACKEND_CUDA;
+    comet_tuning_t t = {n_comm > 0 ? n_comm : 0, chunk_cols, p->combine == COMET_COMBINE_PUSH};
+    comet_tuning_t m;
+    if (t.chunk_cols == 0 && lookup(table, d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
+        t.chunk_cols = m.chunk_cols;
+    p->chosen_by = COMET_CHOSEN_BY_ARGS;
+    if (cuda && (n_comm == COMET_SEQUENTIAL || p->gemm != COMET_GEMM_HOPPER)) {
+        t.n_comm = 0; /* the sequential chain: asked for, or the only one without the Hopper GEMM's hooks */
+        if (n_comm == 0) p->chosen_by = COMET_CHOSEN_BY_RULE;
+    } else if (t.n_comm == 0 && lookup(table, d, backend, cuda ? d->max_tokens : num_tokens, &m)) {
+        t.n_comm = m.n_comm; /* CUDA: one protocol for every rank, and 0 there is the sequential chain */
+        p->chosen_by = COMET_CHOSEN_BY_TABLE;
+        if (t.n_comm == 0) t.n_comm = -1; /* keep it from the rule below */
+    } else if (t.n_comm == 0) {
+        p->chosen_by = COMET_CHOSEN_BY_RULE;
+    }
+    comet_tuner_rule(d, backend, num_tokens, &t);
+    if (t.n_comm < 0) t.n_comm = 0;
+    p->n_comm = t.n_comm;
+    p->mode = !cuda || t.n_comm > 0 ? COMET_MODE_OVERLAPPED : COMET_MODE_SEQUENTIAL;
+    p->chunk_cols = cuda ? 0 : t.chunk_cols;
+}
 int comet_tuner_append(const char *path, const comet_dims_t *d, comet_backend_t backend, int64_t tokens,
                        const comet_tuning_t *t, double ms) {
     FILE *f = fopen(path, "a+");

@@ -655,11 +655,7 @@ static void *rank_main(void *arg) {
     comet_run_t *run = job->run;
     comet_layer_t *layer = NULL;
     comet_status_t st = comet_layer_create(&layer, job->world, job->rank, &job->p->cfg);
-    if (st == COMET_SUCCESS && job->rank == 0) {
-        comet_layer_memory(layer, &run->memory);
-        if (comet_world_backend(job->world) == COMET_BACKEND_CUDA)
-            comet_cuda_layer_modes(layer, run->modes, sizeof run->modes);
-    }
+    if (st == COMET_SUCCESS && job->rank == 0) comet_layer_memory(layer, &run->memory);
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (job->rank < 64 && run->n_comm_of_rank[job->rank]) a.n_comm = run->n_comm_of_rank[job->rank];
@@ -700,8 +696,11 @@ static void *rank_main(void *arg) {
     if (run->graph && !job->agreed && comet_world_backend(job->world) == COMET_BACKEND_CUDA) agree(job->agree, 0);
 #endif
     if (layer && run->trace) comet_layer_set_trace(layer, NULL);
-    if (layer && job->rank == 0 && comet_world_backend(job->world) == COMET_BACKEND_CUDA)
-        run->n_comm_ran = comet_cuda_layer_last_n_comm(layer), run->replays = comet_cuda_layer_replays(layer, &run->captures);
+    if (layer && job->rank == 0) {
+        comet_protocol_t proto = COMET_PROTOCOL_INIT;
+        if (comet_layer_last_protocol(layer, &proto) == COMET_SUCCESS) run->protocol = proto;
+        run->replays = layer->replays, run->captures = layer->captures;
+    }
     comet_layer_destroy(layer);
     return NULL;
 }

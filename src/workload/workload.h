@@ -150,13 +150,10 @@ typedef struct {
     void *timed_ctx;
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
-    int n_comm_ran;         /* out, CUDA: the protocol rank 0's last forward ran (n_comm > 0 overlapped,
-                             * 0 the sequential chain; comet_cuda_layer_last_n_comm), else 0 */
-    int64_t replays;        /* out, CUDA: rank 0's forwards replayed as one graph (comet_cuda_layer_replays) */
+    comet_protocol_t protocol; /* out: the protocol rank 0's last forward ran (comet_layer_last_protocol);
+                             * struct_size 0 if it ran none */
+    int64_t replays;        /* out, CUDA: rank 0's forwards replayed as one graph (src/cuda/replay.c) */
     int64_t captures;       /* out, CUDA: the chains rank 0's layer captured for them (one per protocol) */
-    char modes[64];         /* the create-time knobs rank 0's layer ran with (CUDA: "push", "partials",
-                             * "ce", "replay", and "simt" where the SIMT GEMM fallback runs, which
-                             * ignores disable; comma-separated; comet_cuda_layer_modes), else "" */
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:

@@ -1,0 +1,87 @@
+/*
+ * layer.c - the public layer calls: argument checks common to every backend,
+ * then the world's backend (runtime.h's operations table).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+#include "../core/status.h"
+#include "../core/validate.h"
+
+comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,
+                                  const comet_layer_config_t *cfg) {
+    comet_clear_error();
+    if (!out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    *out = NULL;
+    if (!world) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world is NULL");
+    if (rank < 0 || rank >= world->size)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d is outside [0, %d)", rank, world->size);
+    if (world->local_rank >= 0 && rank != world->local_rank)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: this process holds rank %d of the world", rank,
+                          world->local_rank);
+    comet_dims_t dims;
+    COMET_TRY(comet_dims_from_config(cfg, world->size, rank, &dims));
+    comet_layer_t *l = calloc(1, sizeof *l);
+    if (!l) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "layer: no memory");
+    l->world = world;
+    l->rank = rank;
+    l->cfg = *cfg;
+    l->dims = dims;
+    comet_layer_knobs_read(&l->knobs);
+    const comet_protocol_t none = COMET_PROTOCOL_INIT;
+    l->protocol = none;
+    comet_status_t st = world->ops->layer_create(l);
+    if (st != COMET_SUCCESS) {
+        free(l);
+        return st;
+    }
+    atomic_fetch_add(&world->live_layers, 1);
+    *out = l;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_destroy(comet_layer_t *l) {
+    comet_clear_error();
+    if (!l) return COMET_SUCCESS;
+    l->world->ops->layer_destroy(l);
+    atomic_fetch_sub(&l->world->live_layers, 1);
+    free(l);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    return l->world->ops->layer_forward(l, args);
+}
+
+comet_status_t comet_layer_memory(const comet_layer_t *l, comet_memory_t *out) {
+    comet_clear_error();
+    if (!l || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or out is NULL");
+    l->world->ops->layer_memory(l, out);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_sync(comet_layer_t *l) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    return l->world->ops->layer_sync ? l->world->ops->layer_sync(l) : COMET_SUCCESS;
+}
+
+comet_status_t comet_layer_set_trace(comet_layer_t *l, comet_trace_t *trace) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    return l->world->ops->layer_set_trace(l, trace);
+}
+
+comet_status_t comet_layer_last_protocol(const comet_layer_t *l, comet_protocol_t *out) {
+    comet_clear_error();
+    if (!l || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or out is NULL");
+    if (out->struct_size != sizeof(comet_protocol_t))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "out->struct_size is %u, expected %zu (use COMET_PROTOCOL_INIT)",
+                          out->struct_size, sizeof(comet_protocol_t));
+    if (!l->has_run) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has run no forward yet", l->rank);
+    *out = l->protocol;
+    return COMET_SUCCESS;
+}

@@ -1,0 +1,94 @@
+/*
+ * rendezvous.c - the meeting point that pairs up collective calls across the
+ * rank threads of a world (runtime.h).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "runtime.h"
+#include "status.h"
+
+struct comet_rendezvous {
+    int64_t seq;
+    int arrived;
+    int mismatch;             /* a rank brought a different key */
+    int released;             /* ranks that have left with the shared object */
+    void *shared;
+    void *key;
+    size_t key_bytes;
+    comet_rendezvous_t *next;
+};
+
+void comet_rendezvous_init(comet_world_t *w) {
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+}
+
+void comet_rendezvous_destroy(comet_world_t *w) {
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+}
+
+comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
+                                      comet_make_fn make, void *arg, void **shared) {
+    *shared = NULL;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += w->settings.timeout_ms / 1000;
+    deadline.tv_nsec += (long)(w->settings.timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+
+    pthread_mutex_lock(&w->mu);
+    int64_t seq = w->next_seq[rank]++;
+    comet_rendezvous_t *rv = w->pending;
+    while (rv && rv->seq != seq) rv = rv->next;
+    if (!rv) {
+        rv = calloc(1, sizeof *rv);
+        void *k = rv ? malloc(key_bytes) : NULL;
+        void *obj = k ? make(arg) : NULL;
+        if (!rv || !k || !obj) {
+            free(rv), free(k);
+            w->next_seq[rank]--;
+            pthread_mutex_unlock(&w->mu);
+            return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the shared state of collective call %lld",
+                              rank, (long long)seq);
+        }
+        memcpy(k, key, key_bytes);
+        rv->seq = seq;
+        rv->key = k;
+        rv->key_bytes = key_bytes;
+        rv->shared = obj;
+        rv->next = w->pending;
+        w->pending = rv;
+    } else if (rv->key_bytes != key_bytes || memcmp(rv->key, key, key_bytes) != 0) {
+        rv->mismatch = 1;
+    }
+    rv->arrived++;
+    pthread_cond_broadcast(&w->cv);
+    int err = 0;
+    while (rv->arrived < w->size && err == 0) err = pthread_cond_timedwait(&w->cv, &w->mu, &deadline);
+    if (rv->arrived < w->size) {
+        /* Leave the record for late ranks; this world is unusable now. */
+        atomic_store(&w->aborted, 1);
+        int arrived = rv->arrived;
+        pthread_mutex_unlock(&w->mu);
+        return comet_fail(COMET_ERR_TIMEOUT, "rank %d: collective call %lld: only %d of %d ranks arrived within %d ms",
+                          rank, (long long)seq, arrived, w->size, w->settings.timeout_ms);
+    }
+    int mismatch = rv->mismatch;
+    *shared = rv->shared;
+    if (++rv->released == w->size) { /* last one out removes the record */
+        comet_rendezvous_t **pp = &w->pending;
+        while (*pp != rv) pp = &(*pp)->next;
+        *pp = rv->next;
+        free(rv->key);
+        free(rv);
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (mismatch)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "rank %d: ranks passed different arguments to collective call %lld", rank, (long long)seq);
+    return COMET_SUCCESS;
+}
