@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench ce push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -60,7 +60,7 @@ for step in $STEPS; do
         summary+=("torch._grouped_mm: exit $? (gemm.log, grouped_mm.json)")
         ;;
     gemmab) # one GPU: gemm_bench under environment variants, interleaved over ROUNDS (GEMM_AB="A;B",
-            # default clusters off/on; e.g. "COMET_GEMM_HALF=0;COMET_GEMM_HALF=1"; GEMM_BENCH_TP=2 in a
+            # default clusters off/on; e.g. "COMET_GEMM_NARROW=0;COMET_GEMM_NARROW=1"; GEMM_BENCH_TP=2 in a
             # variant: the TP2 shapes), on GEMM_MODELS (default: all presets and the dense shapes)
         IFS=';' read -ra variants <<<"${GEMM_AB:-COMET_GEMM_CLUSTER=0;COMET_GEMM_CLUSTER=1}"
         for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
@@ -93,17 +93,10 @@ for step in $STEPS; do
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done; done
         ;;
-    ce) # the overlapped mode with the copy-engine dispatch (COMET_DISPATCH_CE=1), CE_LAYOUTS
-        IFS=';' read -ra layouts <<<"${CE_LAYOUTS:---ep 2 --n-comm 16 --comm-hidden;--tp 2 --n-comm 16 --comm-hidden}"
-        for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
-            line=$(COMET_DISPATCH_CE=1 timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
-            summary+=("bench CE $layout: ${line:-FAILED (see bench.log)}")
-        done; done; done
-        ;;
     ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
         # drift under sustained load hits every variant alike; one summary line per run. COMET_BIN=DIR
         # in a variant runs DIR/comet instead of build/comet (two builds compared: carry both)
-        IFS=';' read -ra variants <<<"${AB:-COMET_PARTIALS=0;COMET_PARTIALS=1}"
+        IFS=';' read -ra variants <<<"${AB:-COMET_GEMM_CLUSTER=0;COMET_GEMM_CLUSTER=1}"
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do

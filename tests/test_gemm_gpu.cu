@@ -392,10 +392,9 @@ static void run_case(const gcase_t *c, uint64_t seed) {
            "blocks %d.. in %d pieces\n", c->tag, nb, (long long)nrows, (long long)checked, all ? "all" : "sampled",
            (long long)bad_h, (long long)bad_o, (long long)pad_h, (long long)pad_o, pieces > 1 ? split_b0 : nb, pieces);
 
-    /* a second GEMM0 in expert order (the first walked l0_order, unless COMET_GEMM_TEST_NOHOOKS or
-     * COMET_GEMM_ORDER made both walk one order) writes the same bits, and a third in expert order
-     * waiting for blocks released late in reverse (COMET_GEMM_ORDER=expert in the overlapped mode):
-     * slower, never stuck */
+    /* a second GEMM0 in expert order (the first walked l0_order, unless COMET_GEMM_TEST_NOHOOKS made
+     * both walk one order) writes the same bits, and a third in expert order waiting for blocks
+     * released late in reverse: slower, never stuck */
     uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
     if (!relaunch_same(g, 0, NULL, NULL, 0, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
                        "GEMM0 in expert order against l0_order's"))

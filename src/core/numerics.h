@@ -10,7 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "hd.h"
+#include "../plan/hd.h"
 
 typedef uint16_t comet_bf16_t; /* storage of one bfloat16 */
 

@@ -88,8 +88,7 @@ typedef struct {
      * expert order. Expert order reads each expert's W1 about once: the stages of
      * l0_order split every expert's blocks, so its W1 tiles come from DRAM
      * again (Mixtral EP2, 4096 tokens a rank, H200: 3.85 -> 2.54 GB of DRAM
-     * reads, +3.4% sustained, dev/NOTES.md). COMET_GEMM_ORDER=expert or
-     * local at prepare overrides it (a measurement knob). */
+     * reads, +3.4% sustained, dev/NOTES.md). */
     int l0_order;
     /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per

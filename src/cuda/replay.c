@@ -23,12 +23,8 @@
  * capture or instantiation failed (remembered), misses after
  * REPLAY_MAX_CAPTURES captures (a layer whose weights move call after call
  * would capture every call), and what backend.c keeps out (tracing, a call
- * whose arguments failed the host checks, the SIMT GEMM, COMET_REPLAY=0).
- * The overlapped mode's concurrent branches (k_combine_ov beside GEMM1,
- * the copy engine beside the pulls) wait on each other's flags: as with a
- * caller's graph (comet bench --graph), they rely on the graph running its
- * branches at once, which CUDA does where the SMs allow (the chain sizes
- * them to fit); COMET_REPLAY=0 is the way back.
+ * whose arguments failed the host checks, the SIMT GEMM, graph replay off
+ * in the world's options).
  */
 #include <stdint.h>
 #include <stdlib.h>

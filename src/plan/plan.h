@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../core/hd.h"
+#include "hd.h"
 
 /* Sizes of one rank's view of a layer, derived once from the config. */
 typedef struct {

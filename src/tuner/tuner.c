@@ -1,6 +1,6 @@
 /*
  * tuner.c - the measured table and the analytical rule behind
- * comet_tuner_pick (see tuner.h).
+ * comet_tuner_choose (see tuner.h).
  *
  * Rule: chunk_cols about hidden/8, a multiple of 8 columns, so the
  * reduce-and-send of chunk c overlaps the GEMM of chunk c+1 while each chunk
@@ -11,24 +11,9 @@
  * hidden bf16; gated: 2 x F_local x hidden) at most 128 MiB (the
  * overlapped mode walks GEMM0 local first, which reads every expert's W1
  * once a stage, where the sequential chain walks expert order and reads it
- * about once; for larger slices that costs more than the dispatch it hides:
- * Mixtral EP2 at M=8192 sequential 4.26 / 4.11 ms against 4.41 / 4.48
- * overlapped, level at M=16384, Mixtral TP2 (7168 x 4096) and Phi-3.5
- * level, 2x H200, 32ae4d5, bench/results/2026-11-22-gemm-power-h200.md; on
- * 4 ranks Mixtral EP4 was already 0.7-1.3% faster sequential, 13fcb21).
- * Before that bound, on 2x H200 (M >= 8192) the rule's cells were
- * Qwen2-MoE, Mixtral and Phi-3.5-MoE: 10 of their 12 such cells faster, 7
- * by 3.6-4.8%, 2 slower by 1.2-2.1%; Mixtral alternated later: +-1.7%, a
- * wash (bench/results/2026-11-22-comet-h200x2-5215af5.md; at 50f5ee0, 8 of
- * the 12 faster, one by 0.1%, and Phi EP2 M=16384 7.6% slower, though its
- * GEMM-only side alone, 4.08 ms, was slower than the sequential layer, 3.96:
- * the clock, -50f5ee0.md). On 4x H200 (M =
- * 16384: TP2 x EP2 and EP4) Qwen2-MoE 7% and 10% faster, Mixtral -0.6% and
- * +1.4%, a wash (-a392388.jsonl; larger worlds not measured). Else 0, the
- * sequential chain: DeepSeek-V3-style (topk 8 x hidden 7168: 1-7% slower
- * overlapped on 2 ranks), Mixtral at EP (F_local 14336), 2048 tokens a rank
- * (even on average), one rank, COMET_PUSH=0 and partials (not measured
- * faster).
+ * about once; for larger slices that costs more than the dispatch it
+ * hides). Else the sequential chain. The measurements behind each bound are
+ * in docs/decisions.md.
  */
 #include "tuner.h"
 
