@@ -421,17 +421,14 @@ static void run_case(const gcase_t *c, uint64_t seed) {
     if (!relaunch_same(g, 1, NULL, NULL, 0, 0, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first"))
         return;
 
-    /* the device split what the rule says: GEMM1 prepared with COMET_GEMM_SPLIT=0 gives the whole
-     * tiles' rows the same bits and, on the large split case (other sums of K, random inputs), the
-     * split blocks' rows some other bits */
+    /* the device split what the rule says: GEMM1 prepared without the split (knobs.split_min 0)
+     * gives the whole tiles' rows the same bits and, on the large split case (other sums of K,
+     * random inputs), the split blocks' rows some other bits */
     if (pieces > 1) {
-        char keep[32];
-        snprintf(keep, sizeof keep, "%s", getenv("COMET_GEMM_SPLIT") ? getenv("COMET_GEMM_SPLIT") : "");
-        setenv("COMET_GEMM_SPLIT", "0", 1);
+        comet_gemm_args_t whole = ga;
+        whole.knobs.split_min = 0;
         comet_gemm_t *g0 = NULL;
-        rc = comet_gemm_prepare(&ga, &g0, err, sizeof err);
-        if (keep[0]) setenv("COMET_GEMM_SPLIT", keep, 1);
-        else unsetenv("COMET_GEMM_SPLIT");
+        rc = comet_gemm_prepare(&whole, &g0, err, sizeof err);
         CHECK(rc == 0 && comet_gemm_split_of(g0, nb, NULL) == 1, "%s: prepare without the split: %s", c->tag,
               rc ? err : "it still splits");
         if (rc == 0) {
