@@ -57,7 +57,10 @@ $(BUILD)/%.o: %.cu
 	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2>&1 | tee $@.log; \
 	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C751[0-9]|C7520' $@.log
 
+# Made anew each time: `ar rcs` on an old archive keeps the members of
+# sources since removed or renamed, whose symbols the linker may then take.
 $(BUILD)/libcomet.a: $(LIB_OBJ)
+	rm -f $@
 	$(AR) rcs $@ $^
 
 $(BUILD)/comet: $(BUILD)/tools/comet.o $(WL_OBJ) $(BUILD)/libcomet.a

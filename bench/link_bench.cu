@@ -29,7 +29,7 @@
 #include "bench_check.h"
 
 #define THREADS 512
-#define PULL_UNROLL 12 /* as src/cuda/layer_kernels.cu had it up to 510045a */
+#define PULL_UNROLL 12 /* as the layer's dispatch had it up to 510045a (then in src/cuda/layer_kernels.cu) */
 #define BULK_PIECE 16384
 #define BULK_STAGES 4
 #define BUSY_GEMMS 12

@@ -1,4 +1,4 @@
-// combine.cu: the layer's local combine (src/cuda/layer_kernels.cu, pull_combine) as a standalone
+// combine.cu: the layer's local combine (src/cuda/layer/combine.cuh, pull_combine) as a standalone
 // experiment, to find a data mover that reads the expert output rows near the HBM rate. The library's
 // reads 1.3-2 TB/s (dev/NOTES.md, session 7): latency-bound, 16 warps x 64 B a lane in flight an SM.
 //

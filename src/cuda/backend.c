@@ -2,7 +2,7 @@
  * backend.c - host side of the CUDA backend: one GPU per rank (local
  * worlds: rank r on device r; comet_world_create_nccl: the device given),
  * buffers sized for the worst case at create time, and a forward that only
- * enqueues work (layer_kernels.cu) on the caller's stream and a second one
+ * enqueues work (layer_chain.cu) on the caller's stream and a second one
  * forked and joined by events: no host synchronisation, so a whole forward
  * can be captured in a CUDA graph. The routing is checked on the device; comet_layer_sync reports
  * what the device found.

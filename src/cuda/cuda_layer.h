@@ -1,8 +1,8 @@
 /*
  * cuda_layer.h - what the host side of the CUDA backend (src/cuda/backend.c)
- * hands to the layer kernels (src/cuda/layer_kernels.cu): one plain struct
- * passed by value to every kernel, and the C ABI of the launchers. No CUDA
- * header needed: streams travel as void *.
+ * hands to the layer kernels (src/cuda/layer_chain.cu and its rooms in
+ * src/cuda/layer/): one plain struct passed by value to every kernel, and the
+ * C ABI of the launchers. No CUDA header needed: streams travel as void *.
  *
  * Symmetric buffer of each rank (the same layout on every rank, so a peer's
  * field is at the same offset in the peer's buffer), carved by backend.c:

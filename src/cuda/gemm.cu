@@ -36,7 +36,8 @@
  * GEMM1's tail split (gm_split, gm_split_piece): the tiles that would run
  * in a part-empty last wave run as pieces over K instead, summed in piece
  * order by the CTA that completes a tile.
- * Not here: the SIMT fallback and the layer's other kernels (layer_kernels.cu).
+ * Not here: the SIMT fallback (layer/simt_gemm.cuh) and the layer's other kernels
+ * (layer_chain.cu and its rooms in layer/).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -23,8 +23,8 @@
  * Padding rows of a block (num_rows < tile_m) are never written.
  *
  * What it is not: a general GEMM (only the two MoE shapes above), nor the
- * layer's kernel chain (layer_kernels.cu uses the hooks below), nor a fallback: shapes that
- * comet_gemm_check rejects need the SIMT kernels of layer_kernels.cu.
+ * layer's kernel chain (layer_chain.cu uses the hooks below), nor a fallback: shapes that
+ * comet_gemm_check rejects need the SIMT kernels of layer/simt_gemm.cuh.
  * Not part of the public API. No CUDA header needed to include this one.
  */
 #ifndef COMET_CUDA_GEMM_H

@@ -1,7 +1,7 @@
 /*
  * vec8.h - vector accesses of the data movers: 8 columns at once (one
  * 16-byte bf16 access, two for fp32; with vec 0, n <= 8 scalar accesses),
- * element i of 8 packed bf16. Device code (src/cuda/layer_kernels.cu,
+ * element i of 8 packed bf16. Device code (the combine, src/cuda/layer/combine.cuh;
  * dev/combine), CUDA C++.
  */
 #ifndef COMET_CUDA_VEC8_H

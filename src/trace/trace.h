@@ -73,7 +73,7 @@ typedef struct {
     uint16_t call;       /* forward call number on this rank, low 16 bits */
 } comet_trace_event_t;
 
-#ifdef __cplusplus /* the event layout is shared with the CUDA kernels (src/cuda/layer_kernels.cu) */
+#ifdef __cplusplus /* the event layout is shared with the CUDA kernels (src/cuda/layer/flags.cuh) */
 static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");
 #else
 _Static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");

@@ -1,0 +1,178 @@
+/*
+ * layer_chain.cu - the CUDA layer: one forward as a chain of kernels on the
+ * caller's stream, with no host synchronisation (cuda_layer.h lists the
+ * steps and the flag protocol): the sequential chain, and the overlapped
+ * mode (Hopper GEMM): k_dispatch_ov with GEMM0 as its programmatic
+ * dependent; GEMM1 on every SM (pushing its rows home with the push
+ * combine), then the combine.
+ *
+ * The expert GEMMs run on the Hopper grouped GEMM (gemm.cu) when the shapes
+ * suit it (comet_gemm_check), else on the SIMT tiles of layer/simt_gemm.cuh,
+ * which are correct for any shape.
+ *
+ * This file is the layer's one translation unit: its kernels live in rooms by
+ * protocol step under layer/, included below in chain order (the device
+ * functions they share inline across them, with no relocatable device code):
+ *   layer/flags.cuh      memory-order accesses, waits, trace records, copies
+ *   layer/stage.cuh      k_enter, k_stage, k_plan, k_gather_routing
+ *   layer/dispatch.cuh   k_dispatch, k_dispatch_ov (row counts, block_ready)
+ *   layer/simt_gemm.cuh  k_gemm0, k_gemm1 (the SIMT fallback)
+ *   layer/combine.cuh    signal + combine: k_final, k_final_flat
+ *   layer/exit.cuh       k_exit, k_mark
+ * Here itself: the host side (warm-up, launch_gemm, comet_cuda_forward_launch,
+ * forward_chain). Not here: the plan builder (plan_kernel.cu), the Hopper
+ * GEMM (gemm.cu), the buffers and the replay (backend.c, replay.c).
+ */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#define COMET_PLAN_DEVICE_ONLY
+#define COMET_PLAN_API static __device__
+#include "../plan/plan_impl.h"
+
+#include "cuda_layer.h"
+#include "gemm.h"
+#include "plan_kernel.h"
+#include "vec8.h"
+#include "../trace/trace.h"
+#include "comet.h"
+
+#include "layer/flags.cuh"
+#include "layer/stage.cuh"
+#include "layer/dispatch.cuh"
+#include "layer/simt_gemm.cuh"
+#include "layer/combine.cuh"
+#include "layer/exit.cuh"
+
+/* ---------------------------------------------------------------------------
+ * Host side
+ * ------------------------------------------------------------------------- */
+
+extern "C" const void *comet_cuda_enter_kernel(void) { return (const void *)k_enter; }
+
+/* Load every kernel of the layer now: with lazy module loading, a kernel
+ * loaded for the first time while another spins on a flag can deadlock. */
+extern "C" int comet_cuda_layer_warm(void) {
+    const void *fns[] = {(const void *)k_enter, (const void *)k_stage, (const void *)k_plan,
+                         (const void *)k_gather_routing,
+                         (const void *)k_dispatch, (const void *)k_gemm0, (const void *)k_gemm1,
+                         (const void *)k_final,
+                         (const void *)k_final_flat, (const void *)k_exit,
+                         (const void *)k_dispatch_ov,
+                         (const void *)k_mark};
+    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
+        cudaFuncAttributes a;
+        cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
+        if (e != cudaSuccess) return (int)e;
+    }
+    return comet_gemm_warm();
+}
+
+/* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
+ * programmatically dependent on the kernel before it, hooks->pdl, must follow
+ * that kernel directly: its begin mark goes before that kernel instead). */
+static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
+    if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0, -1);
+    const int ge = which ? comet_gemm1_launch((const comet_gemm_t *)c->gemm, stream, hooks)
+                         : comet_gemm0_launch((const comet_gemm_t *)c->gemm, stream, hooks);
+    if (ge != cudaSuccess) return ge;
+    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1, -1);
+    return cudaSuccess;
+}
+
+static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
+
+extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
+    cudaStream_t stream = (cudaStream_t)stream_ptr;
+    const comet_cuda_ctx_t c = *ctx;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    k_enter<<<1, 1, 0, stream>>>(c, *call);
+    k_stage<<<grid, 256, 0, stream>>>(c);
+    k_plan<<<1, 32, 0, stream>>>(c);
+    const int e = forward_chain(&c, stream);
+    if (e != cudaSuccess) return e;
+    k_exit<<<1, 1, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
+
+/* Tracing: the plan step `step` ends here and the next begins (the
+ * builder's hook between its kernels; arg is the comet_cuda_ctx_t). */
+static cudaError_t plan_mark(void *arg, int step, cudaStream_t stream) {
+    const comet_cuda_ctx_t *c = (const comet_cuda_ctx_t *)arg;
+    k_mark<<<1, 1, 0, stream>>>(*c, 2, 1, step);
+    k_mark<<<1, 1, 0, stream>>>(*c, 2, 0, -1);
+    return cudaGetLastError();
+}
+
+static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+    const comet_cuda_ctx_t c = *ctx;
+    const comet_dims_t *d = &c.d;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0, -1);
+    k_gather_routing<<<grid, 256, 0, stream>>>(c);
+    if (c.tr_events) {
+        const cudaError_t me = plan_mark((void *)&c, 0, stream);
+        if (me != cudaSuccess) return (int)me;
+    }
+    comet_plan_input_t in;
+    in.token_count = c.state->token_count; /* device addresses inside the state */
+    in.topk_idx = (const int32_t *const *)c.state->route_idx;
+    in.topk_w = (const float *const *)c.state->route_w;
+    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
+                                           c.tr_events ? plan_mark : NULL, (void *)&c);
+    if (pe != cudaSuccess) return (int)pe;
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 2);
+    if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
+        comet_gemm_hooks_t hooks;
+        memset(&hooks, 0, sizeof hooks);
+        hooks.skip = &c.state->skip;
+        hooks.num_ctas = c.num_sms; /* programmatic dependent of the pulls: CTAs start as SMs come free */
+        hooks.pdl = 1;
+        hooks.timeout_ns = c.timeout_ns;
+        hooks.block_ready = c.block_ready;
+        hooks.l0_order = 1; /* the pulls complete blocks in this order */
+        hooks.epoch = &c.state->epoch; /* device address inside the state */
+        hooks.timeout_report = c.gemm_report;
+        const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
+        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
+        k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
+        int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
+        if (ge != cudaSuccess) return ge;
+        hooks.block_ready = NULL;
+        hooks.pdl = 0;
+        /* layer 1: GEMM1 on every SM, pushing rows home with the push combine; the combine follows */
+        hooks.num_ctas = c.num_sms;
+        /* measurement without communication: no pushes either (the pushes ride inside GEMM1, so
+         * "comm only" (no GEMMs) has none: there the figure covers layer 0's pulls and the combine) */
+        hooks.push = c.push && !(c.disable & COMET_DISABLE_COMM);
+        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
+        if (ge != cudaSuccess) return ge;
+    } else if (c.gemm) { /* sequential, Hopper grouped GEMM (measurements: one side left out, c.disable) */
+        const int gemm_on = !(c.disable & COMET_DISABLE_GEMM), comm_on = !(c.disable & COMET_DISABLE_COMM);
+        if (comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+        comet_gemm_hooks_t hooks;
+        memset(&hooks, 0, sizeof hooks);
+        hooks.skip = &c.state->skip;
+        hooks.num_ctas = c.num_sms;
+        int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
+        if (ge != cudaSuccess) return ge;
+        hooks.push = c.push && comm_on; /* o rows to their home ranks too: the combine then reads local memory */
+        ge = gemm_on ? launch_gemm(&c, 1, &hooks, stream) : 0;
+        if (ge != cudaSuccess) return ge;
+    } else { /* sequential, SIMT tiles */
+        k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
+        k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1, -1);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0, -1);
+        k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1, -1);
+    }
+    if (final_flat(&c))
+        k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
+    else
+        k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
