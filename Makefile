@@ -41,12 +41,16 @@ RPATHS    := $(NCCL_HOME)/lib $(NCCL_HOME)/lib64 $(CUDA_HOME)/lib64
 XLDLIBS += $(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))
 endif
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_OBJ)
-WL_OBJ  := $(BUILD)/src/workload/workload.o
+# The harness (harness/: presets, routing generators, the multi-rank runner,
+# the torchrun bootstrap, NVML watching) is not part of the library: the CLI,
+# the tests and the benchmarks link it from its own archive.
+HARNESS := $(BUILD)/libcomet_harness.a
+HARNESS_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard harness/*.c))
 TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wildcard tests/test_*.c)))
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
 GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench $(BUILD)/bench/link_bench)
 
-all: $(BUILD)/libcomet.a $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
+all: $(BUILD)/libcomet.a $(HARNESS) $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -58,22 +62,27 @@ $(BUILD)/%.o: %.cu
 	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C751[0-9]|C7520' $@.log
 
 $(BUILD)/libcomet.a: $(LIB_OBJ)
+	@rm -f $@
 	$(AR) rcs $@ $^
 
-$(BUILD)/comet: $(BUILD)/tools/comet.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(HARNESS): $(HARNESS_OBJ)
+	@rm -f $@
+	$(AR) rcs $@ $^
+
+$(BUILD)/comet: $(BUILD)/tools/comet.o $(HARNESS) $(BUILD)/libcomet.a
 	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -ldl -o $@
 
-$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(HARNESS) $(BUILD)/libcomet.a
 	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -o $@
 
 # GPU tests: built whenever nvcc exists, they skip at run time without a GPU.
-$(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(BUILD)/tests/%: tests/%.cu $(BUILD)/tests/check.o $(HARNESS) $(BUILD)/libcomet.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) $^ $(CUDA_LIBS) $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 
 # The grouped-GEMM benchmark (against cuBLAS): built here so that its link is
 # checked everywhere; bench/run_gemm_bench.sh runs it on the GPU machine.
-$(BUILD)/bench/gemm_bench: bench/gemm_bench.cu bench/bench_check.h bench/gpu_power.h $(BUILD)/tests/check.o $(WL_OBJ) $(BUILD)/libcomet.a
+$(BUILD)/bench/gemm_bench: bench/gemm_bench.cu bench/bench_check.h harness/gpu_power.h $(BUILD)/tests/check.o $(HARNESS) $(BUILD)/libcomet.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) $(filter-out %.h,$^) $(CUDA_LIBS) -lcublas -ldl $(foreach d,$(RPATHS),-Xlinker -rpath -Xlinker $(d)) -o $@
 
