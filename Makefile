@@ -2,10 +2,13 @@
 # compiled for sm_90a whenever nvcc is found, so compile errors in GPU code
 # show up on machines without a GPU.
 #
-#   make            library, CLI, tests (and CUDA objects when nvcc exists)
+#   make            libcomet.a, libcomet.so, the CLI, tests (and CUDA objects
+#                   when nvcc exists)
+#   make NVCC=      CPU-only build (no CUDA backend, no NCCL), even where nvcc
+#                   exists; pair it with BUILD=build-cpu to keep both builds
 #   make test       build and run every test
 #   make bench      build and run `comet bench` on the default model
-#   make test SAN=thread   the same under ThreadSanitizer (no CUDA)
+#   make test SAN=thread   the same under ThreadSanitizer (no CUDA, no .so)
 #   make clean
 
 CC      ?= cc
@@ -41,6 +44,22 @@ RPATHS    := $(NCCL_HOME)/lib $(NCCL_HOME)/lib64 $(CUDA_HOME)/lib64
 XLDLIBS += $(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))
 endif
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_OBJ)
+# Every library object is position independent, so the same objects make
+# libcomet.a and libcomet.so ("private": not passed on to prerequisites).
+$(LIB_OBJ): private XCFLAGS += -fPIC
+$(CU_OBJ): private NVFLAGS += -Xcompiler -fPIC
+
+# The shared library: soname libcomet.so.MAJOR, the version from comet.h. It
+# records its own dependencies (CUDA runtime, NCCL, libstdc++, their rpaths),
+# so a program links -lcomet alone; it exports the functions declared in
+# include/comet.h and nothing else (the version script comet.map is made
+# from the header).
+comet_ver = $(shell sed -n 's/^\#define COMET_VERSION_$(1) *\([0-9][0-9]*\).*/\1/p' include/comet.h)
+VERSION := $(call comet_ver,MAJOR).$(call comet_ver,MINOR).$(call comet_ver,PATCH)
+SONAME  := libcomet.so.$(call comet_ver,MAJOR)
+SO_LIBS := $(LDLIBS) $(if $(NVCC),$(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))) -ldl -lm -pthread
+SO_LIB  := $(if $(SAN),,$(BUILD)/libcomet.so)
+
 # The harness (harness/: presets, routing generators, the multi-rank runner,
 # the torchrun bootstrap, NVML watching) is not part of the library: the CLI,
 # the tests and the benchmarks link it from its own archive.
@@ -50,13 +69,23 @@ TESTS   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/check.c,$(wi
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/%.cu,$(BUILD)/tests/%,$(wildcard tests/test_*.cu)))
 GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench $(BUILD)/bench/link_bench)
 
-all: $(BUILD)/libcomet.a $(HARNESS) $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
+all: $(BUILD)/libcomet.a $(SO_LIB) $(HARNESS) $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
 
-$(BUILD)/%.o: %.c
+# The knobs this build directory was made with. Objects depend on it, so a
+# change of compiler, flags or CUDA (or an older build without -fPIC)
+# rebuilds them.
+CONFIG_VARS := CC CFLAGS LDLIBS SAN NVCC CUDA_HOME NCCL_HOME
+$(BUILD)/make.vars: FORCE
+	@mkdir -p $(@D)
+	@printf '%s\n' $(foreach v,$(CONFIG_VARS),'$(v)=$(strip $($(v)))') '# XCFLAGS=$(strip $(XCFLAGS))' \
+	  '# NVFLAGS=$(strip $(NVFLAGS))' '# library objects: -fPIC' >$@.tmp; \
+	  if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+
+$(BUILD)/%.o: %.c $(BUILD)/make.vars
 	@mkdir -p $(dir $@)
 	$(CC) $(XCFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/%.o: %.cu
+$(BUILD)/%.o: %.cu $(BUILD)/make.vars
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2>&1 | tee $@.log; \
 	  test $${PIPESTATUS[0]} -eq 0 && ! grep -qE 'C7508|C751[0-9]|C7520' $@.log
@@ -64,6 +93,17 @@ $(BUILD)/%.o: %.cu
 $(BUILD)/libcomet.a: $(LIB_OBJ)
 	@rm -f $@
 	$(AR) rcs $@ $^
+
+$(BUILD)/comet.map: include/comet.h
+	@mkdir -p $(@D)
+	{ echo '{ global:'; $(CC) -E -P -x c $< | grep -oE '\<comet_[a-z0-9_]+ *\(' | tr -d ' (' | sort -u \
+	  | sed 's/.*/    &;/'; echo '  local: *;'; echo '};'; } >$@.tmp && grep -q comet_layer_forward $@.tmp && mv -f $@.tmp $@
+
+$(BUILD)/libcomet.so: $(LIB_OBJ) $(BUILD)/comet.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=$(BUILD)/comet.map \
+	  $(if $(SAN),-fsanitize=$(SAN),-Wl,-z,defs) -o $(BUILD)/libcomet.so.$(VERSION) $(LIB_OBJ) -Wl,--as-needed $(SO_LIBS)
+	ln -sf libcomet.so.$(VERSION) $(BUILD)/$(SONAME)
+	ln -sf $(SONAME) $@
 
 $(HARNESS): $(HARNESS_OBJ)
 	@rm -f $@
@@ -100,7 +140,8 @@ bench: $(BUILD)/comet
 clean:
 	rm -rf $(BUILD)
 
-.PHONY: all test bench clean
+FORCE:
+.PHONY: all test bench clean FORCE
 .SECONDARY:
 SHELL := /bin/bash
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
