@@ -9,6 +9,9 @@
 #   make test       build and run every test
 #   make bench      build and run `comet bench` on the default model
 #   make test SAN=thread   the same under ThreadSanitizer (no CUDA, no .so)
+#   make install PREFIX=/usr/local   (also DESTDIR=): include/comet.h,
+#                   lib/libcomet.so*, lib/libcomet.a, lib/pkgconfig/comet.pc
+#   make uninstall  the same PREFIX/DESTDIR
 #   make clean
 
 CC      ?= cc
@@ -59,6 +62,13 @@ VERSION := $(call comet_ver,MAJOR).$(call comet_ver,MINOR).$(call comet_ver,PATC
 SONAME  := libcomet.so.$(call comet_ver,MAJOR)
 SO_LIBS := $(LDLIBS) $(if $(NVCC),$(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))) -ldl -lm -pthread
 SO_LIB  := $(if $(SAN),,$(BUILD)/libcomet.so)
+
+# `make install`: Libs.private of comet.pc is what a static link needs beside
+# libcomet.a.
+PREFIX     ?= /usr/local
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+PC_PRIVATE := $(LDLIBS) $(if $(NVCC),$(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))) -ldl -lm -pthread
 
 # The harness (harness/: presets, routing generators, the multi-rank runner,
 # the torchrun bootstrap, NVML watching) is not part of the library: the CLI,
@@ -137,11 +147,26 @@ test: all
 bench: $(BUILD)/comet
 	$(BUILD)/comet bench
 
+install: $(BUILD)/libcomet.a $(BUILD)/libcomet.so
+	install -d $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(LIBDIR)/pkgconfig
+	install -m 644 include/comet.h $(DESTDIR)$(INCLUDEDIR)/comet.h
+	install -m 644 $(BUILD)/libcomet.a $(DESTDIR)$(LIBDIR)/libcomet.a
+	install -m 755 $(BUILD)/libcomet.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libcomet.so.$(VERSION)
+	ln -sf libcomet.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libcomet.so
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
+	  -e 's|@VERSION@|$(VERSION)|g' -e 's|@LIBS_PRIVATE@|$(strip $(PC_PRIVATE))|g' comet.pc.in \
+	  >$(DESTDIR)$(LIBDIR)/pkgconfig/comet.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(INCLUDEDIR)/comet.h $(DESTDIR)$(LIBDIR)/libcomet.a $(DESTDIR)$(LIBDIR)/libcomet.so \
+	  $(DESTDIR)$(LIBDIR)/$(SONAME) $(DESTDIR)$(LIBDIR)/libcomet.so.$(VERSION) $(DESTDIR)$(LIBDIR)/pkgconfig/comet.pc
+
 clean:
 	rm -rf $(BUILD)
 
 FORCE:
-.PHONY: all test bench clean FORCE
+.PHONY: all test bench install uninstall clean FORCE
 .SECONDARY:
 SHELL := /bin/bash
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
