@@ -83,7 +83,8 @@ all: $(BUILD)/libcomet.a $(SO_LIB) $(HARNESS) $(BUILD)/comet $(TESTS) $(GPU_TEST
 
 # The knobs this build directory was made with. Objects depend on it, so a
 # change of compiler, flags or CUDA (or an older build without -fPIC)
-# rebuilds them.
+# rebuilds them; tests/test_example.sh passes the knobs (lines without '#')
+# to its `make install`, which then only copies.
 CONFIG_VARS := CC CFLAGS LDLIBS SAN NVCC CUDA_HOME NCCL_HOME
 $(BUILD)/make.vars: FORCE
 	@mkdir -p $(@D)
