@@ -81,16 +81,16 @@ GPU_BENCH := $(if $(NVCC),$(BUILD)/bench/gemm_bench $(BUILD)/bench/link_bench)
 
 all: $(BUILD)/libcomet.a $(SO_LIB) $(HARNESS) $(BUILD)/comet $(TESTS) $(GPU_TESTS) $(GPU_BENCH)
 
-# The knobs this build directory was made with. Objects depend on it, so a
-# change of compiler, flags or CUDA (or an older build without -fPIC)
-# rebuilds them; tests/test_example.sh passes the knobs (lines without '#')
-# to its `make install`, which then only copies.
+# $(BUILD)/make.vars: the knobs this build directory was made with, written
+# as make reads this file, when they changed (so make -n and -q see it too).
+# Objects depend on it, so a change of compiler, flags or CUDA (or an older
+# build without -fPIC) rebuilds them; tests/test_example.sh passes the knobs
+# (lines without '#') to its `make install`, which then only copies.
 CONFIG_VARS := CC CFLAGS LDLIBS SAN NVCC CUDA_HOME NCCL_HOME
-$(BUILD)/make.vars: FORCE
-	@mkdir -p $(@D)
-	@printf '%s\n' $(foreach v,$(CONFIG_VARS),'$(v)=$(strip $($(v)))') '# XCFLAGS=$(strip $(XCFLAGS))' \
-	  '# NVFLAGS=$(strip $(NVFLAGS))' '# library objects: -fPIC' >$@.tmp; \
-	  if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+CONFIG := $(foreach v,$(CONFIG_VARS),'$(v)=$(strip $($(v)))') '\# XCFLAGS=$(strip $(XCFLAGS))' \
+          '\# NVFLAGS=$(strip $(NVFLAGS))' '\# library objects: -fPIC'
+$(shell printf '%s\n' $(CONFIG) | cmp -s - $(BUILD)/make.vars 2>/dev/null || \
+  { mkdir -p $(BUILD) && printf '%s\n' $(CONFIG) >$(BUILD)/make.vars; })
 
 $(BUILD)/%.o: %.c $(BUILD)/make.vars
 	@mkdir -p $(dir $@)
@@ -166,8 +166,7 @@ uninstall:
 clean:
 	rm -rf $(BUILD)
 
-FORCE:
-.PHONY: all test bench install uninstall clean FORCE
+.PHONY: all test bench install uninstall clean
 .SECONDARY:
 SHELL := /bin/bash
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -50,11 +50,11 @@ pc=$prefix/lib/pkgconfig/comet.pc
 if command -v pkg-config >/dev/null; then
     cflags=$(PKG_CONFIG_PATH=$prefix/lib/pkgconfig pkg-config --cflags comet)
     libs=$(PKG_CONFIG_PATH=$prefix/lib/pkgconfig pkg-config --libs comet)
-    how="pkg-config"
+    how="flags from pkg-config"
 else
     pcvar() { sed -n "s/^$1: *//p" "$pc" | sed "s|\${libdir}|$(sed -n 's/^libdir=//p' "$pc")|g; s|\${includedir}|$(sed -n 's/^includedir=//p' "$pc")|g"; }
     cflags=$(pcvar Cflags) libs=$(pcvar Libs)
-    how="comet.pc read by sed (no pkg-config here)"
+    how="flags from comet.pc by sed: no pkg-config here"
 fi
 
 # build NAME DIR [make variables...]: examples/Makefile into DIR.
