@@ -68,7 +68,7 @@ SO_LIB  := $(if $(SAN),,$(BUILD)/libcomet.so)
 PREFIX     ?= /usr/local
 LIBDIR     ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
-PC_PRIVATE := $(LDLIBS) $(if $(NVCC),$(CUDA_LIBS) $(foreach d,$(RPATHS),-Wl,-rpath,$(d))) -ldl -lm -pthread
+PC_PRIVATE := $(SO_LIBS)
 
 # The harness (harness/: presets, routing generators, the multi-rank runner,
 # the torchrun bootstrap, NVML watching) is not part of the library: the CLI,
@@ -107,7 +107,7 @@ $(BUILD)/libcomet.a: $(LIB_OBJ)
 
 $(BUILD)/comet.map: include/comet.h
 	@mkdir -p $(@D)
-	{ echo '{ global:'; $(CC) -E -P -x c $< | grep -oE '\<comet_[a-z0-9_]+ *\(' | tr -d ' (' | sort -u \
+	{ echo '{ global:'; $(CC) -E -P -Iinclude -x c $< | grep -oE '\<comet_[a-z0-9_]+ *\(' | tr -d ' (' | sort -u \
 	  | sed 's/.*/    &;/'; echo '  local: *;'; echo '};'; } >$@.tmp && grep -q comet_layer_forward $@.tmp && mv -f $@.tmp $@
 
 $(BUILD)/libcomet.so: $(LIB_OBJ) $(BUILD)/comet.map
