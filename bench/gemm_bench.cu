@@ -27,7 +27,7 @@
  * of an EP=e layer at M = e x tokens); GEMM_BENCH_TP=t (default 1; e x t <=
  * 8): t times the ranks, each expert's ffn split t ways, rank 0's slice (the
  * per-GPU GEMMs of a TP=t layer: K of GEMM1 = ffn / t); GEMM_BENCH_SKEW=s (default 0): expert
- * popularity 1 + s N(0,1), the routing of src/workload (comet_routing_draw).
+ * popularity 1 + s N(0,1), the routing of harness/workload.c (comet_routing_draw).
  * Padding rows (an expert's last block past its rows) of A and h hold random
  * values, as in a layer whose buffers held other routings' rows;
  * GEMM_BENCH_PAD_ZERO=1 zeroes them (same work, fewer toggling bits).
@@ -36,7 +36,7 @@
  * two rounds, as a layer bench keeps the GPU busy (the rounds above leave it idle
  * between launches, so they run at a clock a sustained load does not keep);
  * over each phase's second half: TFLOP/s, SM clock, power and GFLOP per
- * joule through NVML (bench/gpu_power.h; "n/a" without it), printed as a
+ * joule through NVML (harness/gpu_power.h; "n/a" without it), printed as a
  * third table and written as the JSON key "sustained".
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
@@ -50,10 +50,10 @@
 
 #include "../src/core/validate.h"
 #include "../src/cuda/gemm.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 
 #include "bench_check.h"
-#include "gpu_power.h"
+#include "../harness/gpu_power.h"
 
 #define NREP 10
 #define NCURVE 6 /* num_ctas points of the GEMM_BENCH_CURVE=1 curve */

@@ -14,7 +14,7 @@ OUTDIR=${OUT:-.}
 NVCC=${NVCC:-nvcc}
 NVF="-O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iinclude"
 mkdir -p "$B/obj"
-for f in src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c src/trace/*.c src/workload/workload.c tests/check.c; do
+for f in src/core/*.c src/plan/*.c src/cpu/*.c src/tuner/*.c src/trace/*.c harness/workload.c tests/check.c; do
     cc -O2 -std=c11 -D_GNU_SOURCE -pthread -Iinclude -c "$f" -o "$B/obj/$(basename "$f" .c).o" &
 done
 wait

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODELS = {  # name: (hidden, ffn per expert, experts, topk), as src/workload/workload.c
+MODELS = {  # name: (hidden, ffn per expert, experts, topk), as harness/workload.c
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "qwen2-moe": (2048, 1408, 64, 4),
     "phi-3.5-moe": (4096, 6400, 16, 2),

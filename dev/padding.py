@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """padding.py - per cell of the issue's table (the presets of
-src/workload/workload.c, M in 4096/8192/16384, TP2 or EP2): rank 0's expert
+harness/workload.c, M in 4096/8192/16384, TP2 or EP2): rank 0's expert
 rows under a uniform routing draw per cell (each token picks topk distinct
 experts, as comet_routing_draw does without skew, but from Python's RNG, so
 the counts differ from comet's by a few percent and move with --seed), the
@@ -21,7 +21,7 @@ import re
 
 
 def presets():
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "workload", "workload.c")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness", "workload.c")
     text = open(src).read()
     return [(m[0], *map(int, m[1:])) for m in re.findall(r'\{"([a-z0-9.-]+)", (\d+), (\d+), (\d+), (\d+)\}', text)]
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# run.sh BUILD_DIR - run every test binary and the CLI checks, then print one
+# run.sh BUILD_DIR - run every test binary, the CLI checks and the example
+# built against `make install` (tests/test_example.sh), then print one
 # closing line "total: N passed, N failed" (exit 1 if anything failed).
 set -u
 build=${1:-build}
@@ -23,11 +24,16 @@ for src in tests/test_*.cu; do # GPU tests need nvcc to be built at all
     name=$(basename "$src" .cu)
     [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: no nvcc, or a sanitizer build)"; skipped=$((skipped + 1)); }
 done
-out=$(tests/test_cli.sh "$build" 2>&1); rc=$?
-printf '%s\n' "$out"
-line=$(printf '%s\n' "$out" | grep -E '^test_cli: ' | tail -n 1)
-p=$(sed -E 's/.*: ([0-9]+) passed.*/\1/' <<<"$line"); f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
-passed=$((passed + ${p:-0})); failed=$((failed + ${f:-1}))
+# The CLI, then the example against `make install` (test_example.sh).
+for script in tests/test_cli.sh tests/test_example.sh; do
+    name=$(basename "$script" .sh)
+    out=$("$script" "$build" 2>&1)
+    printf '%s\n' "$out"
+    line=$(printf '%s\n' "$out" | grep -E "^$name: [0-9]+ passed" | tail -n 1)
+    p=$(sed -E 's/.*: ([0-9]+) passed.*/\1/' <<<"$line"); f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
+    s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || true)
+    passed=$((passed + ${p:-0})); failed=$((failed + ${f:-1})); skipped=$((skipped + ${s:-0}))
+done
 if [ "$skipped" -gt 0 ]; then
     echo "total: $passed passed, $failed failed, $skipped skipped"
 else

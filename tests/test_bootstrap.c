@@ -12,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../src/core/bootstrap.h"
+#include "../harness/bootstrap.h"
 #include "check.h"
 
 /* A port that was free a moment ago. */

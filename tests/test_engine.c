@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "../src/core/numerics.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 static comet_status_t run_engine(comet_problem_t *p, int n_comm, int chunk_cols, int repeats) {

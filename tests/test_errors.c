@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 static int has(const char *haystack, const char *needle) { return strstr(haystack, needle) != NULL; }

@@ -27,7 +27,7 @@
 #include "../src/core/validate.h"
 #include "../src/cpu/cpu_math.h"
 #include "../src/cuda/gemm.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 typedef struct {

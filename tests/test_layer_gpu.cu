@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 /* comet_problem_run with the environment variables vars (name, value, ...,

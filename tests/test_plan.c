@@ -10,7 +10,7 @@
 
 #include "../src/core/validate.h"
 #include "../src/plan/plan.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 typedef struct {

@@ -13,7 +13,7 @@
 
 #include "../src/core/validate.h"
 #include "../src/cuda/plan_kernel.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 static void check_case(const comet_layer_config_t *cfg, int w, const comet_problem_t *p, const char *tag) {

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "../src/core/numerics.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 static double act(int activation, double g, double u) {

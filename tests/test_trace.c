@@ -20,7 +20,7 @@
 #include "../src/core/validate.h"
 #include "../src/plan/plan.h"
 #include "../src/trace/trace.h"
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 #define ENGINE_GEMM0_TILE_N 32 /* GEMM0_TILE_N of src/cpu/engine.c: columns of one layer-0 tile */

@@ -14,7 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../src/workload/workload.h"
+#include "../harness/workload.h"
 #include "check.h"
 
 #define SKIP_CODE 77

@@ -19,11 +19,11 @@
 #include <time.h>
 
 #include "comet.h"
-#include "../src/core/bootstrap.h"
+#include "../harness/bootstrap.h"
 #include "../src/core/validate.h"
 #include "../src/tuner/tuner.h"
-#include "../src/workload/workload.h"
-#include "gpu_watch.h"
+#include "../harness/workload.h"
+#include "../harness/gpu_watch.h"
 
 typedef struct {
     const char *model;

@@ -1,6 +1,9 @@
 /*
- * workload.c - model presets, routing generators, random inputs and the
- * multi-rank problem runner (see workload.h).
+ * harness/workload.c - test and benchmark harness, not part of the library
+ * (libcomet_harness.a): model presets, routing generators, random inputs and
+ * the multi-rank problem runner (see workload.h). It uses the library's
+ * private headers under src/ (validation, numerics, the reference), so it
+ * links against the static libcomet.a.
  */
 #include "workload.h"
 
@@ -12,11 +15,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../core/numerics.h"
-#include "../core/runtime.h"
-#include "../core/status.h"
-#include "../core/validate.h"
-#include "../cpu/reference.h"
+#include "../src/core/numerics.h"
+#include "../src/core/runtime.h"
+#include "../src/core/status.h"
+#include "../src/core/validate.h"
+#include "../src/cpu/reference.h"
 
 #ifdef COMET_WITH_CUDA
 #include <cuda_runtime.h>

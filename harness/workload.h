@@ -1,5 +1,7 @@
 /*
- * workload.h - what the CLI, the tests and the benchmarks run: model presets,
+ * harness/workload.h - test and benchmark harness, not part of the library
+ * (built into libcomet_harness.a, never into libcomet.a or libcomet.so).
+ * What the CLI, the tests and the benchmarks run: model presets,
  * routing generators (uniform, skewed, with empty experts), random inputs,
  * and a whole multi-rank problem with every rank's inputs and outputs. Not
  * part of the library API: it is the shared harness around it.

@@ -1,7 +1,8 @@
 /*
- * gpu_watch.h - what the GPUs' clocks did over the timed forwards of a
+ * harness/gpu_watch.h - benchmark harness (header only, used by
+ * tools/comet.c), not part of the library: what the GPUs' clocks did over the timed forwards of a
  * `comet bench` call: a thread samples every GPU of this node through NVML
- * (bench/gpu_power.h) every 10 ms (5 ms a GPU beyond two); at the end, each
+ * (harness/gpu_power.h) every 10 ms (5 ms a GPU beyond two); at the end, each
  * GPU's mean SM clock over the samples, its mean power (energy counter over
  * the span, if it lasted a second) and the clock-limit reasons seen. The
  * bench opens the watch before the run (gpu_watch_open: NVML's loading and
@@ -15,15 +16,15 @@
  * moves by up to 10% from call to call with the clock, so a bench row
  * records it. Without NVML nothing is watched (n = 0).
  */
-#ifndef COMET_TOOLS_GPU_WATCH_H
-#define COMET_TOOLS_GPU_WATCH_H
+#ifndef COMET_HARNESS_GPU_WATCH_H
+#define COMET_HARNESS_GPU_WATCH_H
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
 
-#include "../bench/gpu_power.h"
+#include "gpu_power.h"
 
 #define GPU_WATCH_MAX 16
 /* Shortest span (s) whose mean power the energy counter gives: it moves in

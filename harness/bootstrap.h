@@ -1,10 +1,11 @@
 /*
- * bootstrap.h - the small out-of-band channel that ranks in different
+ * harness/bootstrap.h - harness code, not part of the library
+ * (libcomet_harness.a): the small out-of-band channel that ranks in different
  * processes (torchrun style: RANK, WORLD_SIZE, MASTER_ADDR) use before they
  * share anything else: rank 0 listens on a TCP port, every other rank
  * connects; rank 0 can then broadcast bytes (the NCCL unique id) and gather
  * fixed-size records (results) from every rank. Every wait times out.
- * Not part of the public API; the CLI and harnesses use it.
+ * The CLI's torchrun launch and its test use it.
  */
 #ifndef COMET_BOOTSTRAP_H
 #define COMET_BOOTSTRAP_H

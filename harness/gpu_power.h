@@ -1,17 +1,18 @@
 /*
- * gpu_power.h - a GPU's SM clock, energy counter (its power over a span) and
+ * harness/gpu_power.h - benchmark harness (header only), not part of the
+ * library: a GPU's SM clock, energy counter (its power over a span) and
  * clock-limit reasons through NVML, loaded at run time (dlopen of libnvidia-ml.so.1): no
  * build dependency, and where the driver's library or a query is missing the
  * probe says so (ok = 0) and the benchmark prints "n/a". For benchmarks only
- * (bench/gemm_bench.cu; `comet bench` through tools/gpu_watch.h): under
+ * (bench/gemm_bench.cu; `comet bench` through harness/gpu_watch.h): under
  * sustained load an H100/H200 GEMM is limited by power, so its clock and
  * energy per FLOP explain its rate.
  * NVML's calls are declared here by hand (stable C ABI; the CUDA toolkit here
  * ships no nvml.h): nvmlReturn_t is an int, 0 = success; nvmlDevice_t is an
  * opaque pointer.
  */
-#ifndef COMET_BENCH_GPU_POWER_H
-#define COMET_BENCH_GPU_POWER_H
+#ifndef COMET_HARNESS_GPU_POWER_H
+#define COMET_HARNESS_GPU_POWER_H
 
 #include <dlfcn.h>
 #include <stdio.h>

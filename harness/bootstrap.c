@@ -1,5 +1,6 @@
 /*
- * bootstrap.c - TCP channel between rank 0 and every other rank (see
+ * harness/bootstrap.c - harness code, not part of the library
+ * (libcomet_harness.a): the TCP channel between rank 0 and every other rank (see
  * bootstrap.h). Rank 0 accepts size-1 connections; each connecting rank first
  * sends its rank number, so rank 0 files the sockets by rank. Messages are
  * fixed-size: the caller knows n on every side.
@@ -18,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "status.h"
+#include "../src/core/status.h"
 
 struct comet_bootstrap {
     int rank, size, timeout_ms;
