@@ -24,8 +24,8 @@ for src in tests/test_*.cu; do # GPU tests need nvcc to be built at all
     name=$(basename "$src" .cu)
     [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: no nvcc, or a sanitizer build)"; skipped=$((skipped + 1)); }
 done
-# The CLI, then the example against `make install` (test_example.sh).
-for script in tests/test_cli.sh tests/test_example.sh; do
+# The CLI, the example against `make install` (test_example.sh), the tree's layout (test_layout.sh).
+for script in tests/test_cli.sh tests/test_example.sh tests/test_layout.sh; do
     name=$(basename "$script" .sh)
     out=$("$script" "$build" 2>&1)
     printf '%s\n' "$out"
