@@ -190,7 +190,10 @@ typedef struct {
     }
 
 /* Check a config on its own (without a world): COMET_SUCCESS or the status and
- * a message naming the offending field. world_size 0 skips the TP*EP check. */
+ * a message naming the offending field. world_size 0 skips the TP*EP check.
+ * hidden, ffn, num_experts and max_tokens_per_rank must be below 2^31, and no
+ * buffer a rank sizes from them (tokens, partials, rows, weights) above 2^48
+ * bytes. */
 comet_status_t comet_layer_config_check(const comet_layer_config_t *cfg, int world_size);
 
 typedef struct comet_layer comet_layer_t;

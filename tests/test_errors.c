@@ -54,8 +54,41 @@ static void test_config(void) {
     EXPECT(c.activation = (comet_activation_t)7, COMET_ERR_INVALID_ARGUMENT, "activation");
     EXPECT(c.dtype = COMET_DTYPE_FP16, COMET_ERR_UNSUPPORTED, "only bf16");
     EXPECT(c.struct_size = 8, COMET_ERR_INVALID_ARGUMENT, "COMET_LAYER_CONFIG_INIT");
+    /* sizes whose byte counts overflow, or pass 2^48 bytes: refused, naming the field */
+    const int64_t huge = (int64_t)1 << 62;
+    EXPECT(c.max_tokens_per_rank = huge, COMET_ERR_INVALID_ARGUMENT, "max_tokens_per_rank");
+    EXPECT(c.hidden = huge, COMET_ERR_INVALID_ARGUMENT, "hidden");
+    EXPECT(c.ffn = huge, COMET_ERR_INVALID_ARGUMENT, "ffn");
+    EXPECT((c.num_experts = huge, c.topk = 1), COMET_ERR_INVALID_ARGUMENT, "num_experts");
+    EXPECT(c.tile_m = 0x7fffffff, COMET_ERR_INVALID_ARGUMENT, "tile_m");
+    EXPECT((c.max_tokens_per_rank = 1 << 20, c.hidden = 0x7fffffff), COMET_ERR_INVALID_ARGUMENT, "hidden");
+    EXPECT((c.hidden = 1 << 30, c.ffn = 1 << 30), COMET_ERR_INVALID_ARGUMENT, "ffn");
+    EXPECT((c.max_tokens_per_rank = 1 << 28, c.hidden = 1 << 18), COMET_ERR_INVALID_ARGUMENT, "max_tokens_per_rank");
+    EXPECT((c.max_tokens_per_rank = 1 << 20, c.hidden = 1 << 12, c.ffn = 1 << 12), COMET_SUCCESS, "");
 #undef EXPECT
     CHECK(comet_layer_config_check(NULL, 2) == COMET_ERR_INVALID_ARGUMENT, "NULL config");
+}
+
+/* The same configs at create, on one rank: refused before anything is sized
+ * (they used to get tiny buffers and corrupt memory). */
+static void test_huge_create(void) {
+    comet_world_t *w = NULL;
+    comet_world_create_local(&w, 1, COMET_BACKEND_CPU);
+    const int64_t huge = (int64_t)1 << 62;
+    for (int i = 0; i < 4; i++) {
+        comet_layer_config_t c = base_config();
+        c.ep = 1;
+        if (i == 0) c.max_tokens_per_rank = huge;
+        if (i == 1) c.hidden = huge;
+        if (i == 2) c.ffn = huge;
+        if (i == 3) c.max_tokens_per_rank = huge / 2, c.hidden = 4;
+        comet_layer_t *l = NULL;
+        comet_status_t st = comet_layer_create(&l, w, 0, &c);
+        CHECK((st == COMET_ERR_INVALID_ARGUMENT || st == COMET_ERR_OUT_OF_MEMORY) && !l, "huge config %d: %s \"%s\"", i,
+              comet_status_string(st), comet_last_error());
+        comet_layer_destroy(l);
+    }
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy");
 }
 
 /* ---- forward with one bad rank -------------------------------------------- */
@@ -333,6 +366,7 @@ static void test_timeout(void) {
 
 int main(void) {
     test_config();
+    test_huge_create();
     test_forward();
     test_handles();
     test_timeout();
