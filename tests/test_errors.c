@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../src/workload/workload.h"
 #include "check.h"
@@ -350,6 +351,81 @@ static void test_handles(void) {
     CHECK(comet_version() == COMET_VERSION_CODE, "version");
 }
 
+/* ---- a config invalid on one rank only ---------------------------------------- */
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+typedef struct {
+    create_job_t job;
+    int delay_ms; /* before create: which rank arrives first */
+    double ms;    /* create's own time */
+} timed_create_t;
+
+static void *timed_create(void *arg) {
+    timed_create_t *t = arg;
+    if (t->delay_ms) nanosleep(&(struct timespec){0, t->delay_ms * 1000000L}, NULL);
+    comet_layer_t *l = NULL;
+    double t0 = now_ms();
+    t->job.st = comet_layer_create(&l, t->job.world, t->job.rank, &t->job.cfg);
+    t->ms = now_ms() - t0;
+    snprintf(t->job.msg, sizeof t->job.msg, "%s", comet_last_error());
+    comet_layer_destroy(l);
+    return NULL;
+}
+
+/* Rank `bad` brings hidden = 0: it gets INVALID_ARGUMENT, its peer
+ * PEER_FAILED at once (not after the 4 s timeout), and the world still runs
+ * a valid layer and can be destroyed. */
+static void one_rank_bad_config(int bad, int bad_delay_ms, int good_delay_ms) {
+    setenv("COMET_TIMEOUT_MS", "4000", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    timed_create_t t[2];
+    memset(t, 0, sizeof t);
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        t[r].job.world = w, t[r].job.cfg = base_config(), t[r].job.rank = r;
+        t[r].delay_ms = r == bad ? bad_delay_ms : good_delay_ms;
+    }
+    t[bad].job.cfg.hidden = 0;
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, timed_create, &t[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    const int good = 1 - bad;
+    CHECK(t[bad].job.st == COMET_ERR_INVALID_ARGUMENT && has(t[bad].job.msg, "hidden"), "bad rank %d: %s \"%s\"", bad,
+          comet_status_string(t[bad].job.st), t[bad].job.msg);
+    CHECK(t[good].job.st == COMET_ERR_PEER_FAILED && t[good].ms < 2000 && has(t[good].job.msg, bad ? "rank 1" : "rank 0"),
+          "its peer: %s after %.0f ms \"%s\"",
+          comet_status_string(t[good].job.st), t[good].ms, t[good].job.msg);
+    /* the ranks' collective calls are still in step: a valid layer runs */
+    comet_layer_config_t cfg = base_config();
+    int64_t tokens[2] = {6, 3};
+    comet_routing_opts_t ro = {0, 0, 7};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) == COMET_SUCCESS) {
+        comet_problem_poison(p);
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        comet_status_t st = comet_problem_run(p, w, &run, 0);
+        CHECK(st == COMET_SUCCESS, "valid layer after one rank's bad config: %s %s", comet_status_string(st),
+              comet_last_error());
+        comet_reference_forward(&p->cfg, 2, p->ref_args);
+        CHECK(st != COMET_SUCCESS || comet_problem_count_mismatch(p) == 0, "valid layer differs from the reference");
+        comet_problem_destroy(p);
+    }
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy the world after one rank's bad config: %s",
+          comet_last_error());
+}
+
+static void test_one_rank_bad_config(void) {
+    one_rank_bad_config(1, 0, 0);
+    one_rank_bad_config(1, 0, 50); /* the bad rank arrives first */
+    one_rank_bad_config(0, 50, 0); /* last */
+}
+
 static void test_timeout(void) {
     setenv("COMET_TIMEOUT_MS", "300", 1);
     comet_world_t *w;
@@ -369,6 +445,7 @@ int main(void) {
     test_huge_create();
     test_forward();
     test_handles();
+    test_one_rank_bad_config();
     test_timeout();
     return check_summary("test_errors");
 }

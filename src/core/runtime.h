@@ -41,12 +41,18 @@ struct comet_layer {
     void *backend_state;
 };
 
-/* Collective meeting point. The first rank to arrive creates the shared object
- * with make(arg); every rank gets it in *shared once all size ranks arrived.
- * key is compared across ranks (e.g. a config): a mismatch fails every rank. */
+/* Collective meeting point. Once all size ranks arrived, the last one creates
+ * the shared object with its make(arg) and every rank gets it in *shared.
+ * key is compared across ranks (e.g. a config): a mismatch fails every rank
+ * (and nothing is made). key NULL: this rank failed before the call; it meets
+ * the others so that they return COMET_ERR_PEER_FAILED at once and every
+ * rank's sequence of collective calls stays in step. */
 typedef void *(*comet_make_fn)(void *arg);
 comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
                                       comet_make_fn make, void *arg, void **shared);
+/* The rendezvous of a rank that failed before a collective call (key NULL);
+ * the calling thread's last-error message stays. */
+comet_status_t comet_world_rendezvous_failed(comet_world_t *w, int rank);
 
 /* CUDA backend (src/cuda/backend.c), in builds with COMET_WITH_CUDA. */
 int comet_cuda_device_count(void);

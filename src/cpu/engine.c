@@ -273,6 +273,7 @@ comet_status_t comet_cpu_layer_create(comet_layer_t *l) {
     L->l1_base = take(L, hd * sizeof(uint64_t), 0);
     if (!L->plan_ws || !L->a || !L->h || !L->o || !L->block_ready || !L->l1_done || !L->l1_base) {
         free_private(L);
+        comet_world_rendezvous_failed(l->world, l->rank); /* the peers learn of it at once */
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
     }
     memset(L->l1_base, 0, hd * sizeof(uint64_t));

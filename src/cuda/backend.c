@@ -477,6 +477,8 @@ comet_status_t comet_cuda_layer_create(comet_layer_t *l) {
     L->push = !L->partial && !(push_env && strcmp(push_env, "0") == 0) && w > 1 && w <= COMET_GEMM_MAX_PUSH;
     const char *ce_env = getenv("COMET_DISPATCH_CE");
     L->ce = ce_env && strcmp(ce_env, "1") == 0 && w > 1;
+    if (st != COMET_SUCCESS && w > 1 && l->world->local_rank < 0) /* meet the peers in join_ranks' rendezvous */
+        comet_world_rendezvous_failed(l->world, rank);
     const int joined = st == COMET_SUCCESS && w > 1 && (st = join_ranks(l, L->push | L->partial << 1, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
     if (st != COMET_SUCCESS) {
