@@ -238,7 +238,8 @@ typedef struct {
     comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16 */
     comet_tensor_t y;        /* [out] (T, H) bf16 */
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
-    int n_comm;              /* [in]  communication workers (CPU engine) or CTAs beside the GEMM
+    int n_comm;              /* [in]  communication workers (CPU engine: at most 64, else
+                              *       COMET_ERR_INVALID_ARGUMENT) or CTAs beside the GEMM
                               *       (CUDA: > 0 runs the overlapped mode when the Hopper GEMM runs,
                               *       else the sequential chain; at most SMs - 1; the same on every rank);
                               *       0 = tuner's choice (the `comet tune` table, else the rule:
@@ -246,7 +247,7 @@ typedef struct {
                               *       4096+ tokens a rank, topk x hidden <= 16384 and an expert's W1 slice
                               *       <= 128 MiB, else the sequential chain); COMET_SEQUENTIAL = the sequential
                               *       chain (CUDA; the CPU engine, which always overlaps, takes it as 0) */
-    int chunk_cols;          /* [in]  layer-1 column-chunk width; 0 = tuner's choice */
+    int chunk_cols;          /* [in]  layer-1 column-chunk width, 0..hidden; 0 = tuner's choice */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;
 

@@ -198,6 +198,9 @@ static void e_too_many(comet_forward_args_t *a, comet_problem_t *p) {
 static void e_size(comet_forward_args_t *a, comet_problem_t *p) { a->struct_size = 4; (void)p; }
 static void e_chunk(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = (int)p->cfg.hidden + 1; }
 static void e_ncomm(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = -2; (void)p; }
+static void e_ncomm_big(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = 65; (void)p; }
+static void e_ncomm_max(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = 0x7fffffff; (void)p; }
+static void e_chunk_negative(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = -8; (void)p; }
 static void e_chunk_differs(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = 5; (void)p; }
 static void e_disable(comet_forward_args_t *a, comet_problem_t *p) { a->disable = 4; (void)p; }
 
@@ -227,6 +230,9 @@ static void test_forward(void) {
         {"struct size", e_size, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "COMET_FORWARD_ARGS_INIT"},
         {"chunk too wide", e_chunk, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
         {"negative n_comm", e_ncomm, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "n_comm"},
+        {"n_comm above 64", e_ncomm_big, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.n_comm 65"},
+        {"n_comm INT_MAX", e_ncomm_max, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.n_comm"},
+        {"negative chunk", e_chunk_negative, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
         {"unknown disable bits", e_disable, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.disable"},
         {"chunk differs across ranks", e_chunk_differs, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_INVALID_ARGUMENT,
          "chunk_cols differ across ranks"},
@@ -351,6 +357,42 @@ static void test_handles(void) {
     CHECK(comet_version() == COMET_VERSION_CODE, "version");
 }
 
+/* ---- n_comm out of range on every rank ------------------------------------------ */
+/* Every rank fails with INVALID_ARGUMENT (no worker started) and the next
+ * valid call on the same world succeeds. */
+static void test_n_comm_all_ranks(void) {
+    setenv("COMET_TIMEOUT_MS", "3000", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    comet_layer_config_t cfg = base_config();
+    int64_t tokens[2] = {6, 4};
+    comet_routing_opts_t ro = {0, 0, 11};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) {
+        CHECK(0, "problem: %s", comet_last_error());
+        comet_world_destroy(w);
+        return;
+    }
+    const int bad[] = {65, 200000, 0x7fffffff};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.n_comm = bad[i];
+        comet_status_t st = comet_problem_run(p, w, &run, 0);
+        CHECK(st == COMET_ERR_INVALID_ARGUMENT && has(comet_last_error(), "n_comm"), "n_comm %d on every rank: %s %s",
+              bad[i], comet_status_string(st), comet_last_error());
+        comet_problem_poison(p);
+        memset(&run, 0, sizeof run);
+        st = comet_problem_run(p, w, &run, 0);
+        comet_reference_forward(&p->cfg, 2, p->ref_args);
+        CHECK(st == COMET_SUCCESS && comet_problem_count_mismatch(p) == 0, "valid call after n_comm %d: %s %s", bad[i],
+              comet_status_string(st), comet_last_error());
+    }
+    comet_problem_destroy(p);
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy: %s", comet_last_error());
+}
+
 /* ---- a config invalid on one rank only ---------------------------------------- */
 static double now_ms(void) {
     struct timespec ts;
@@ -446,6 +488,7 @@ int main(void) {
     test_forward();
     test_handles();
     test_one_rank_bad_config();
+    test_n_comm_all_ranks();
     test_timeout();
     return check_summary("test_errors");
 }

@@ -17,6 +17,10 @@ extern "C" {
 /* Largest world size the runtime accepts. */
 #define COMET_MAX_RANKS 1024
 
+/* Most communication workers (args.n_comm, tuner table) a rank of the CPU
+ * engine starts. */
+#define COMET_CPU_MAX_N_COMM 64
+
 /* Most bytes any one buffer a backend sizes from a config may take (256 TiB):
  * configs past it are refused, so no size computed from the dims overflows. */
 #define COMET_MAX_BYTES ((int64_t)1 << 48)

@@ -518,6 +518,9 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     cpu_sym_t *me = &L->sh->rank[l->rank];
     int64_t t = 0;
     comet_status_t own = comet_check_forward_args(d, args, 1, &t);
+    if (own == COMET_SUCCESS && args->n_comm > COMET_CPU_MAX_N_COMM) /* before entry: the peers learn of it */
+        own = comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d is above %d, the CPU engine's most workers",
+                         args->n_comm, COMET_CPU_MAX_N_COMM);
     comet_tuning_t tune = {0, 0, 0};
     if (own == COMET_SUCCESS) {
         tune.n_comm = args->n_comm > 0 ? args->n_comm : 0; /* COMET_SEQUENTIAL: this engine always overlaps */
