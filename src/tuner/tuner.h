@@ -49,7 +49,10 @@ void comet_tuner_pick(const comet_dims_t *d, comet_backend_t backend, int64_t nu
 void comet_tuner_rule(const comet_dims_t *d, comet_backend_t backend, int64_t num_tokens, comet_tuning_t *t);
 
 /* Read a table file, replacing the process's table (NULL or "" clears it).
- * Returns the number of entries read, or -1 if the file cannot be opened.
+ * Returns the number of entries read, or -1 if the file cannot be opened, is
+ * not a regular file or is larger than 1 MiB. Lines longer than 510 characters
+ * and lines with a value out of range (for a valid config; n_comm at most 64
+ * for the CPU engine, 1024 for CUDA; chunk_cols at most hidden) are skipped.
  * Thread-safe; comet_tuner_pick reads COMET_TUNE_FILE by itself once, unless
  * a table was loaded before. */
 int comet_tuner_load(const char *path);
