@@ -147,7 +147,8 @@ comet_status_t comet_get_unique_id(comet_unique_id_t *id);
 comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int world_size,
                                        const comet_unique_id_t *id, int device);
 
-/* Destroy a world after all its layers are destroyed. NULL is a no-op. */
+/* Destroy a world after all its layers are destroyed: while one lives it
+ * returns COMET_ERR_INVALID_ARGUMENT and the world stays. NULL is a no-op. */
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
 comet_backend_t comet_world_backend(const comet_world_t *world);

@@ -357,6 +357,22 @@ static void test_handles(void) {
     CHECK(comet_version() == COMET_VERSION_CODE, "version");
 }
 
+/* ---- a world destroyed before its layers ---------------------------------------- */
+static void test_destroy_live_world(void) {
+    comet_world_t *w = NULL;
+    comet_world_create_local(&w, 1, COMET_BACKEND_CPU);
+    comet_layer_config_t cfg = base_config();
+    cfg.ep = 1;
+    comet_layer_t *l = NULL;
+    CHECK(comet_layer_create(&l, w, 0, &cfg) == COMET_SUCCESS, "create: %s", comet_last_error());
+    comet_status_t st = comet_world_destroy(w);
+    CHECK(st == COMET_ERR_INVALID_ARGUMENT && has(comet_last_error(), "1 layer"), "destroy with a live layer: %s \"%s\"",
+          comet_status_string(st), comet_last_error());
+    if (st == COMET_SUCCESS) return; /* the world is gone: the layer cannot be destroyed any more */
+    CHECK(comet_layer_destroy(l) == COMET_SUCCESS, "layer destroy after the refused world destroy");
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "world destroy once its layers are gone: %s", comet_last_error());
+}
+
 /* ---- n_comm out of range on every rank ------------------------------------------ */
 /* Every rank fails with INVALID_ARGUMENT (no worker started) and the next
  * valid call on the same world succeeds. */
@@ -488,6 +504,7 @@ int main(void) {
     test_forward();
     test_handles();
     test_one_rank_bad_config();
+    test_destroy_live_world();
     test_n_comm_all_ranks();
     test_timeout();
     return check_summary("test_errors");

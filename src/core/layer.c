@@ -76,6 +76,7 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
         free(l);
         return st;
     }
+    atomic_fetch_add(&world->live_layers, 1);
     *out = l;
     return COMET_SUCCESS;
 }
@@ -87,6 +88,7 @@ comet_status_t comet_layer_destroy(comet_layer_t *l) {
         comet_cuda_layer_destroy(l);
     else
         comet_cpu_layer_destroy(l);
+    atomic_fetch_sub(&l->world->live_layers, 1);
     free(l);
     return COMET_SUCCESS;
 }

@@ -25,6 +25,7 @@ struct comet_world {
     int timeout_ms;          /* every wait between ranks or workers; env COMET_TIMEOUT_MS */
     int cpu_workers;         /* compute workers per rank (CPU backend); env COMET_CPU_WORKERS */
     atomic_int aborted;      /* set once any wait timed out: every other wait gives up */
+    atomic_int live_layers;  /* layers created and not yet destroyed: the world outlives them */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t *next_seq;       /* [size] collective sequence number of each rank */

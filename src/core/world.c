@@ -62,6 +62,7 @@ static comet_status_t world_create(comet_world_t **world, int num_ranks, comet_b
     w->next_seq = seq;
     w->local_rank = local_rank;
     atomic_init(&w->aborted, 0);
+    atomic_init(&w->live_layers, 0);
 #ifdef COMET_WITH_CUDA
     if (backend == COMET_BACKEND_CUDA) {
         comet_status_t st = comet_cuda_world_init(w, id ? id->bytes : NULL, local_rank >= 0 ? device : -1);
@@ -108,6 +109,10 @@ comet_status_t comet_get_unique_id(comet_unique_id_t *id) {
 comet_status_t comet_world_destroy(comet_world_t *w) {
     comet_clear_error();
     if (!w) return COMET_SUCCESS;
+    const int live = atomic_load(&w->live_layers);
+    if (live > 0)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has %d layer%s: destroy them first", live,
+                          live == 1 ? "" : "s");
     if (w->pending) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has a collective call in progress");
 #ifdef COMET_WITH_CUDA
     if (w->backend == COMET_BACKEND_CUDA) comet_cuda_world_destroy(w);
