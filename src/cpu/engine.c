@@ -537,10 +537,12 @@ comet_status_t comet_cpu_layer_forward(comet_layer_t *l, const comet_forward_arg
     /* Stage inputs (or the failure) for the peers. */
     me->status = own;
     snprintf(me->message, sizeof me->message, "%s", own == COMET_SUCCESS ? "" : comet_last_error());
-    if (own == COMET_SUCCESS) {
+    if (own == COMET_SUCCESS && t > 0) { /* with T = 0 the data pointers may be NULL */
         memcpy(me->x, args->x.data, (size_t)(t * d->hidden) * sizeof(comet_bf16_t));
         memcpy(me->topk_idx, args->topk_idx.data, (size_t)(t * d->topk) * sizeof(int32_t));
         memcpy(me->topk_w, args->topk_w.data, (size_t)(t * d->topk) * sizeof(float));
+    }
+    if (own == COMET_SUCCESS) {
         me->token_count = t;
         me->chunk_cols = tune.chunk_cols;
     }
