@@ -14,6 +14,7 @@
  *   check:   the tolerance check the GPU runs are judged by
  *            (comet_problem_check) passes the engine's output and one-ulp
  *            changes, and fails a changed element and a missing expert row
+ *   empty:   T = 0 with NULL data pointers (no NULL reaches memcpy: UBSan)
  */
 #include <pthread.h>
 #include <stdlib.h>

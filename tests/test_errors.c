@@ -2,13 +2,17 @@
  * test_errors.c - bad input gets the documented status, a message naming what
  * is wrong, and writes nothing:
  *   configs:  every field out of range, E not divisible by EP, ffn not
- *             divisible by TP, topk > E or < 1, world size mismatch
+ *             divisible by TP, topk > E or < 1, world size mismatch, sizes
+ *             whose byte counts overflow or pass 2^48 (at check and create)
  *   forward:  expert id out of range or negative or repeated, null data,
  *             wrong or too-small shapes and dtypes, T above the maximum,
  *             struct sizes, chunk widths that differ across ranks; the rank
  *             with the bad input gets the specific status, its peers
  *             COMET_ERR_PEER_FAILED, every output keeps its poison, and the
  *             next valid call on the same layers is correct
+ *   ranks:    a config invalid on one rank only (its peers PEER_FAILED at
+ *             once, the world still usable), n_comm above the CPU engine's 64
+ *             on every rank, a world destroyed while a layer lives
  *   waits:    a rank that never arrives makes the others time out with a
  *             message naming rank and role
  *   misc:     status strings, NULL handles, the reference's own checks

@@ -5,7 +5,8 @@
  * reads. Over several (TP, EP) layouts and both activations the reference
  * must agree within a few bf16 ulps, so a reference that is wrong, partial or
  * a no-op cannot pass (and the engine tests, which compare with it bitwise,
- * inherit that). Also: the reference is deterministic run to run.
+ * inherit that). Also: the reference is deterministic run to run, and NaN
+ * weights give NaN outputs without undefined behaviour (UBSan).
  */
 #include <math.h>
 #include <stdlib.h>

@@ -10,7 +10,8 @@
  *             and the reference, bit for bit
  *   overflow: a recorder too small for the run (few events per lane, too few
  *             lanes, too few ranks) counts what it drops and still writes
- *   api:      bad arguments, NULL handling, clear
+ *   api:      bad arguments, NULL handling, clear; a recorder too large
+ *             for memory or for size_t fails cleanly
  */
 #include <stdlib.h>
 #include <string.h>

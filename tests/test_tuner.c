@@ -3,7 +3,8 @@
  * rule's mode at its boundaries: world, layout, tokens a rank, topk x
  * hidden, an expert's W1 slice, push), the measured table (load, lookup by configuration and nearest token count,
  * malformed lines skipped, backends kept apart, chunk width independent of the
- * rank's token count), and append -> load round trips.
+ * rank's token count), and append -> load round trips; values out of range,
+ * over-long lines and files that are no table (devices, FIFOs, over 1 MiB).
  */
 #include <stdio.h>
 #include <stdlib.h>
