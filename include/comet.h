@@ -176,8 +176,8 @@ comet_status_t comet_world_create_nccl_opts(comet_world_t **world, int rank, int
  * for none; the string lives as long as the world). */
 comet_status_t comet_world_get_options(const comet_world_t *world, comet_world_options_t *out);
 
-/* Destroy a world after all its layers are destroyed (a world with a live
- * layer is refused: COMET_ERR_INVALID_ARGUMENT). NULL is a no-op. */
+/* Destroy a world after all its layers are destroyed: while one lives it
+ * returns COMET_ERR_INVALID_ARGUMENT and the world stays. NULL is a no-op. */
 comet_status_t comet_world_destroy(comet_world_t *world);
 int comet_world_size(const comet_world_t *world);
 comet_backend_t comet_world_backend(const comet_world_t *world);
@@ -220,14 +220,20 @@ typedef struct {
     }
 
 /* Check a config on its own (without a world): COMET_SUCCESS or the status and
- * a message naming the offending field. world_size 0 skips the TP*EP check. */
+ * a message naming the offending field. world_size 0 skips the TP*EP check.
+ * hidden, ffn, num_experts and max_tokens_per_rank must be below 2^31, and no
+ * buffer a rank sizes from them (tokens, partials, rows, weights) above 2^48
+ * bytes. */
 comet_status_t comet_layer_config_check(const comet_layer_config_t *cfg, int world_size);
 
 typedef struct comet_layer comet_layer_t;
 
 /* Collective: create the layer on this rank. All ranks must pass equal
- * configs. When one rank cannot (out of device memory, say), it returns its
- * own status and the others COMET_ERR_PEER_FAILED (CUDA backend). */
+ * configs. When one rank cannot (an invalid config, out of memory, say), it
+ * returns its own status and the others COMET_ERR_PEER_FAILED, without waiting
+ * out the timeout; the world stays usable. (Worlds spread over processes: a
+ * rank whose config fails comet_layer_config_check alone leaves the others
+ * waiting in NCCL; check it on every rank first.) */
 comet_status_t comet_layer_create(comet_layer_t **layer, comet_world_t *world, int rank,
                                   const comet_layer_config_t *cfg);
 /* Collective. NULL is a no-op (and not collective). */
@@ -259,12 +265,13 @@ typedef struct {
     comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16 */
     comet_tensor_t y;        /* [out] (T, H) bf16 */
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
-    int n_comm;              /* [in]  communication workers (CPU engine, 1..64) or CTAs beside GEMM0 (CUDA:
+    int n_comm;              /* [in]  communication workers (CPU engine: 1..64, else
+                              *       COMET_ERR_INVALID_ARGUMENT) or CTAs beside GEMM0 (CUDA:
                               *       > 0 runs the overlapped mode where the Hopper GEMM runs, capped at
                               *       SMs - 1); 0 = the tuner's choice (src/tuner/tuner.h);
                               *       COMET_SEQUENTIAL = the sequential chain (CUDA; the CPU engine, which
                               *       always overlaps, takes it as 0). The same on every rank */
-    int chunk_cols;          /* [in]  CPU engine: layer-1 column-chunk width, 0 = the tuner's choice;
+    int chunk_cols;          /* [in]  CPU engine: layer-1 column-chunk width, 0..hidden; 0 = the tuner's choice;
                               *       ignored by the CUDA backend (no chunked combine there) */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
 } comet_forward_args_t;

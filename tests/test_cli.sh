@@ -30,6 +30,27 @@ expect bad-model 2 "unknown model 'gpt'" -- "$comet" check --model gpt
 expect bad-layout 2 "not divisible by config.ep" -- "$comet" check --backend cpu --experts 5 --ep 2
 expect topk-too-big 2 "topk" -- "$comet" check --backend cpu --topk 9
 expect n-comm-range 2 "n-comm needs a whole number in \[-1, 1024\]" -- "$comet" check --n-comm -2
+# NaN, infinities and empty values are refused before anything runs (--skew nan with
+# --zero-experts looped forever; an empty value was taken as 0)
+expect skew-nan 2 "--skew needs a number in \[0, 10\], got 'nan'" -- timeout 10 "$comet" check --backend cpu --tokens 8 --skew nan --zero-experts 2
+expect skew-inf 2 "--skew needs a number" -- timeout 10 "$comet" check --backend cpu --tokens 8 --skew inf
+expect skew-empty 2 "--skew needs a number in \[0, 10\], got ''" -- timeout 10 "$comet" check --backend cpu --tokens 8 --skew ''
+expect tokens-empty 2 "--tokens needs a whole number in \[1, [0-9]+\], got ''" -- "$comet" check --backend cpu --tokens ''
+for flag in --n-comm --chunk --seed --warmup --zero-experts; do
+    expect "empty$flag" 2 "$flag needs a whole number" -- "$comet" check --backend cpu --tokens 8 "$flag" ''
+done
+# --chunk wider than hidden is refused with the config, before anything is drawn
+expect chunk-wide 2 "--chunk 100000 is wider than hidden 512" -- "$comet" check --backend cpu --tokens 8 --chunk 100000
+# a failed forward says why (the reason outlived the world's destroy)
+expect forward-reason 1 "forward failed: COMET_ERR_INVALID_ARGUMENT: .*n_comm 100" -- "$comet" check --backend cpu --tokens 8 --n-comm 100
+# a --trace path too long for the picture's name beside it (4093 characters, valid for the
+# JSON itself: its .svg name would not fit) is refused, not written to a truncated name
+ldir=$(mktemp -d) long="$ldir/"
+while [ ${#long} -lt 4091 ]; do long="$long./"; done
+long="${long}$(printf 't%.0s' $(seq $((4093 - ${#long}))))"
+expect trace-long 2 "--trace: the path is longer than 4091 characters" -- "$comet" check --backend cpu --tokens 8 --trace "$long"
+expect trace-long-nothing 0 '^0$' -- bash -c 'ls "$1" | wc -l' _ "$ldir"
+rm -rf "$ldir"
 expect graph-cpu 0 'the CPU engine runs without it' -- "$comet" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --graph
 expect n-comm-seq-cpu 0 'auto .* ok \(0 of' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # CI: no GPU here

@@ -14,6 +14,7 @@
  *   check:   the tolerance check the GPU runs are judged by
  *            (comet_problem_check) passes the engine's output and one-ulp
  *            changes, and fails a changed element and a missing expert row
+ *   empty:   T = 0 with NULL data pointers (no NULL reaches memcpy: UBSan)
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -412,7 +413,40 @@ static void test_timed(void) {
     comet_problem_destroy(p);
 }
 
+/* ---- no tokens, no data -----------------------------------------------------------
+ * T = 0 on a rank with NULL x, topk_idx, topk_w and y (valid: nothing to point
+ * at) runs, with the other rank's tokens equal to the reference; the UBSan
+ * build checks that no NULL reaches memcpy. */
+static void test_empty_null(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 16, cfg.ffn = 8, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = 2;
+    cfg.max_tokens_per_rank = 5, cfg.tile_m = 2;
+    const int64_t cases[2][2] = {{0, 5}, {0, 0}};
+    for (int c = 0; c < 2; c++) {
+        comet_routing_opts_t ro = {0, 0, 9};
+        comet_problem_t *p;
+        if (comet_problem_create(&p, &cfg, 2, cases[c], &ro) != COMET_SUCCESS) {
+            CHECK(0, "problem: %s", comet_last_error());
+            return;
+        }
+        for (int s = 0; s < 2; s++) {
+            if (cases[c][s]) continue;
+            comet_forward_args_t *a[2] = {&p->args[s], &p->ref_args[s]};
+            for (int k = 0; k < 2; k++) a[k]->x.data = a[k]->topk_idx.data = a[k]->topk_w.data = a[k]->y.data = NULL;
+        }
+        comet_problem_poison(p);
+        comet_status_t st = run_engine(p, 0, 0, 2);
+        CHECK(st == COMET_SUCCESS, "T = 0 with NULL data, tokens %lld/%lld: %s %s", (long long)cases[c][0],
+              (long long)cases[c][1], comet_status_string(st), comet_last_error());
+        st = comet_reference_forward(&p->cfg, 2, p->ref_args);
+        CHECK(st == COMET_SUCCESS && comet_problem_count_mismatch(p) == 0, "T = 0 with NULL data: reference %s",
+              comet_status_string(st));
+        comet_problem_destroy(p);
+    }
+}
+
 int main(void) {
+    test_empty_null();
     test_check();
     test_timed();
     test_disable();

@@ -2,13 +2,17 @@
  * test_errors.c - bad input gets the documented status, a message naming what
  * is wrong, and writes nothing:
  *   configs:  every field out of range, E not divisible by EP, ffn not
- *             divisible by TP, topk > E or < 1, world size mismatch
+ *             divisible by TP, topk > E or < 1, world size mismatch, sizes
+ *             whose byte counts overflow or pass 2^48 (at check and create)
  *   forward:  expert id out of range or negative or repeated, null data,
  *             wrong or too-small shapes and dtypes, T above the maximum,
  *             struct sizes, chunk widths that differ across ranks; the rank
  *             with the bad input gets the specific status, its peers
  *             COMET_ERR_PEER_FAILED, every output keeps its poison, and the
  *             next valid call on the same layers is correct
+ *   ranks:    a config invalid on one rank only (its peers PEER_FAILED at
+ *             once, the world still usable), n_comm above the CPU engine's 64
+ *             on every rank, a world destroyed while a layer lives
  *   waits:    a rank that never arrives makes the others time out with a
  *             message naming rank and role
  *   misc:     status strings, NULL handles, the reference's own checks
@@ -16,6 +20,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../harness/workload.h"
 #include "check.h"
@@ -54,8 +59,41 @@ static void test_config(void) {
     EXPECT(c.activation = (comet_activation_t)7, COMET_ERR_INVALID_ARGUMENT, "activation");
     EXPECT(c.dtype = COMET_DTYPE_FP16, COMET_ERR_UNSUPPORTED, "only bf16");
     EXPECT(c.struct_size = 8, COMET_ERR_INVALID_ARGUMENT, "COMET_LAYER_CONFIG_INIT");
+    /* sizes whose byte counts overflow, or pass 2^48 bytes: refused, naming the field */
+    const int64_t huge = (int64_t)1 << 62;
+    EXPECT(c.max_tokens_per_rank = huge, COMET_ERR_INVALID_ARGUMENT, "max_tokens_per_rank");
+    EXPECT(c.hidden = huge, COMET_ERR_INVALID_ARGUMENT, "hidden");
+    EXPECT(c.ffn = huge, COMET_ERR_INVALID_ARGUMENT, "ffn");
+    EXPECT((c.num_experts = huge, c.topk = 1), COMET_ERR_INVALID_ARGUMENT, "num_experts");
+    EXPECT(c.tile_m = 0x7fffffff, COMET_ERR_INVALID_ARGUMENT, "tile_m");
+    EXPECT((c.max_tokens_per_rank = 1 << 20, c.hidden = 0x7fffffff), COMET_ERR_INVALID_ARGUMENT, "hidden");
+    EXPECT((c.hidden = 1 << 30, c.ffn = 1 << 30), COMET_ERR_INVALID_ARGUMENT, "ffn");
+    EXPECT((c.max_tokens_per_rank = 1 << 28, c.hidden = 1 << 18), COMET_ERR_INVALID_ARGUMENT, "max_tokens_per_rank");
+    EXPECT((c.max_tokens_per_rank = 1 << 20, c.hidden = 1 << 12, c.ffn = 1 << 12), COMET_SUCCESS, "");
 #undef EXPECT
     CHECK(comet_layer_config_check(NULL, 2) == COMET_ERR_INVALID_ARGUMENT, "NULL config");
+}
+
+/* The same configs at create, on one rank: refused before anything is sized
+ * (they used to get tiny buffers and corrupt memory). */
+static void test_huge_create(void) {
+    comet_world_t *w = NULL;
+    comet_world_create_local(&w, 1, COMET_BACKEND_CPU);
+    const int64_t huge = (int64_t)1 << 62;
+    for (int i = 0; i < 4; i++) {
+        comet_layer_config_t c = base_config();
+        c.ep = 1;
+        if (i == 0) c.max_tokens_per_rank = huge;
+        if (i == 1) c.hidden = huge;
+        if (i == 2) c.ffn = huge;
+        if (i == 3) c.max_tokens_per_rank = huge / 2, c.hidden = 4;
+        comet_layer_t *l = NULL;
+        comet_status_t st = comet_layer_create(&l, w, 0, &c);
+        CHECK((st == COMET_ERR_INVALID_ARGUMENT || st == COMET_ERR_OUT_OF_MEMORY) && !l, "huge config %d: %s \"%s\"", i,
+              comet_status_string(st), comet_last_error());
+        comet_layer_destroy(l);
+    }
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy");
 }
 
 /* ---- forward with one bad rank -------------------------------------------- */
@@ -164,6 +202,9 @@ static void e_too_many(comet_forward_args_t *a, comet_problem_t *p) {
 static void e_size(comet_forward_args_t *a, comet_problem_t *p) { a->struct_size = 4; (void)p; }
 static void e_chunk(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = (int)p->cfg.hidden + 1; }
 static void e_ncomm(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = -2; (void)p; }
+static void e_ncomm_big(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = 65; (void)p; }
+static void e_ncomm_max(comet_forward_args_t *a, comet_problem_t *p) { a->n_comm = 0x7fffffff; (void)p; }
+static void e_chunk_negative(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = -8; (void)p; }
 static void e_chunk_differs(comet_forward_args_t *a, comet_problem_t *p) { a->chunk_cols = 5; (void)p; }
 static void e_disable(comet_forward_args_t *a, comet_problem_t *p) { a->disable = 4; (void)p; }
 
@@ -193,6 +234,9 @@ static void test_forward(void) {
         {"struct size", e_size, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "COMET_FORWARD_ARGS_INIT"},
         {"chunk too wide", e_chunk, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
         {"negative n_comm", e_ncomm, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "n_comm"},
+        {"n_comm above 64", e_ncomm_big, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.n_comm 65"},
+        {"n_comm INT_MAX", e_ncomm_max, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.n_comm"},
+        {"negative chunk", e_chunk_negative, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "chunk_cols"},
         {"unknown disable bits", e_disable, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_PEER_FAILED, "args.disable"},
         {"chunk differs across ranks", e_chunk_differs, COMET_ERR_INVALID_ARGUMENT, COMET_ERR_INVALID_ARGUMENT,
          "chunk_cols differ across ranks"},
@@ -317,6 +361,133 @@ static void test_handles(void) {
     CHECK(comet_version() == COMET_VERSION_CODE, "version");
 }
 
+/* ---- a world destroyed before its layers ---------------------------------------- */
+static void test_destroy_live_world(void) {
+    comet_world_t *w = NULL;
+    comet_world_create_local(&w, 1, COMET_BACKEND_CPU);
+    comet_layer_config_t cfg = base_config();
+    cfg.ep = 1;
+    comet_layer_t *l = NULL;
+    CHECK(comet_layer_create(&l, w, 0, &cfg) == COMET_SUCCESS, "create: %s", comet_last_error());
+    comet_status_t st = comet_world_destroy(w);
+    CHECK(st == COMET_ERR_INVALID_ARGUMENT && has(comet_last_error(), "1 layer"), "destroy with a live layer: %s \"%s\"",
+          comet_status_string(st), comet_last_error());
+    if (st == COMET_SUCCESS) return; /* the world is gone: the layer cannot be destroyed any more */
+    CHECK(comet_layer_destroy(l) == COMET_SUCCESS, "layer destroy after the refused world destroy");
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "world destroy once its layers are gone: %s", comet_last_error());
+}
+
+/* ---- n_comm out of range on every rank ------------------------------------------ */
+/* Every rank fails with INVALID_ARGUMENT (no worker started) and the next
+ * valid call on the same world succeeds. */
+static void test_n_comm_all_ranks(void) {
+    setenv("COMET_TIMEOUT_MS", "3000", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    comet_layer_config_t cfg = base_config();
+    int64_t tokens[2] = {6, 4};
+    comet_routing_opts_t ro = {0, 0, 11};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) {
+        CHECK(0, "problem: %s", comet_last_error());
+        comet_world_destroy(w);
+        return;
+    }
+    const int bad[] = {65, 200000, 0x7fffffff};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        run.n_comm = bad[i];
+        comet_status_t st = comet_problem_run(p, w, &run, 0);
+        CHECK(st == COMET_ERR_INVALID_ARGUMENT && has(comet_last_error(), "n_comm"), "n_comm %d on every rank: %s %s",
+              bad[i], comet_status_string(st), comet_last_error());
+        comet_problem_poison(p);
+        memset(&run, 0, sizeof run);
+        st = comet_problem_run(p, w, &run, 0);
+        comet_reference_forward(&p->cfg, 2, p->ref_args);
+        CHECK(st == COMET_SUCCESS && comet_problem_count_mismatch(p) == 0, "valid call after n_comm %d: %s %s", bad[i],
+              comet_status_string(st), comet_last_error());
+    }
+    comet_problem_destroy(p);
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy: %s", comet_last_error());
+}
+
+/* ---- a config invalid on one rank only ---------------------------------------- */
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+typedef struct {
+    create_job_t job;
+    int delay_ms; /* before create: which rank arrives first */
+    double ms;    /* create's own time */
+} timed_create_t;
+
+static void *timed_create(void *arg) {
+    timed_create_t *t = arg;
+    if (t->delay_ms) nanosleep(&(struct timespec){0, t->delay_ms * 1000000L}, NULL);
+    comet_layer_t *l = NULL;
+    double t0 = now_ms();
+    t->job.st = comet_layer_create(&l, t->job.world, t->job.rank, &t->job.cfg);
+    t->ms = now_ms() - t0;
+    snprintf(t->job.msg, sizeof t->job.msg, "%s", comet_last_error());
+    comet_layer_destroy(l);
+    return NULL;
+}
+
+/* Rank `bad` brings hidden = 0: it gets INVALID_ARGUMENT, its peer
+ * PEER_FAILED at once (not after the 4 s timeout), and the world still runs
+ * a valid layer and can be destroyed. */
+static void one_rank_bad_config(int bad, int bad_delay_ms, int good_delay_ms) {
+    setenv("COMET_TIMEOUT_MS", "4000", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    timed_create_t t[2];
+    memset(t, 0, sizeof t);
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        t[r].job.world = w, t[r].job.cfg = base_config(), t[r].job.rank = r;
+        t[r].delay_ms = r == bad ? bad_delay_ms : good_delay_ms;
+    }
+    t[bad].job.cfg.hidden = 0;
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, timed_create, &t[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    const int good = 1 - bad;
+    CHECK(t[bad].job.st == COMET_ERR_INVALID_ARGUMENT && has(t[bad].job.msg, "hidden"), "bad rank %d: %s \"%s\"", bad,
+          comet_status_string(t[bad].job.st), t[bad].job.msg);
+    CHECK(t[good].job.st == COMET_ERR_PEER_FAILED && t[good].ms < 2000 && has(t[good].job.msg, bad ? "rank 1" : "rank 0"),
+          "its peer: %s after %.0f ms \"%s\"",
+          comet_status_string(t[good].job.st), t[good].ms, t[good].job.msg);
+    /* the ranks' collective calls are still in step: a valid layer runs */
+    comet_layer_config_t cfg = base_config();
+    int64_t tokens[2] = {6, 3};
+    comet_routing_opts_t ro = {0, 0, 7};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) == COMET_SUCCESS) {
+        comet_problem_poison(p);
+        comet_run_t run;
+        memset(&run, 0, sizeof run);
+        comet_status_t st = comet_problem_run(p, w, &run, 0);
+        CHECK(st == COMET_SUCCESS, "valid layer after one rank's bad config: %s %s", comet_status_string(st),
+              comet_last_error());
+        comet_reference_forward(&p->cfg, 2, p->ref_args);
+        CHECK(st != COMET_SUCCESS || comet_problem_count_mismatch(p) == 0, "valid layer differs from the reference");
+        comet_problem_destroy(p);
+    }
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy the world after one rank's bad config: %s",
+          comet_last_error());
+}
+
+static void test_one_rank_bad_config(void) {
+    one_rank_bad_config(1, 0, 0);
+    one_rank_bad_config(1, 0, 50); /* the bad rank arrives first */
+    one_rank_bad_config(0, 50, 0); /* last */
+}
+
 static void test_timeout(void) {
     setenv("COMET_TIMEOUT_MS", "300", 1);
     comet_world_t *w;
@@ -333,8 +504,12 @@ static void test_timeout(void) {
 
 int main(void) {
     test_config();
+    test_huge_create();
     test_forward();
     test_handles();
+    test_one_rank_bad_config();
+    test_destroy_live_world();
+    test_n_comm_all_ranks();
     test_timeout();
     return check_summary("test_errors");
 }

@@ -5,7 +5,8 @@
  * reads. Over several (TP, EP) layouts and both activations the reference
  * must agree within a few bf16 ulps, so a reference that is wrong, partial or
  * a no-op cannot pass (and the engine tests, which compare with it bitwise,
- * inherit that). Also: the reference is deterministic run to run.
+ * inherit that). Also: the reference is deterministic run to run, and NaN
+ * weights give NaN outputs without undefined behaviour (UBSan).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -88,7 +89,45 @@ static void check_layout(int tp, int ep, comet_activation_t activation, double s
     comet_problem_destroy(p);
 }
 
+/* A weight that makes expert outputs NaN: the reference (whole and token by
+ * token, as the GPU check runs it) propagates it without undefined behaviour
+ * (the UBSan build checks), and the engine agrees bit for bit. */
+static void check_nan(void) {
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 16, cfg.ffn = 8, cfg.num_experts = 4, cfg.topk = 2, cfg.tp = 1, cfg.ep = 2;
+    cfg.max_tokens_per_rank = 6, cfg.tile_m = 4;
+    int64_t tokens[2] = {6, 5};
+    comet_routing_opts_t ro = {0, 0, 4};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, 2, tokens, &ro) != COMET_SUCCESS) {
+        CHECK(0, "problem: %s", comet_last_error());
+        return;
+    }
+    for (int64_t i = 0; i < cfg.num_experts * cfg.hidden * cfg.ffn; i += 5) p->w2_full[i] = 0x7fc0; /* NaN */
+    comet_problem_slice_weights(p);
+    comet_problem_poison(p);
+    comet_status_t st = comet_reference_forward(&p->cfg, 2, p->ref_args);
+    int64_t nans = 0;
+    for (int s = 0; s < 2; s++)
+        for (int64_t i = 0; i < tokens[s] * cfg.hidden; i++) nans += isnan(comet_bf16_to_f32(p->y_ref[s][i]));
+    CHECK(st == COMET_SUCCESS && nans > 0, "NaN weights: %s, %lld NaN outputs", comet_status_string(st), (long long)nans);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    comet_run_t run;
+    memset(&run, 0, sizeof run);
+    st = comet_problem_run(p, w, &run, 0);
+    comet_world_destroy(w);
+    CHECK(st == COMET_SUCCESS && comet_problem_count_mismatch(p) == 0, "NaN weights: the engine %s, %lld differ",
+          comet_status_string(st), (long long)comet_problem_count_mismatch(p));
+    comet_check_t chk;
+    st = comet_problem_check(p, 0, -1, &chk);
+    CHECK(st == COMET_SUCCESS && chk.wrong > 0, "NaN outputs fail the tolerance check: %s, %lld wrong", comet_status_string(st),
+          (long long)chk.wrong);
+    comet_problem_destroy(p);
+}
+
 int main(void) {
+    check_nan();
     const int layouts[][2] = {{1, 1}, {1, 2}, {2, 1}, {2, 2}, {4, 1}, {1, 4}};
     for (int i = 0; i < 6; i++) {
         check_layout(layouts[i][0], layouts[i][1], COMET_ACT_SILU_GATED, i % 2 ? 0.2 : 0.0);

@@ -10,7 +10,8 @@
  *             and the reference, bit for bit
  *   overflow: a recorder too small for the run (few events per lane, too few
  *             lanes, too few ranks) counts what it drops and still writes
- *   api:      bad arguments, NULL handling, clear
+ *   api:      bad arguments, NULL handling, clear; a recorder too large
+ *             for memory or for size_t fails cleanly
  */
 #include <stdlib.h>
 #include <string.h>
@@ -375,11 +376,32 @@ static void test_api(void) {
     comet_trace_destroy(tr);
 }
 
+/* ---- too large ------------------------------------------------------------------ */
+/* The allocation failure below is real (a recorder of 2^52 bytes): the
+ * sanitizers' allocators return NULL for it, as libc's does, instead of
+ * aborting the test. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+const char *__tsan_default_options(void);
+const char *__tsan_default_options(void) { return "allocator_may_return_null=1"; }
+
+static void test_too_large(void) {
+    comet_trace_t *tr = (comet_trace_t *)&tr;
+    comet_status_t st = comet_trace_create(&tr, 1, 65536, (int64_t)1 << 31); /* 2^47 events of 32 bytes */
+    CHECK(st == COMET_ERR_OUT_OF_MEMORY && tr == NULL && strstr(comet_last_error(), "65536 lanes"),
+          "out of memory: %s \"%s\"", comet_status_string(st), comet_last_error());
+    tr = (comet_trace_t *)&tr;
+    st = comet_trace_create(&tr, 65535, 65536, (int64_t)1 << 31); /* ranks x lanes x events x 32 overflows */
+    CHECK((st == COMET_ERR_INVALID_ARGUMENT || st == COMET_ERR_OUT_OF_MEMORY) && tr == NULL,
+          "size overflow: %s \"%s\"", comet_status_string(st), comet_last_error());
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(json_path, sizeof json_path, "%s/comet_test_trace_%d.json", tmp && *tmp ? tmp : "/tmp", (int)getpid());
     snprintf(svg_path, sizeof svg_path, "%s/comet_test_trace_%d.svg", tmp && *tmp ? tmp : "/tmp", (int)getpid());
     test_api();
+    test_too_large();
     int64_t t2[2] = {13, 9}, t4[4] = {7, 0, 11, 5}, t1[1] = {16};
     test_plan(1, 2, t2, 2, 16, 0.0, 0);
     test_plan(2, 2, t4, 3, 24, 0.3, 2);

@@ -3,11 +3,13 @@
  * rule's mode at its boundaries: world, layout, tokens a rank, topk x
  * hidden, an expert's W1 slice, push), the measured table (load, lookup by configuration and nearest token count,
  * malformed lines skipped, backends kept apart, chunk width independent of the
- * rank's token count), and append -> load round trips.
+ * rank's token count), and append -> load round trips; values out of range,
+ * over-long lines and files that are no table (devices, FIFOs, over 1 MiB).
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../src/core/validate.h"
@@ -172,6 +174,53 @@ int main(void) {
     CHECK(t.n_comm == 6 && t.chunk_cols == 128, "the re-tune wins: %d %d", t.n_comm, t.chunk_cols);
     unlink(path);
     CHECK(load("/nonexistent/dir/table.tsv") == -1, "missing file");
+
+    /* values out of range are skipped like any malformed line */
+    f = fopen(path, "w");
+    fprintf(f, "backend\thidden\tffn\texperts\ttopk\ttp\tep\ttokens\tn_comm\tchunk_cols\tms\n"
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n"            /* the one good line */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t4294967295\t1.0\n"     /* chunk_cols wraps to -1 */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t4294967295\t256\t1.0\n"   /* n_comm wraps to -1 */
+               "cuda\t4096\t1024\t8\t2\t1\t2\t1000\t4294967298\t256\t1.0\n"  /* n_comm wraps to 2 */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t65\t256\t1.0\n"           /* above the CPU engine's 64 */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t5000\t1.0\n"           /* chunk wider than hidden */
+               "cpu\t1099511627776\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n"   /* hidden 2^40 */
+               "cpu\t4096\t1024\t8\t9\t1\t2\t1000\t3\t256\t1.0\n"            /* topk > experts */
+               "cpu\t4096\t1024\t8\t2\t0\t2\t1000\t3\t256\t1.0\n"            /* tp 0 */
+               "cpu\t4096\t1024\t8\t2\t1\t4294967298\t1000\t3\t256\t1.0\n"   /* ep wraps to 2 */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t99999999999999999999\t3\t256\t1.0\n" /* tokens overflow */
+               "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\tnan\n");          /* ms not a number */
+    fclose(f);
+    CHECK(load(path) == 1, "out-of-range values skipped: %d entries", load(path));
+    t = (comet_tuning_t){0, 0, 0};
+    pick(&d, COMET_BACKEND_CPU, 1000, &t);
+    CHECK(t.n_comm == 3 && t.chunk_cols == 256, "the good line: %d %d", t.n_comm, t.chunk_cols);
+
+    /* a line longer than the loader reads is skipped whole, not read as two */
+    f = fopen(path, "w");
+    for (int i = 0; i < 511; i++) fputc('#', f);
+    fprintf(f, "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n");
+    fclose(f);
+    CHECK(load(path) == 0, "over-long line: %d entries", load(path));
+
+    /* files that are not a table are refused at once: no endless read, no
+     * blocking open (alarm: a hang fails the test) */
+    alarm(20);
+    CHECK(load("/dev/zero") == -1, "/dev/zero");
+    CHECK(load("/tmp") == -1, "a directory");
+    char fifo[] = "/tmp/comet-tune-fifo-XXXXXX";
+    int ffd = mkstemp(fifo);
+    if (ffd >= 0) close(ffd), unlink(fifo);
+    CHECK(ffd >= 0 && mkfifo(fifo, 0600) == 0, "mkfifo");
+    CHECK(load(fifo) == -1, "a FIFO");
+    unlink(fifo);
+    f = fopen(path, "w"); /* over 1 MiB */
+    fprintf(f, "cpu\t4096\t1024\t8\t2\t1\t2\t1000\t3\t256\t1.0\n");
+    for (int i = 0; i < (1 << 20) / 64 + 1; i++) fprintf(f, "# %061d\n", i);
+    fclose(f);
+    CHECK(load(path) == -1, "a table over 1 MiB");
+    alarm(0);
+    unlink(path);
     CHECK(load(NULL) == 0, "clear");
     comet_tune_table_free(table);
     return check_summary("test_tuner");

@@ -115,7 +115,7 @@ static int parse_int(const char *flag, const char *s, int64_t lo, int64_t hi, in
     char *end;
     errno = 0;
     long long v = s ? strtoll(s, &end, 10) : 0;
-    if (!s || errno || *end || v < lo || v > hi) {
+    if (!s || end == s || errno || *end || v < lo || v > hi) { /* end == s: no digits, e.g. '' */
         fprintf(stderr, "comet: %s needs a whole number in [%lld, %lld], got '%s'\n", flag, (long long)lo,
                 (long long)hi, s ? s : "");
         return -1;
@@ -123,6 +123,8 @@ static int parse_int(const char *flag, const char *s, int64_t lo, int64_t hi, in
     *out = v;
     return 0;
 }
+
+#define TRACE_PATH_MAX ((size_t)4096) /* --trace FILE and the .svg name made from it, with the NUL */
 
 /* Returns 0 ok, 1 help printed, -1 error. */
 static int parse(const char *cmd, int argc, char **argv, options_t *o) {
@@ -173,7 +175,7 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
         } else if (strcmp(f, "--skew") == 0 && v) {
             char *end;
             o->skew = strtod(v, &end);
-            if (*end || o->skew < 0 || o->skew > 10) {
+            if (end == v || *end || !(o->skew >= 0 && o->skew <= 10)) { /* '', nan, inf */
                 fprintf(stderr, "comet: --skew needs a number in [0, 10], got '%s'\n", v);
                 return -1;
             }
@@ -187,6 +189,11 @@ static int parse(const char *cmd, int argc, char **argv, options_t *o) {
         } else if (strcmp(f, "--out") == 0 && v && strcmp(cmd, "tune") == 0) {
             o->out = v, i++;
         } else if (strcmp(f, "--trace") == 0 && v) {
+            if (strlen(v) + sizeof ".svg" > TRACE_PATH_MAX) { /* the picture's name beside it must fit too */
+                fprintf(stderr, "comet: --trace: the path is longer than %zu characters\n",
+                        TRACE_PATH_MAX - sizeof ".svg");
+                return -1;
+            }
             o->trace = v, i++;
         } else if (strcmp(f, "--backend") == 0 && v &&
                    (strcmp(v, "auto") == 0 || strcmp(v, "cpu") == 0 || strcmp(v, "cuda") == 0)) {
@@ -287,6 +294,10 @@ static int configure(options_t *o, comet_layer_config_t *cfg, int64_t *tokens, i
     if (o->warmup < 0) o->warmup = *use_cuda ? 5 : 1;
     if (comet_layer_config_check(cfg, *world) != COMET_SUCCESS) {
         fprintf(stderr, "comet: %s\n", comet_last_error());
+        return -1;
+    }
+    if (o->chunk_cols > cfg->hidden) { /* args.chunk_cols: 0..hidden */
+        fprintf(stderr, "comet: --chunk %d is wider than hidden %lld\n", o->chunk_cols, (long long)cfg->hidden);
         return -1;
     }
     if (!speaks())
@@ -413,16 +424,18 @@ static int run(const char *cmd, int argc, char **argv) {
         if (watch.n) r.timed = gpu_watch_mark, r.timed_ctx = &watch;
         st = comet_problem_run(p, w, &r, is_bench ? o.warmup : 0);
     }
+    char why[1024]; /* comet_world_destroy clears the last error */
+    snprintf(why, sizeof why, "%s", comet_last_error());
     comet_world_destroy(w);
     if (st != COMET_SUCCESS) {
-        fprintf(stderr, "comet: %s failed: %s: %s\n", failed, comet_status_string(st), comet_last_error());
+        fprintf(stderr, "comet: %s failed: %s: %s\n", failed, comet_status_string(st), why);
         comet_bootstrap_close(bs);
         comet_trace_destroy(r.trace);
         comet_problem_destroy(p);
         return 1;
     }
     if (r.trace) {
-        char svg[4096];
+        char svg[TRACE_PATH_MAX];
         size_t n = strlen(o.trace);
         int ext = n >= 5 && strcmp(o.trace + n - 5, ".json") == 0;
         snprintf(svg, sizeof svg, "%.*s.svg", (int)(ext ? n - 5 : n), o.trace);

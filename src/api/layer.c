@@ -9,6 +9,17 @@
 #include "../core/status.h"
 #include "../core/validate.h"
 
+/* A rank that fails before its backend's create (its own config, say) still
+ * meets its peers at the create's first rendezvous (CPU engine; CUDA local
+ * worlds of 2+ ranks: join_ranks), so that they return COMET_ERR_PEER_FAILED
+ * at once instead of waiting out the timeout, and the ranks' collective calls
+ * stay in step. Ranks in other processes (comet_world_create_nccl) are not
+ * told: they meet in NCCL, which this rank does not reach. */
+static comet_status_t create_failed(comet_world_t *world, int rank, comet_status_t st) {
+    if (world->local_rank < 0 && world->size > 1) comet_world_rendezvous_failed(world, rank);
+    return st;
+}
+
 comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int rank,
                                   const comet_layer_config_t *cfg) {
     comet_clear_error();
@@ -21,9 +32,10 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: this process holds rank %d of the world", rank,
                           world->local_rank);
     comet_dims_t dims;
-    COMET_TRY(comet_dims_from_config(cfg, world->size, rank, &dims));
+    const comet_status_t cst = comet_dims_from_config(cfg, world->size, rank, &dims);
+    if (cst != COMET_SUCCESS) return create_failed(world, rank, cst);
     comet_layer_t *l = calloc(1, sizeof *l);
-    if (!l) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "layer: no memory");
+    if (!l) return create_failed(world, rank, comet_fail(COMET_ERR_OUT_OF_MEMORY, "layer: no memory"));
     l->world = world;
     l->rank = rank;
     l->cfg = *cfg;

@@ -30,7 +30,7 @@ struct comet_world {
     comet_settings_t settings;  /* options and environment, resolved at create (options.h) */
     comet_tune_table_t *tune;   /* the tuner's table, read from settings.tune_file at create */
     atomic_int aborted;      /* set once any wait timed out: every other wait gives up */
-    atomic_int live_layers;  /* layers created and not yet destroyed */
+    atomic_int live_layers;  /* layers created and not yet destroyed: the world outlives them */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t *next_seq;       /* [size] collective sequence number of each rank */
@@ -51,12 +51,18 @@ struct comet_layer {
     void *backend_state;
 };
 
-/* Collective meeting point. The first rank to arrive creates the shared object
- * with make(arg); every rank gets it in *shared once all size ranks arrived.
- * key is compared across ranks (e.g. a config): a mismatch fails every rank. */
+/* Collective meeting point. Once all size ranks arrived, the last one creates
+ * the shared object with its make(arg) and every rank gets it in *shared.
+ * key is compared across ranks (e.g. a config): a mismatch fails every rank
+ * (and nothing is made). key NULL: this rank failed before the call; it meets
+ * the others so that they return COMET_ERR_PEER_FAILED at once and every
+ * rank's sequence of collective calls stays in step. */
 typedef void *(*comet_make_fn)(void *arg);
 comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *key, size_t key_bytes,
                                       comet_make_fn make, void *arg, void **shared);
+/* The rendezvous of a rank that failed before a collective call (key NULL);
+ * the calling thread's last-error message stays. */
+comet_status_t comet_world_rendezvous_failed(comet_world_t *w, int rank);
 /* The rendezvous' part of a world: set up and torn down with it (rendezvous.c). */
 void comet_rendezvous_init(comet_world_t *w);
 void comet_rendezvous_destroy(comet_world_t *w);

@@ -20,6 +20,71 @@ static const char *dtype_name(comet_dtype_t t) {
     return "unknown-dtype";
 }
 
+/* a * b * c * d (operands >= 0), saturated just past COMET_MAX_BYTES. */
+static int64_t capped_product(int64_t a, int64_t b, int64_t c, int64_t d) {
+    int64_t r;
+    if (__builtin_mul_overflow(a, b, &r) || __builtin_mul_overflow(r, c, &r) || __builtin_mul_overflow(r, d, &r) ||
+        r > COMET_MAX_BYTES)
+        return COMET_MAX_BYTES + 1;
+    return r;
+}
+
+/* Before the dims are derived: fields the plan and kernels hold in int32
+ * (token and row indices, expert ids in topk_idx), so that every product
+ * comet_dims_from_config forms is exact. */
+static comet_status_t check_extents(const comet_layer_config_t *cfg) {
+    const struct {
+        const char *name;
+        int64_t value;
+    } fields[] = {{"hidden", cfg->hidden},
+                  {"ffn", cfg->ffn},
+                  {"num_experts", cfg->num_experts},
+                  {"max_tokens_per_rank", cfg->max_tokens_per_rank}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        if (fields[i].value > INT32_MAX)
+            return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.%s %lld is above 2^31-1", fields[i].name,
+                              (long long)fields[i].value);
+    const int64_t w = (int64_t)cfg->tp * cfg->ep, el = cfg->num_experts / cfg->ep;
+    const int64_t tm = cfg->tile_m ? cfg->tile_m : COMET_DEFAULT_TILE_M;
+    if (capped_product(w, cfg->max_tokens_per_rank, cfg->topk, 1) > INT32_MAX)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "config too large: %lld ranks x config.max_tokens_per_rank %lld x config.topk %lld routing "
+                          "slots do not fit the plan's int32 indices",
+                          (long long)w, (long long)cfg->max_tokens_per_rank, (long long)cfg->topk);
+    if (el * (tm - 1) > INT32_MAX)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "config.tile_m %lld: %lld experts a rank padded to it do not fit the plan's int32 rows",
+                          (long long)tm, (long long)el);
+    return COMET_SUCCESS;
+}
+
+/* After: every byte count a backend sizes from the dims (CPU engine, CUDA
+ * symmetric and private buffers, plan workspace, a rank's weights) is at most
+ * COMET_MAX_BYTES, so none of their sums overflows int64 or size_t. */
+static comet_status_t check_bytes(const comet_dims_t *x) {
+    const int64_t w = x->world_size, t = x->max_tokens, h = x->hidden, rows = x->max_rows_padded;
+    const struct {
+        const char *what;
+        int64_t bytes;
+    } need[] = {
+        {"ranks x config.max_tokens_per_rank x config.hidden (staged tokens, fp32 partials)", capped_product(w, t, h, 4)},
+        {"config.tp x config.max_tokens_per_rank x config.topk x config.hidden (rows sent home)",
+         capped_product(x->tp * t, x->topk, h, 2)},
+        {"config.hidden x the rows a rank receives (ranks x config.max_tokens_per_rank x config.topk)",
+         capped_product(rows, h, 2, 1)},
+        {"config.ffn / config.tp x the rows a rank receives (ranks x config.max_tokens_per_rank x config.topk)",
+         capped_product(rows, x->ffn_local, 2, 1)},
+        {"config.num_experts / config.ep x config.ffn / config.tp x config.hidden (a rank's weights)",
+         capped_product(x->experts_local, x->w1_rows, h, 2)},
+        {"ranks x config.max_tokens_per_rank x config.num_experts / config.ep (the plan's count tables)",
+         capped_product(w, t, x->experts_local + 1, 4)},
+    };
+    for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+        if (need[i].bytes > COMET_MAX_BYTES)
+            return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config too large: %s needs more than 2^48 bytes", need[i].what);
+    return COMET_SUCCESS;
+}
+
 comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world_size, int rank,
                                       comet_dims_t *d) {
     if (!cfg) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config is NULL");
@@ -60,6 +125,8 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
                           (long long)cfg->max_tokens_per_rank);
     if (cfg->tile_m < 0) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.tile_m %d < 0", cfg->tile_m);
 
+    COMET_TRY(check_extents(cfg));
+
     int w = cfg->tp * cfg->ep;
     if (rank < 0 || rank >= w)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d is outside [0, %d)", rank, w);
@@ -89,6 +156,7 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "config too large: %lld rows per rank do not fit the plan's int32 indices",
                           (long long)x.max_rows_padded);
+    COMET_TRY(check_bytes(&x));
     if (d) *d = x;
     return COMET_SUCCESS;
 }

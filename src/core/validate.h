@@ -17,8 +17,17 @@ extern "C" {
 /* Largest world size the runtime accepts. */
 #define COMET_MAX_RANKS 1024
 
+/* Most communication workers (args.n_comm, tuner table) a rank of the CPU
+ * engine starts. */
+#define COMET_CPU_MAX_N_COMM 64
+
+/* Most bytes any one buffer a backend sizes from a config may take (256 TiB):
+ * configs past it are refused, so no size computed from the dims overflows. */
+#define COMET_MAX_BYTES ((int64_t)1 << 48)
+
 /* Check cfg for a world of world_size ranks (0: skip the TP*EP check) and, if
- * dims is not NULL, fill it for rank. */
+ * dims is not NULL, fill it for rank. hidden, ffn, num_experts and
+ * max_tokens_per_rank must fit int32, and every buffer COMET_MAX_BYTES. */
 comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world_size, int rank,
                                       comet_dims_t *dims);
 

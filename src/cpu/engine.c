@@ -273,6 +273,7 @@ static comet_status_t cpu_layer_create(comet_layer_t *l) {
     L->l1_base = take(L, hd * sizeof(uint64_t), 0);
     if (!L->plan_ws || !L->a || !L->h || !L->o || !L->block_ready || !L->l1_done || !L->l1_base) {
         free_private(L);
+        comet_world_rendezvous_failed(l->world, l->rank); /* the peers learn of it at once */
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
     }
     memset(L->l1_base, 0, hd * sizeof(uint64_t));
@@ -517,6 +518,9 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     cpu_sym_t *me = &L->sh->rank[l->rank];
     int64_t t = 0;
     comet_status_t own = comet_check_forward_args(d, args, 1, &t);
+    if (own == COMET_SUCCESS && args->n_comm > COMET_CPU_MAX_N_COMM) /* before entry: the peers learn of it */
+        own = comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d is above %d, the CPU engine's most workers",
+                         args->n_comm, COMET_CPU_MAX_N_COMM);
     comet_protocol_t proto = COMET_PROTOCOL_INIT; /* the CPU engine's GEMM and fp32 partials' combine */
     if (own == COMET_SUCCESS) /* COMET_SEQUENTIAL: this engine always overlaps */
         comet_tuner_choose(l->world->tune, d, COMET_BACKEND_CPU, t, args->n_comm > 0 ? args->n_comm : 0,
@@ -531,10 +535,12 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     /* Stage inputs (or the failure) for the peers. */
     me->status = own;
     snprintf(me->message, sizeof me->message, "%s", own == COMET_SUCCESS ? "" : comet_last_error());
-    if (own == COMET_SUCCESS) {
+    if (own == COMET_SUCCESS && t > 0) { /* with T = 0 the data pointers may be NULL */
         memcpy(me->x, args->x.data, (size_t)(t * d->hidden) * sizeof(comet_bf16_t));
         memcpy(me->topk_idx, args->topk_idx.data, (size_t)(t * d->topk) * sizeof(int32_t));
         memcpy(me->topk_w, args->topk_w.data, (size_t)(t * d->topk) * sizeof(float));
+    }
+    if (own == COMET_SUCCESS) {
         me->token_count = t;
         me->chunk_cols = proto.chunk_cols;
     }

@@ -61,7 +61,8 @@ void comet_reference_token(const comet_layer_config_t *cfg, int world_size, cons
             comet_cpu_topk_accumulate(sc->partial, wt[j], sc->o, 0, hd);
             for (int64_t c = 0; c < hd; c++) {
                 const float v = comet_bf16_to_f32(sc->o[c]);
-                sc->o_ulps[c] += v != 0.0f ? fabsf(wt[j]) * ldexpf(1.0f, ilogbf(v) - 7) : 0.0f;
+                /* NaN: no ulp (ilogbf gives INT_MIN), y is NaN anyway */
+                sc->o_ulps[c] += v != 0.0f && !isnan(v) ? fabsf(wt[j]) * ldexpf(1.0f, ilogbf(v) - 7) : 0.0f;
             }
         }
         if (contributes)

@@ -448,6 +448,8 @@ static comet_status_t cuda_layer_create(comet_layer_t *l) {
                                                                                              : COMET_GEMM_SIMT;
     L->base.combine = comet_tuner_combine(&l->dims, COMET_BACKEND_CUDA, L->base.gemm, l->knobs.force_pull);
     const int w = l->dims.world_size;
+    if (st != COMET_SUCCESS && w > 1 && l->world->local_rank < 0) /* meet the peers in join_ranks' rendezvous */
+        comet_world_rendezvous_failed(l->world, rank);
     const int joined = st == COMET_SUCCESS && w > 1 &&
                        (st = join_ranks(l, (int)L->base.combine, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);

@@ -32,19 +32,26 @@ comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_
     if (events_per_lane < 0 || events_per_lane > ((int64_t)1 << 31))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: events_per_lane %lld is outside [0, 2^31]",
                           (long long)events_per_lane);
+    const int lanes = lanes_per_rank ? lanes_per_rank : DEFAULT_LANES;
+    const int64_t capacity = events_per_lane ? events_per_lane : DEFAULT_EVENTS;
+    size_t n_lanes, n_events, bytes; /* bytes: comet_trace_buffer_bytes */
+    if (__builtin_mul_overflow((size_t)num_ranks, (size_t)lanes, &n_lanes) ||
+        __builtin_mul_overflow(n_lanes, (size_t)capacity, &n_events) ||
+        __builtin_mul_overflow(n_events, sizeof(comet_trace_event_t), &bytes))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "trace: %d x %d lanes of %lld events of %zu bytes overflow",
+                          num_ranks, lanes, (long long)capacity, sizeof(comet_trace_event_t));
     comet_trace_t *t = calloc(1, sizeof *t);
     if (!t) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory");
     t->ranks = num_ranks;
-    t->lanes = lanes_per_rank ? lanes_per_rank : DEFAULT_LANES;
-    t->capacity = events_per_lane ? events_per_lane : DEFAULT_EVENTS;
+    t->lanes = lanes;
+    t->capacity = capacity;
     atomic_init(&t->out_of_range, 0);
-    const size_t n_lanes = (size_t)t->ranks * (size_t)t->lanes;
     t->counts = calloc(n_lanes, sizeof *t->counts);
-    t->events = calloc(n_lanes * (size_t)t->capacity, sizeof *t->events);
-    if (!t->counts || !t->events) {
+    t->events = calloc(n_events, sizeof *t->events);
+    if (!t->counts || !t->events) { /* the message from the locals: destroy frees t */
         comet_trace_destroy(t);
-        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for %d x %d lanes of %lld events", t->ranks,
-                          t->lanes, (long long)t->capacity);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for %d x %d lanes of %lld events", num_ranks,
+                          lanes, (long long)capacity);
     }
     *out = t;
     return COMET_SUCCESS;

@@ -17,8 +17,14 @@
  */
 #include "tuner.h"
 
+#include <fcntl.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../core/validate.h"
 
 typedef struct {
     int backend;
@@ -31,6 +37,33 @@ struct comet_tune_table {
     int len;
 };
 
+#define TABLE_MAX_BYTES (1 << 20)  /* larger files are not tables */
+#define TABLE_MAX_CUDA_N_COMM 1024  /* the CUDA backend caps n_comm at SMs - 1 anyway */
+
+/* The values of one line (hidden ffn experts topk tp ep tokens n_comm
+ * chunk_cols) and its ms are what a valid config and knobs give. */
+static int entry_in_range(int cuda, const long long v[9], double ms) {
+    for (int i = 0; i < 4; i++)
+        if (v[i] < 1 || v[i] > INT32_MAX) return 0;
+    if (v[3] > v[2] || v[4] < 1 || v[4] > COMET_MAX_RANKS || v[5] < 1 || v[5] > COMET_MAX_RANKS ||
+        v[4] * v[5] > COMET_MAX_RANKS)
+        return 0;
+    if (v[6] < 0 || v[6] > INT32_MAX) return 0;
+    if (v[7] < (cuda ? 0 : 1) || v[7] > (cuda ? TABLE_MAX_CUDA_N_COMM : COMET_CPU_MAX_N_COMM)) return 0;
+    return v[8] >= 1 && v[8] <= v[0] && isfinite(ms) && ms >= 0;
+}
+
+/* path opened for reading if it is a regular file of at most TABLE_MAX_BYTES
+ * (no blocking open of a FIFO, no endless read of a device), else NULL. */
+static FILE *open_table(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    struct stat st;
+    FILE *f = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size <= TABLE_MAX_BYTES ? fdopen(fd, "r") : NULL;
+    if (!f) close(fd);
+    return f;
+}
+
 void comet_tune_table_free(comet_tune_table_t *table) {
     if (!table) return;
     free(table->entries);
@@ -41,20 +74,26 @@ int comet_tune_table_load(const char *path, comet_tune_table_t **out) {
     comet_tune_table_t *tab = calloc(1, sizeof *tab);
     *out = tab;
     if (!tab || !path || !*path) return 0;
-    FILE *f = fopen(path, "r");
+    FILE *f = open_table(path);
     if (!f) return -1;
     int cap = 0;
     char line[512], backend[16];
-    while (fgets(line, sizeof line, f)) {
+    long total = 0;
+    while (fgets(line, sizeof line, f) && (total += (long)strlen(line)) <= TABLE_MAX_BYTES) {
         entry_t e;
         long long v[9];
         double ms;
+        if (!strchr(line, '\n') && !feof(f)) { /* longer than any table line: skip it whole */
+            int c;
+            while ((c = fgetc(f)) != EOF && c != '\n') total++;
+            continue;
+        }
         if (sscanf(line, "%15s %lld %lld %lld %lld %lld %lld %lld %lld %lld %lf", backend, &v[0], &v[1], &v[2],
                    &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &ms) != 11)
             continue; /* the header, or a malformed line */
         if (strcmp(backend, "cpu") != 0 && strcmp(backend, "cuda") != 0) continue;
         const int cuda = strcmp(backend, "cuda") == 0; /* n_comm 0 there: the sequential chain */
-        if (v[7] < (cuda ? 0 : 1) || v[8] < 1 || v[6] < 0) continue;
+        if (!entry_in_range(cuda, v, ms)) continue;
         e.backend = cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
         e.hidden = v[0], e.ffn = v[1], e.experts = v[2], e.topk = v[3], e.tp = v[4], e.ep = v[5], e.tokens = v[6];
         e.t.n_comm = (int)v[7], e.t.chunk_cols = (int)v[8], e.t.push = 0;

@@ -35,8 +35,11 @@ typedef struct {
 typedef struct comet_tune_table comet_tune_table_t;
 
 /* Read a table file into *out (NULL or "" path: an empty table). Returns the
- * number of entries read, or -1 if the file cannot be opened (*out is then an
- * empty table too, or NULL when out of memory). */
+ * number of entries read, or -1 if the file cannot be opened, is not a
+ * regular file or is larger than 1 MiB (*out is then an empty table too, or
+ * NULL when out of memory). Lines longer than 510 characters and lines with a
+ * value out of range (for a valid config; n_comm at most 64 for the CPU
+ * engine, 1024 for CUDA; chunk_cols at most hidden) are skipped. */
 int comet_tune_table_load(const char *path, comet_tune_table_t **out);
 void comet_tune_table_free(comet_tune_table_t *table);
 
