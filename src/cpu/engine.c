@@ -2,8 +2,9 @@
  * engine.c - the multi-rank CPU engine: W ranks as threads of one process,
  * each with n_comm communication workers and n_compute compute workers that
  * overlap communication with the GEMMs as the GPU's overlapped mode does
- * (layer 0 the same; in layer 1 the experts' ranks push fp32 partials here,
- * where the GPU's home ranks pull expert outputs: the same arithmetic). Its
+ * (layer 0 the same; in layer 1 the experts' ranks send fp32 partials home
+ * here, where the GPU's experts' ranks push their output rows home and the
+ * home forms the same partials: the same arithmetic). Its
  * output is bitwise identical to the reference (reference.c), so plan and
  * protocol bugs show up on machines without GPUs.
  *

@@ -2,10 +2,11 @@
  * backend.c - host side of the CUDA backend: one GPU per rank (local
  * worlds: rank r on device r; comet_world_create_nccl: the device given),
  * buffers sized for the worst case at create time, and a forward that only
- * enqueues work (layer_chain.cu) on the caller's stream and a second one
- * forked and joined by events: no host synchronisation, so a whole forward
- * can be captured in a CUDA graph. The routing is checked on the device; comet_layer_sync reports
- * what the device found.
+ * enqueues work (layer_chain.cu) on the caller's stream: no host
+ * synchronisation, so a whole forward can be captured in a CUDA graph. The
+ * routing is checked on the device; comet_layer_sync reports what the device
+ * found. The layer's protocol (comet_protocol_t) is the tuner's: the GEMM
+ * kind and the combine at create, the mode and n_comm at each forward.
  *
  * Ranks > 1 talk through NCCL symmetric memory (src/comm); a single rank needs
  * no NCCL at all. Compiled only when the CUDA toolkit is present

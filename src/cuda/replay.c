@@ -11,7 +11,7 @@
  * How: a call's tensors (comet_cuda_call_t) reach the device through
  * k_enter's parameters alone; every other kernel reads them from the
  * layer's state. So the chain is a function of the context (protocol,
- * n_comm, chunk width, disable bits, weights, buffers: the key, compared
+ * n_comm, disable bits, weights, buffers: the key, compared
  * bytewise, key_of), captured once per context on this cache's own stream
  * (thread-local capture mode: the other ranks' threads go on) and
  * instantiated; each call then sets the k_enter node's parameters
