@@ -231,9 +231,8 @@ typedef struct comet_layer comet_layer_t;
 /* Collective: create the layer on this rank. All ranks must pass equal
  * configs. When one rank cannot (an invalid config, out of memory, say), it
  * returns its own status and the others COMET_ERR_PEER_FAILED, without waiting
- * out the timeout; the world stays usable. (Worlds spread over processes: a
- * rank whose config fails comet_layer_config_check alone leaves the others
- * waiting in NCCL; check it on every rank first.) */
+ * out the timeout; the world stays usable (worlds spread over processes
+ * too: the ranks meet in NCCL's config check). */
 comet_status_t comet_layer_create(comet_layer_t **layer, comet_world_t *world, int rank,
                                   const comet_layer_config_t *cfg);
 /* Collective. NULL is a no-op (and not collective). */

@@ -5,7 +5,9 @@
  * (comet_world_create_nccl). Each rank runs both parallel layouts of a
  * scaled-down Mixtral layer and checks its own tokens against the reference;
  * ranks that pass different configs to comet_layer_create both fail with
- * COMET_ERR_INVALID_ARGUMENT. The parent touches no CUDA (a forked child may
+ * COMET_ERR_INVALID_ARGUMENT; a config invalid on one rank fails it with its
+ * own status and the other with COMET_ERR_PEER_FAILED, and the world runs
+ * again. The parent touches no CUDA (a forked child may
  * not inherit an initialised CUDA). Needs two GPUs; otherwise prints
  * "skipped (needs 2 GPUs)".
  */
@@ -68,6 +70,13 @@ static int child(int rank, int fd) {
     comet_status_t st = comet_layer_create(&l, w, rank, &cfg);
     failed += st != COMET_ERR_INVALID_ARGUMENT || l != NULL;
     fprintf(stderr, "rank %d, differing configs: %s %s\n", rank, comet_status_string(st), comet_last_error());
+    /* a config invalid on rank 1 alone: it fails with its own status, rank 0 with PEER_FAILED (it
+     * does not wait in NCCL), and both then run a layer again */
+    cfg.ffn = 512, cfg.hidden = rank ? 0 : 256;
+    st = comet_layer_create(&l, w, rank, &cfg);
+    failed += st != (rank ? COMET_ERR_INVALID_ARGUMENT : COMET_ERR_PEER_FAILED) || l != NULL;
+    fprintf(stderr, "rank %d, config invalid on rank 1: %s %s\n", rank, comet_status_string(st), comet_last_error());
+    failed += run_layout(w, rank, 1, 2);
     failed += comet_world_destroy(w) != COMET_SUCCESS;
     return failed ? 1 : 0;
 }

@@ -10,13 +10,11 @@
 #include "../core/validate.h"
 
 /* A rank that fails before its backend's create (its own config, say) still
- * meets its peers at the create's first rendezvous (CPU engine; CUDA local
- * worlds of 2+ ranks: join_ranks), so that they return COMET_ERR_PEER_FAILED
- * at once instead of waiting out the timeout, and the ranks' collective calls
- * stay in step. Ranks in other processes (comet_world_create_nccl) are not
- * told: they meet in NCCL, which this rank does not reach. */
+ * meets its peers where that create would first meet them, so that they
+ * return COMET_ERR_PEER_FAILED at once instead of waiting out the timeout,
+ * and the ranks' collective calls stay in step. */
 static comet_status_t create_failed(comet_world_t *world, int rank, comet_status_t st) {
-    if (world->local_rank < 0 && world->size > 1) comet_world_rendezvous_failed(world, rank);
+    world->ops->layer_create_failed(world, rank);
     return st;
 }
 

@@ -80,6 +80,11 @@ struct comet_backend_ops {
     int (*world_device)(const comet_world_t *w); /* the local rank's device */
     comet_status_t (*unique_id)(void *id);       /* 128 bytes */
     comet_status_t (*layer_create)(comet_layer_t *layer);
+    /* a rank that failed before layer_create (its own config, say) meets its
+     * peers where layer_create would first meet them, so that they fail at
+     * once (COMET_ERR_PEER_FAILED) and every rank stays in step; keeps the
+     * calling thread's last-error message */
+    void (*layer_create_failed)(comet_world_t *world, int rank);
     void (*layer_destroy)(comet_layer_t *layer);
     /* sets layer->protocol (and has_run) when it launches */
     comet_status_t (*layer_forward)(comet_layer_t *layer, const comet_forward_args_t *args);

@@ -608,9 +608,15 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     return COMET_SUCCESS;
 }
 
+/* The create's first meeting is the world's rendezvous (cpu_layer_create). */
+static void cpu_layer_create_failed(comet_world_t *world, int rank) {
+    if (world->size > 1) comet_world_rendezvous_failed(world, rank);
+}
+
 const comet_backend_ops_t comet_cpu_ops = {
     .name = "cpu",
     .layer_create = cpu_layer_create,
+    .layer_create_failed = cpu_layer_create_failed,
     .layer_destroy = cpu_layer_destroy,
     .layer_forward = cpu_layer_forward,
     .layer_memory = cpu_layer_memory,

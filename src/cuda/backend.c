@@ -167,6 +167,44 @@ static void release_shared_id(cuda_shared_t *s) {
     if (s && atomic_fetch_sub(&s->refs, 1) == 1) free(s);
 }
 
+/* The create's first meeting across processes (comet_world_create_nccl):
+ * the maximum over the ranks of words[0..2] (a config hash, its complement,
+ * and 1 from a rank that failed before it could compare), in place. */
+static comet_status_t agree_across_processes(comet_world_t *world, int rank, uint64_t words[3]) {
+    const cuda_world_t *cw = world->backend_world;
+    uint64_t *dev = NULL;
+    cudaError_t e = cudaMalloc((void **)&dev, 3 * sizeof(uint64_t));
+    if (e == cudaSuccess) e = cudaMemcpy(dev, words, 3 * sizeof(uint64_t), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+        cudaFree(dev);
+        return cuda_fail(rank, e, "config check");
+    }
+    ncclResult_t r = ncclAllReduce(dev, dev, 3, ncclUint64, ncclMax, comet_comm_nccl(cw->comm[rank]), 0);
+    e = r == ncclSuccess ? cudaMemcpy(words, dev, 3 * sizeof(uint64_t), cudaMemcpyDeviceToHost) : cudaSuccess;
+    cudaFree(dev);
+    if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: config check: %s", rank, ncclGetErrorString(r));
+    if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
+    return COMET_SUCCESS;
+}
+
+/* A rank that failed before its create could compare (its own config, say)
+ * still meets its peers where the create's first meeting is: the world's
+ * rendezvous (local worlds) or the config check's allreduce (processes), so
+ * they return COMET_ERR_PEER_FAILED at once and the ranks stay in step. The
+ * caller's own message stays. */
+static void cuda_layer_create_failed(comet_world_t *world, int rank) {
+    if (world->size < 2) return;
+    if (world->local_rank < 0) {
+        comet_world_rendezvous_failed(world, rank);
+        return;
+    }
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", comet_last_error());
+    uint64_t words[3] = {0, 0, 1};
+    if (cudaSetDevice(cuda_world_device(world)) == cudaSuccess) agree_across_processes(world, rank, words);
+    comet_fail_copy(COMET_ERR_INTERNAL, msg); /* the message only: the caller returns its own status */
+}
+
 /* The rank's communicator, created on first use (local worlds), and checks
  * that every rank brought the same config and combine (push sizes the
  * symmetric buffer, which every rank must allocate alike). */
@@ -194,19 +232,11 @@ static comet_status_t join_ranks(comet_layer_t *l, int combine, comet_comm_t **c
         uint64_t h = 1469598103934665603ull;
         const unsigned char *b = (const unsigned char *)&key;
         for (size_t i = 0; i < sizeof key; i++) h = (h ^ b[i]) * 1099511628211ull;
-        uint64_t host[2] = {h, ~h}, *dev = NULL;
-        cudaError_t e = cudaMalloc((void **)&dev, sizeof host);
-        if (e == cudaSuccess) e = cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice);
-        if (e != cudaSuccess) {
-            cudaFree(dev);
-            return cuda_fail(rank, e, "config check");
-        }
-        ncclResult_t r = ncclAllReduce(dev, dev, 2, ncclUint64, ncclMax, comet_comm_nccl(cw->comm[rank]), 0);
-        e = r == ncclSuccess ? cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost) : cudaSuccess;
-        cudaFree(dev);
-        if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: config check: %s", rank, ncclGetErrorString(r));
-        if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
-        if (host[0] != ~host[1])
+        uint64_t agreed[3] = {h, ~h, 0};
+        COMET_TRY(agree_across_processes(l->world, rank, agreed));
+        if (agreed[2])
+            return comet_fail(COMET_ERR_PEER_FAILED, "rank %d: another rank could not create its layer", rank);
+        if (agreed[0] != ~agreed[1])
             return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                               "rank %d: ranks passed different configs to comet_layer_create (or chose "
                               "different combines: COMET_PUSH differs)",
@@ -449,8 +479,7 @@ static comet_status_t cuda_layer_create(comet_layer_t *l) {
                                                                                              : COMET_GEMM_SIMT;
     L->base.combine = comet_tuner_combine(&l->dims, COMET_BACKEND_CUDA, L->base.gemm, l->knobs.force_pull);
     const int w = l->dims.world_size;
-    if (st != COMET_SUCCESS && w > 1 && l->world->local_rank < 0) /* meet the peers in join_ranks' rendezvous */
-        comet_world_rendezvous_failed(l->world, rank);
+    if (st != COMET_SUCCESS) cuda_layer_create_failed(l->world, rank); /* meet the peers where join_ranks would */
     const int joined = st == COMET_SUCCESS && w > 1 &&
                        (st = join_ranks(l, (int)L->base.combine, &L->comm)) == COMET_SUCCESS;
     if (st == COMET_SUCCESS) st = layer_init(l, L);
@@ -632,6 +661,7 @@ const comet_backend_ops_t comet_cuda_ops = {
     .world_device = cuda_world_device,
     .unique_id = cuda_unique_id,
     .layer_create = cuda_layer_create,
+    .layer_create_failed = cuda_layer_create_failed,
     .layer_destroy = cuda_layer_destroy,
     .layer_forward = cuda_layer_forward,
     .layer_sync = cuda_layer_sync,
