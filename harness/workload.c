@@ -371,10 +371,9 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
     return st;
 }
 
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials) {
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend) {
     const int64_t hd = p->cfg.hidden, k = p->cfg.topk, el = p->cfg.num_experts / p->cfg.ep;
     const int tp = p->cfg.tp, ep = p->cfg.ep, cuda = backend == COMET_BACKEND_CUDA;
-    partials = partials && cuda;
     int64_t bytes = 0;
     char *used = calloc((size_t)ep, 1);
     if (!used) return -1;
@@ -385,15 +384,12 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backe
                 int g = (int)(p->topk_idx[s][t * k + j] / el);
                 used[g] = 1;
                 /* every TP rank of group g needs this slot: the CPU engine pulls the row per
-                 * slot; on CUDA the slot's output row crosses back to s from each of them
-                 * (with partials, its share of their partial: below) */
-                for (int q = g * tp; !partials && q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
+                 * slot; on CUDA the slot's output row crosses back to s from each of them */
+                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
             }
             for (int g = 0; g < ep; g++) /* per used group and rank of it: CPU the partial back to s (fp32),
-                                          * CUDA the token's row, pulled once for all its slots there,
-                                          * and with partials the partial back */
-                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++)
-                    bytes += q != s ? hd * (cuda ? 2 + 4 * partials : 4) : 0;
+                                          * CUDA the token's row, pulled once for all its slots there */
+                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++) bytes += q != s ? hd * (cuda ? 2 : 4) : 0;
         }
     free(used);
     return bytes;

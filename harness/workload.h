@@ -104,9 +104,8 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
  * fp32 partial (H) it stores into another token's home rank. CUDA backend:
  * each token row a rank pulls once for all its slots there (H bf16), and each
  * expert output row (H bf16) that goes to the token's home rank from another
- * (pushed by GEMM1, or pulled with COMET_PUSH=0), or with partials (the
- * layer's "partials" mode, comet_run_t.modes) each fp32 partial (H) instead. */
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials);
+ * (pushed by GEMM1, or pulled with COMET_PUSH=0). */
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend);
 
 /* ---- running every rank -------------------------------------------------- */
 #define COMET_MAX_INPUT_SETS 16

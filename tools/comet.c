@@ -499,7 +499,7 @@ static int run(const char *cmd, int argc, char **argv) {
     const comet_protocol_t *proto = &r.protocol;
     const int ran_comm = use_cuda ? proto->n_comm : o.n_comm;
     const double link_gbps =
-        (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, 0) / world /
+        (double)comet_problem_link_bytes(p, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU) / world /
         (r.ms_median * 1e6);
     printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "ms", use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
