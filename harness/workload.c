@@ -1,9 +1,10 @@
 /*
  * harness/workload.c - test and benchmark harness, not part of the library
- * (libcomet_harness.a): model presets, routing generators, random inputs and
- * the multi-rank problem runner (see workload.h). It uses the library's
- * private headers under src/ (validation, numerics, the reference), so it
- * links against the static libcomet.a.
+ * (libcomet_harness.a): model presets, routing generators, random inputs,
+ * the multi-rank problem runner and the tune table's writer (see
+ * workload.h). It uses the library's private headers under src/
+ * (validation, numerics, the reference, the tuner), so it links against the
+ * static libcomet.a.
  */
 #include "workload.h"
 
@@ -20,6 +21,7 @@
 #include "../src/core/status.h"
 #include "../src/core/validate.h"
 #include "../src/cpu/reference.h"
+#include "../src/tuner/tuner.h"
 
 #ifdef COMET_WITH_CUDA
 #include <cuda_runtime.h>
@@ -777,4 +779,14 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
             if (run->status[s] != COMET_SUCCESS && (pass || run->status[s] != COMET_ERR_PEER_FAILED))
                 return comet_fail_copy(run->status[s], run->message[s]);
     return COMET_SUCCESS;
+}
+
+/* ---- the tuner's table ------------------------------------------------------- */
+
+int comet_tune_append(const char *path, const comet_layer_config_t *cfg, int world_size, comet_backend_t backend,
+                      int n_comm, int chunk_cols, double ms) {
+    comet_dims_t d;
+    if (comet_dims_from_config(cfg, world_size, 0, &d) != COMET_SUCCESS) return -1;
+    const comet_tuning_t best = {n_comm, chunk_cols, 0};
+    return comet_tuner_append(path, &d, backend, cfg->max_tokens_per_rank, &best, ms);
 }

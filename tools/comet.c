@@ -20,8 +20,6 @@
 
 #include "comet.h"
 #include "../harness/bootstrap.h"
-#include "../src/core/validate.h"
-#include "../src/tuner/tuner.h"
 #include "../harness/workload.h"
 #include "../harness/gpu_watch.h"
 
@@ -632,8 +630,6 @@ static int tune(int argc, char **argv) {
         fprintf(stderr, "comet tune: runs in one process over the local GPUs (no torchrun launch)\n");
         return 2;
     }
-    comet_dims_t d;
-    comet_dims_from_config(&cfg, world, 0, &d);
     comet_routing_opts_t ro = {o.skew, o.zero_experts, o.seed};
     comet_problem_t *p;
     comet_world_t *w = NULL;
@@ -659,7 +655,9 @@ static int tune(int argc, char **argv) {
      * layer's modes then say what the grid can change: with push the overlapped combine runs after
      * GEMM1, so the chunk width does nothing (one column); the SIMT GEMM has no overlapped mode */
     const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
-    comet_tuning_t best = {0, 0, 0};
+    struct {
+        int n_comm, chunk_cols;
+    } best = {0, 0};
     double best_ms = -1, best_ov_ms = -1;
     int best_ov_chunk = chunks[0]; /* recorded with a sequential win: what n_comm > 0 calls then use */
     int pushed = 0;                /* GPU: the layer pushes (one chunk column) */
@@ -701,7 +699,8 @@ static int tune(int argc, char **argv) {
     const char *out = o.out ? o.out : getenv("COMET_TUNE_FILE");
     if (!out || !*out) out = "comet-tune.tsv";
     comet_world_destroy(w);
-    int rc = comet_tuner_append(out, &d, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, cfg.max_tokens_per_rank, &best, best_ms);
+    int rc = comet_tune_append(out, &cfg, world, use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU, best.n_comm,
+                               best.chunk_cols, best_ms);
     printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best.n_comm, use_cuda && best.n_comm == 0 ? " (sequential)" : "",
            best.chunk_cols, best_ms,
            rc == 0 ? "appended to" : "could not append to", out);
