@@ -122,7 +122,9 @@ $(HARNESS): $(HARNESS_OBJ)
 	@rm -f $@
 	$(AR) rcs $@ $^
 
-$(BUILD)/comet: $(BUILD)/tools/comet.o $(HARNESS) $(BUILD)/libcomet.a
+# The CLI: tools/comet.c (main), parse.c, run.c, report.c (tools/cli.h).
+CLI_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/*.c))
+$(BUILD)/comet: $(CLI_OBJ) $(HARNESS) $(BUILD)/libcomet.a
 	$(CC) $(XCFLAGS) $^ $(XLDLIBS) -ldl -o $@
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/tests/check.o $(HARNESS) $(BUILD)/libcomet.a

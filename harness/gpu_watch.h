@@ -1,7 +1,8 @@
 /*
- * harness/gpu_watch.h - benchmark harness (header only, used by
- * tools/comet.c), not part of the library: what the GPUs' clocks did over the timed forwards of a
- * `comet bench` call: a thread samples every GPU of this node through NVML
+ * harness/gpu_watch.h - benchmark harness (header only, used by the CLI's
+ * tools/run.c and tools/report.c), not part of the library: what the GPUs'
+ * clocks did over the timed forwards of a `comet bench` call: a thread
+ * samples every GPU of this node through NVML
  * (harness/gpu_power.h) every 10 ms (5 ms a GPU beyond two); at the end, each
  * GPU's mean SM clock over the samples, its mean power (energy counter over
  * the span, if it lasted a second) and the clock-limit reasons seen. The

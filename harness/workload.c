@@ -1,9 +1,10 @@
 /*
  * harness/workload.c - test and benchmark harness, not part of the library
- * (libcomet_harness.a): model presets, routing generators, random inputs and
- * the multi-rank problem runner (see workload.h). It uses the library's
- * private headers under src/ (validation, numerics, the reference), so it
- * links against the static libcomet.a.
+ * (libcomet_harness.a): model presets, routing generators, random inputs,
+ * the multi-rank problem runner and the tune table's writer (see
+ * workload.h). It uses the library's private headers under src/
+ * (validation, numerics, the reference, the tuner), so it links against the
+ * static libcomet.a.
  */
 #include "workload.h"
 
@@ -20,6 +21,7 @@
 #include "../src/core/status.h"
 #include "../src/core/validate.h"
 #include "../src/cpu/reference.h"
+#include "../src/tuner/tuner.h"
 
 #ifdef COMET_WITH_CUDA
 #include <cuda_runtime.h>
@@ -371,10 +373,9 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
     return st;
 }
 
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials) {
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend) {
     const int64_t hd = p->cfg.hidden, k = p->cfg.topk, el = p->cfg.num_experts / p->cfg.ep;
     const int tp = p->cfg.tp, ep = p->cfg.ep, cuda = backend == COMET_BACKEND_CUDA;
-    partials = partials && cuda;
     int64_t bytes = 0;
     char *used = calloc((size_t)ep, 1);
     if (!used) return -1;
@@ -385,15 +386,12 @@ int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backe
                 int g = (int)(p->topk_idx[s][t * k + j] / el);
                 used[g] = 1;
                 /* every TP rank of group g needs this slot: the CPU engine pulls the row per
-                 * slot; on CUDA the slot's output row crosses back to s from each of them
-                 * (with partials, its share of their partial: below) */
-                for (int q = g * tp; !partials && q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
+                 * slot; on CUDA the slot's output row crosses back to s from each of them */
+                for (int q = g * tp; q < (g + 1) * tp; q++) bytes += q != s ? hd * 2 : 0;
             }
             for (int g = 0; g < ep; g++) /* per used group and rank of it: CPU the partial back to s (fp32),
-                                          * CUDA the token's row, pulled once for all its slots there,
-                                          * and with partials the partial back */
-                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++)
-                    bytes += q != s ? hd * (cuda ? 2 + 4 * partials : 4) : 0;
+                                          * CUDA the token's row, pulled once for all its slots there */
+                for (int q = g * tp; used[g] && q < (g + 1) * tp; q++) bytes += q != s ? hd * (cuda ? 2 : 4) : 0;
         }
     free(used);
     return bytes;
@@ -781,4 +779,14 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
             if (run->status[s] != COMET_SUCCESS && (pass || run->status[s] != COMET_ERR_PEER_FAILED))
                 return comet_fail_copy(run->status[s], run->message[s]);
     return COMET_SUCCESS;
+}
+
+/* ---- the tuner's table ------------------------------------------------------- */
+
+int comet_tune_append(const char *path, const comet_layer_config_t *cfg, int world_size, comet_backend_t backend,
+                      int n_comm, int chunk_cols, double ms) {
+    comet_dims_t d;
+    if (comet_dims_from_config(cfg, world_size, 0, &d) != COMET_SUCCESS) return -1;
+    const comet_tuning_t best = {n_comm, chunk_cols, 0};
+    return comet_tuner_append(path, &d, backend, cfg->max_tokens_per_rank, &best, ms);
 }

@@ -1,10 +1,11 @@
 /*
  * harness/workload.h - test and benchmark harness, not part of the library
  * (built into libcomet_harness.a, never into libcomet.a or libcomet.so).
- * What the CLI, the tests and the benchmarks run: model presets,
- * routing generators (uniform, skewed, with empty experts), random inputs,
- * and a whole multi-rank problem with every rank's inputs and outputs. Not
- * part of the library API: it is the shared harness around it.
+ * What the CLI, the tests and the benchmarks run: model presets, routing
+ * generators (uniform, skewed, with empty experts), random inputs, a whole
+ * multi-rank problem with every rank's inputs and outputs, and the writer of
+ * the tuner's table for `comet tune`. Not part of the library API: it is the
+ * shared harness around it.
  */
 #ifndef COMET_WORKLOAD_H
 #define COMET_WORKLOAD_H
@@ -104,9 +105,8 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
  * fp32 partial (H) it stores into another token's home rank. CUDA backend:
  * each token row a rank pulls once for all its slots there (H bf16), and each
  * expert output row (H bf16) that goes to the token's home rank from another
- * (pushed by GEMM1, or pulled with COMET_PUSH=0), or with partials (the
- * layer's "partials" mode, comet_run_t.modes) each fp32 partial (H) instead. */
-int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend, int partials);
+ * (pushed by GEMM1, or pulled with COMET_PUSH=0). */
+int64_t comet_problem_link_bytes(const comet_problem_t *p, comet_backend_t backend);
 
 /* ---- running every rank -------------------------------------------------- */
 #define COMET_MAX_INPUT_SETS 16
@@ -166,6 +166,16 @@ typedef struct {
  * call (repeats - warmup >= 4), and disable and graph must be 0. Returns the
  * first failing rank's status, else COMET_SUCCESS. */
 comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run, int warmup);
+
+/* ---- the tuner's table ---------------------------------------------------
+ * Append what `comet tune` measured for cfg over world_size ranks to the
+ * table file at path (src/tuner/tuner.h's format, which a world reads from
+ * COMET_TUNE_FILE; the header written if the file is new): the fastest
+ * n_comm (on CUDA 0 records the sequential chain) and chunk_cols, its ms,
+ * at cfg->max_tokens_per_rank tokens a rank. Returns 0, or -1 if cfg is not
+ * valid for world_size or the file cannot be written. */
+int comet_tune_append(const char *path, const comet_layer_config_t *cfg, int world_size, comet_backend_t backend,
+                      int n_comm, int chunk_cols, double ms);
 
 #ifdef __cplusplus
 }

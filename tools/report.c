@@ -1,0 +1,169 @@
+/*
+ * tools/report.c - what the CLI says about a run (tools/cli.h), from its
+ * cli_result_t alone: the backend line before it runs; after, the result
+ * row with the check, the notes under it (protocol, memory, inputs, the
+ * GPUs' clocks, graph replays, communication hidden) and, with --json, one
+ * JSON row appended to the file (bench/report.py reads it).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "cli.h"
+
+static const char *const combine_names[] = {"partials", "push", "pull"};
+static const char *const gemm_names[] = {"cpu", "hopper", "simt"};
+static const char *const chosen_names[] = {"args", "table", "rule"};
+
+void cli_report_setup(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const cli_launch_t *l = &o->launch;
+    if (!cli_speaks(l)) return;
+    if (l->on)
+        printf("backend: CUDA, %d ranks (one process per GPU: this is rank 0, %s:%d)\n", r->world, l->addr, l->port);
+    else if (r->use_cuda)
+        printf("backend: CUDA, %d rank%s (one thread per GPU)\n", r->world, r->world > 1 ? "s" : "");
+    else
+        printf("backend: CPU engine (%d ranks as threads of one process; %s)\n", r->world,
+               r->gpus ? "--backend cpu" : "no GPU found");
+    if (!o->hidden && !o->ffn && r->scale != 1)
+        printf("model: %s scaled down 1/%d in hidden and ffn (hidden %lld, ffn %lld) so the CPU run takes seconds\n",
+               o->model, r->scale, (long long)r->cfg.hidden, (long long)r->cfg.ffn);
+}
+
+/* One value a GPU (gpu_watch_t's arrays), each as fmt, sep between them. */
+static void print_per_gpu(FILE *f, const double *v, int n, const char *sep, const char *fmt) {
+    for (int i = 0; i < n; i++) {
+        if (i) fputs(sep, f);
+        fprintf(f, fmt, v[i]);
+    }
+}
+
+/* The result row under its header. CUDA's n_comm is the protocol the layer
+ * ran: "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. */
+static void print_row(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const comet_layer_config_t *cfg = &r->cfg;
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+           "hidden", "ffn", "n_comm", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
+    char ncomm[16];
+    const char *auto_tag = o->n_comm == 0 ? "auto:" : "";
+    if (r->use_cuda && r->n_comm > 0)
+        snprintf(ncomm, sizeof ncomm, "%s%d", auto_tag, r->n_comm);
+    else if (r->use_cuda)
+        snprintf(ncomm, sizeof ncomm, "%sseq", auto_tag);
+    else
+        snprintf(ncomm, sizeof ncomm, o->n_comm > 0 ? "%d" : "auto", o->n_comm);
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %9s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o->model,
+           (long long)r->total_tokens, cfg->tp, cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts,
+           (long long)cfg->hidden, (long long)cfg->ffn, ncomm, r->ms, r->rate, r->link_gbps, r->wrong ? "WRONG" : "ok",
+           (long long)r->wrong, (long long)r->check.elements, r->use_cuda ? "sampled elements off" : "elements differ");
+}
+
+/* The GPUs' clocks over the timed forwards: one value for every GPU of this
+ * node NVML sees. */
+static void print_clocks(const gpu_watch_t *watch) {
+    if (!watch->n) {
+        printf("GPU clocks: not read (NVML not available)\n");
+        return;
+    }
+    unsigned long long why = 0;
+    for (int i = 0; i < watch->n; i++) why |= watch->reasons[i];
+    printf("GPU clocks over the timed forwards (NVML, every GPU of this node): SM");
+    print_per_gpu(stdout, watch->mhz, watch->n, " /", " %.0f");
+    if (!gpu_watch_has_power(watch)) {
+        printf(" MHz, power not measured (the timed forwards took under %.0f s)", GPU_WATCH_MIN_SPAN);
+    } else {
+        printf(" MHz, power");
+        print_per_gpu(stdout, watch->watts, watch->n, " /", " %.0f");
+        printf(" W");
+    }
+    char text[96];
+    printf(", clock limited by %s\n", gpu_power_reasons(why, text, sizeof text));
+}
+
+/* The notes under the row. */
+static void print_notes(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const comet_protocol_t *proto = &r->protocol;
+    const int bench = o->command == CLI_BENCH;
+    if (r->use_cuda && !o->launch.on) /* how far off: the tolerance is 4 bf16 ulps + 1% of the row's rms */
+        printf("(largest difference from the reference: %.2e of its row's rms; %lld sampled elements not bitwise equal)\n",
+               r->check.worst, (long long)r->check.differ);
+    printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
+           r->use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
+    if (proto->struct_size)
+        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s\n",
+               proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
+               combine_names[proto->combine], gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+    printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r->memory.symmetric_bytes / 1048576.0,
+           r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
+    if (bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o->iters, o->warmup);
+    if (r->use_cuda && bench) {
+        printf("inputs: %d sets of x, routing and y a rank, rotated call by call%s\n", r->input_sets,
+               r->graph ? " (--graph: the captured forward's one set)" : "");
+        print_clocks(&r->watch);
+    }
+    if (r->use_cuda) /* src/cuda/replay.c: the forward chain captured once, then one graph launch a call */
+        printf("forwards replayed as one CUDA graph on rank 0: %lld, from %lld capture%s%s\n", (long long)r->replays,
+               (long long)r->captures, r->captures == 1 ? "" : "s",
+               r->replays || r->captures ? "" : " (graph replay off: each forward launched kernel by kernel)");
+    const double *side = r->side_ms;
+    if (o->hidden_metric && !r->sides_differ) {
+        printf("communication hidden: not measured (the SIMT GEMM fallback runs every call whole)\n");
+    } else if (o->hidden_metric) {
+        char net[64] = "not measurable (comm only <= neither)";
+        if (r->comm_hidden_net != -1) snprintf(net, sizeof net, "%.1f%%", 100 * r->comm_hidden_net);
+        printf("communication hidden: %.1f%%, %s net of the steps every side keeps (gemm only %.3f ms, comm only "
+               "%.3f ms, neither %.3f ms, both %.3f ms; medians of %d calls each, the four interleaved)\n",
+               100 * r->comm_hidden, net, side[0], side[1], side[3], side[2], o->iters);
+    }
+}
+
+/* --json: the result as one line appended to path. Returns 0, or 1 (printed). */
+static int append_json(const cli_result_t *r, const char *path) {
+    const cli_options_t *o = &r->opt;
+    const comet_layer_config_t *cfg = &r->cfg;
+    const double *side = r->side_ms;
+    FILE *f = fopen(path, "a");
+    if (!f) {
+        fprintf(stderr, "comet: cannot open %s for appending\n", path);
+        return 1;
+    }
+    time_t now = time(NULL);
+    char date[32];
+    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+    const char *commit = getenv("COMET_COMMIT");
+    fprintf(f,
+            "{\"baseline\": \"comet-%s\", \"date\": \"%s\", \"commit\": \"%s\", \"model\": \"%s\", \"M\": %lld, "
+            "\"tp\": %d, \"ep\": %d, \"topk\": %lld, \"experts\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
+            "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
+            "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"combine\": \"%s\", \"gemm\": \"%s\", \"comm_hidden\": %.4f, "
+            "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
+            "\"iters\": %d, \"warmup\": %d",
+            r->use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o->model, (long long)r->total_tokens, cfg->tp,
+            cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn,
+            o->skew, (long long)o->zero_experts, r->ms, r->rate, r->link_gbps, (long long)r->wrong,
+            (long long)r->check.elements, r->n_comm, o->n_comm == 0, combine_names[r->protocol.combine],
+            gemm_names[r->protocol.gemm], r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
+            r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup);
+    if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
+        fprintf(f, ", \"sm_mhz\": [");
+        print_per_gpu(f, r->watch.mhz, r->watch.n, ", ", "%.0f");
+        fprintf(f, "]");
+        if (gpu_watch_has_power(&r->watch)) { /* not measured: no key */
+            fprintf(f, ", \"watts\": [");
+            print_per_gpu(f, r->watch.watts, r->watch.n, ", ", "%.1f");
+            fprintf(f, "]");
+        }
+    }
+    fprintf(f, "}\n");
+    fclose(f);
+    return 0;
+}
+
+int cli_report(const cli_result_t *r) {
+    print_row(r);
+    print_notes(r);
+    return r->opt.json ? append_json(r, r->opt.json) : 0;
+}

@@ -1,0 +1,310 @@
+/*
+ * tools/run.c - what the CLI runs (tools/cli.h): for bench and check, the
+ * problem, the world (every rank in this process, or one rank of a
+ * torchrun launch), the timed forwards and --comm-hidden's sides, the trace,
+ * the check against the reference and the figures, all into one
+ * cli_result_t; and `comet tune`'s grid. It prints only the progress lines
+ * of the slow steps; report.c prints the result.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "../harness/bootstrap.h"
+
+static comet_backend_t backend_of(const cli_result_t *r) {
+    return r->use_cuda ? COMET_BACKEND_CUDA : COMET_BACKEND_CPU;
+}
+
+/* Timed GPU runs rotate their inputs (the benchmarks' rules: "rotated among
+ * several buffers larger than L2"): sets of x, routing and y (each rank's
+ * tokens rotated, comet_run_t.input_sets), enough that one rank's sets add
+ * up to at least 128 MiB, over twice an H100/H200 L2, where
+ * COMET_MAX_INPUT_SETS sets allow (below ~8 MiB a set they do not); at
+ * least 2, so every call hands the layer new tensors. */
+static int input_sets_for(const comet_problem_t *p) {
+    int64_t most = 0;
+    for (int s = 0; s < p->world_size; s++) most = p->tokens[s] > most ? p->tokens[s] : most;
+    const double set_bytes = (double)most * (double)(4 * p->cfg.hidden + 8 * p->cfg.topk) + 1;
+    const double want = 128.0 * 1048576.0 / set_bytes + 1; /* rounded up (the cast truncates) */
+    return want < 2 ? 2 : want > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS : (int)want;
+}
+
+/* Large models take a while to draw: say what is coming. */
+static void say_inputs(const cli_result_t *r) {
+    const comet_layer_config_t *cfg = &r->cfg;
+    const double rows = cfg->activation == COMET_ACT_SILU_GATED ? 3.0 : 2.0;
+    const double weights = (double)cfg->num_experts * rows * (double)cfg->hidden * (double)cfg->ffn * 2.0;
+    const double gib = (2.0 * weights + 3.0 * (double)r->total_tokens * (double)cfg->hidden * 2.0) / (1024.0 * 1024 * 1024);
+    if (gib >= 1.0 && cli_speaks(&r->opt.launch)) {
+        printf("inputs: drawing %.1f GiB on the host (every expert's weights, then each rank's slice; tokens)\n", gib);
+        fflush(stdout);
+    }
+}
+
+/* The world of every rank in this process, or this process's rank of a
+ * launched world: rank 0 makes the NCCL id, the channel (*bs, kept for the
+ * results) carries it to the others. */
+static comet_status_t create_world(const cli_result_t *r, comet_world_t **w, comet_bootstrap_t **bs) {
+    const cli_launch_t *l = &r->opt.launch;
+    if (!l->on) return comet_world_create_local(w, r->world, backend_of(r));
+    comet_unique_id_t id;
+    memset(&id, 0, sizeof id);
+    comet_status_t st = comet_bootstrap_open(bs, l->rank, l->size, l->addr, l->port, 120000);
+    if (st == COMET_SUCCESS && l->rank == 0) st = comet_get_unique_id(&id);
+    if (st == COMET_SUCCESS) st = comet_bootstrap_bcast(*bs, id.bytes, sizeof id.bytes);
+    if (st == COMET_SUCCESS) st = comet_world_create_nccl(w, l->rank, l->size, &id, l->local_rank);
+    return st;
+}
+
+/* --comm-hidden: first the four sides interleaved call by call (without
+ * communication, without GEMMs, without both, whole; without a graph), so
+ * that clock drift reaches them alike; then the real call, timed (the GPUs'
+ * clocks watched over it: bench on GPUs, the printing process) and later
+ * checked. *failed names the step that failed. */
+static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_world_t *w, comet_run_t *run,
+                                    const char **failed) {
+    const cli_options_t *o = &r->opt;
+    const int bench = o->command == CLI_BENCH;
+    if (o->hidden_metric) {
+        comet_run_t sides = *run;
+        sides.trace = NULL, sides.graph = 0, sides.interleave = 1, sides.repeats = 4 * run->repeats;
+        *failed = "--comm-hidden's interleaved forwards";
+        const comet_status_t st = comet_problem_run(p, w, &sides, 4 * o->warmup);
+        memcpy(r->side_ms, sides.ms_side, sizeof r->side_ms);
+        if (st != COMET_SUCCESS) return st;
+    }
+    comet_problem_poison(p);
+    *failed = "forward";
+    if (r->use_cuda && bench && cli_speaks(&o->launch)) gpu_watch_open(&r->watch); /* NVML loaded before anything is timed */
+    if (r->watch.n) run->timed = gpu_watch_mark, run->timed_ctx = &r->watch;
+    return comet_problem_run(p, w, run, bench ? o->warmup : 0);
+}
+
+/* --trace: the last forward as Chrome-trace JSON in FILE and a picture in
+ * FILE with .svg in place of .json. Returns 0, or 1 (printed). */
+static int write_trace(const char *path, const comet_trace_t *trace) {
+    char svg[CLI_TRACE_PATH_MAX];
+    const size_t n = strlen(path);
+    const int ext = n >= 5 && strcmp(path + n - 5, ".json") == 0;
+    snprintf(svg, sizeof svg, "%.*s.svg", (int)(ext ? n - 5 : n), path);
+    if (comet_trace_write_chrome_json(trace, path) != COMET_SUCCESS ||
+        comet_trace_write_svg(trace, svg) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
+        return 1;
+    }
+    printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n", (long long)comet_trace_event_count(trace),
+           (long long)comet_trace_dropped(trace), path, svg);
+    return 0;
+}
+
+/* Create the world, run the timed forwards into *r, destroy the world, write
+ * the trace. Returns 0, or 1 (printed). */
+static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) {
+    const cli_options_t *o = &r->opt;
+    const int bench = o->command == CLI_BENCH;
+    comet_world_t *w = NULL;
+    if (create_world(r, &w, bs) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        return 1;
+    }
+    comet_run_t run;
+    memset(&run, 0, sizeof run);
+    run.n_comm = o->n_comm, run.chunk_cols = o->chunk_cols;
+    run.repeats = bench ? o->warmup + o->iters : 1;
+    run.graph = o->graph && r->use_cuda;
+    run.input_sets = bench && r->use_cuda && !run.graph ? input_sets_for(p) : 1;
+    if (o->graph && !r->use_cuda && cli_speaks(&o->launch))
+        fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
+    /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
+     * its comm workers, its compute workers. */
+    if (o->trace &&
+        comet_trace_create(&run.trace, r->world, 1 + (o->n_comm > 0 ? o->n_comm : 2) + 32, 0) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
+        comet_world_destroy(w);
+        return 1;
+    }
+    const char *failed = "forward";
+    const comet_status_t st = time_forwards(r, p, w, &run, &failed);
+    char why[1024]; /* comet_world_destroy clears the last error */
+    snprintf(why, sizeof why, "%s", comet_last_error());
+    comet_world_destroy(w);
+    int rc = 0;
+    if (st != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s failed: %s: %s\n", failed, comet_status_string(st), why);
+        rc = 1;
+    } else if (run.trace) {
+        rc = write_trace(o->trace, run.trace);
+    }
+    comet_trace_destroy(run.trace);
+    r->ms = run.ms_median;
+    r->protocol = run.protocol, r->memory = run.memory;
+    r->graph = run.graph, r->input_sets = run.input_sets;
+    r->replays = run.replays, r->captures = run.captures;
+    return rc;
+}
+
+/* A launched world: rank 0 gathers every rank's slowest times and check
+ * counts. Returns 0, or 1 (printed). */
+static int gather(cli_result_t *r, comet_bootstrap_t *bs) {
+    enum { N = 3 + 4 }; /* the row's time, the check's two counts, the four sides */
+    double mine[N] = {r->ms, (double)r->wrong, (double)r->check.elements, r->side_ms[0], r->side_ms[1], r->side_ms[2],
+                      r->side_ms[3]};
+    double all[N * CLI_MAX_RANKS];
+    if (comet_bootstrap_gather(bs, mine, sizeof mine, all) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: gathering the results: %s\n", comet_last_error());
+        return 1;
+    }
+    if (!cli_speaks(&r->opt.launch)) return 0;
+    r->wrong = 0, r->check.elements = 0;
+    for (int q = 0; q < r->opt.launch.size; q++) {
+        if (all[N * q] > r->ms) r->ms = all[N * q];
+        r->wrong += (int64_t)all[N * q + 1], r->check.elements += (int64_t)all[N * q + 2];
+        for (int k = 0; k < 4; k++)
+            if (all[N * q + 3 + k] > r->side_ms[k]) r->side_ms[k] = all[N * q + 3 + k];
+    }
+    return 0;
+}
+
+/* The CPU engine must equal the reference bitwise; a GPU within the
+ * tolerance of a different GEMM accumulation order, on sampled tokens; a
+ * launched world's rank 0 then holds every rank's. Returns 0, or 1 (printed). */
+static int check(cli_result_t *r, const comet_problem_t *p, comet_bootstrap_t *bs) {
+    const cli_launch_t *l = &r->opt.launch;
+    if (r->use_cuda && cli_speaks(l)) {
+        printf("checking 16 sampled tokens of every rank against the CPU reference\n");
+        fflush(stdout);
+    }
+    if (comet_problem_check(p, r->use_cuda ? 16 : 0, l->on ? l->rank : -1, &r->check) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: check failed to run: %s\n", comet_last_error());
+        return 1;
+    }
+    r->wrong = r->use_cuda ? r->check.wrong : r->check.differ;
+    return l->on ? gather(r, bs) : 0;
+}
+
+/* The rates, the protocol's n_comm and the communication hidden. */
+static void figures(cli_result_t *r, const comet_problem_t *p) {
+    const comet_layer_config_t *cfg = &r->cfg;
+    double flops = 0;
+    for (int s = 0; s < r->world; s++)
+        flops += 2.0 * (double)r->tokens[s] * (double)cfg->topk * (double)cfg->hidden * (double)cfg->ffn *
+                 (cfg->activation == COMET_ACT_SILU_GATED ? 3 : 2);
+    r->rate = r->use_cuda ? flops / r->world / (r->ms * 1e9) : flops / (r->ms * 1e6);
+    r->link_gbps = (double)comet_problem_link_bytes(p, backend_of(r)) / r->world / (r->ms * 1e6);
+    /* CUDA: the protocol the layer ran (n_comm > 0 overlapped, 0 the sequential chain, always with
+     * the SIMT GEMM) */
+    r->n_comm = r->use_cuda ? r->protocol.n_comm : r->opt.n_comm;
+    /* the SIMT GEMM fallback ignores args.disable: every side ran whole there */
+    r->sides_differ = !(r->use_cuda && r->protocol.gemm == COMET_GEMM_SIMT);
+    /* benchmarks.md's figure; and net of the steps every side keeps (staging,
+     * plan, launches: t_neither), which that formula counts once too often */
+    const double *side = r->side_ms, comm_net = side[1] - side[3];
+    const int measured = r->opt.hidden_metric && r->sides_differ;
+    r->comm_hidden = measured && side[1] > 0 ? (side[0] + side[1] - side[2]) / side[1] : -1;
+    r->comm_hidden_net = measured && comm_net > 0 ? (side[0] + side[1] - side[2] - side[3]) / comm_net : -1;
+}
+
+int cli_run(cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    say_inputs(r);
+    const comet_routing_opts_t ro = {o->skew, o->zero_experts, o->seed};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &r->cfg, r->world, r->tokens, &ro) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        return 2;
+    }
+    comet_problem_poison(p);
+    comet_bootstrap_t *bs = NULL;
+    int rc = forward(r, p, &bs);
+    if (rc == 0) rc = check(r, p, bs);
+    comet_bootstrap_close(bs);
+    if (rc == 0 && cli_speaks(&o->launch)) figures(r, p);
+    comet_problem_destroy(p);
+    return rc;
+}
+
+/* comet tune's chunk widths: hidden/16 .. hidden/2 in multiples of unit
+ * columns, distinct. Returns how many (at most 4). */
+static int tune_chunks(int64_t hidden, int unit, int chunks[4]) {
+    int n = 0;
+    for (int div = 16; div >= 2; div /= 2) {
+        int c = (int)((hidden / div + unit - 1) / unit * unit);
+        if (c < unit) c = unit;
+        if (c > hidden) c = (int)hidden;
+        if (n == 0 || chunks[n - 1] != c) chunks[n++] = c;
+    }
+    return n;
+}
+
+int cli_tune(const cli_result_t *r) {
+    const int iters = r->opt.iters, warmup = r->opt.warmup, use_cuda = r->use_cuda;
+    const comet_routing_opts_t ro = {r->opt.skew, r->opt.zero_experts, r->opt.seed};
+    comet_problem_t *p;
+    comet_world_t *w = NULL;
+    if (comet_problem_create(&p, &r->cfg, r->world, r->tokens, &ro) != COMET_SUCCESS ||
+        comet_world_create_local(&w, r->world, backend_of(r)) != COMET_SUCCESS) {
+        fprintf(stderr, "comet: %s\n", comet_last_error());
+        comet_problem_destroy(p);
+        return 2;
+    }
+    /* communication workers: threads on the CPU engine, CTAs (SMs) on a GPU;
+     * chunk widths in multiples of 8 columns (CPU) or of GEMM1's 256-column
+     * tile (GPU) */
+    const int cpu_comms[] = {1, 2, 3, 4, 6, 8}, gpu_comms[] = {4, 8, 12, 16, 24, 32};
+    const int *n_comms = use_cuda ? gpu_comms : cpu_comms;
+    int chunks[4], n_chunks = tune_chunks(r->cfg.hidden, use_cuda ? 256 : 8, chunks);
+    /* on a GPU the sequential chain first: the table records it as n_comm 0 when it wins; the
+     * layer's modes then say what the grid can change: with push the overlapped combine runs after
+     * GEMM1, so the chunk width does nothing (one column); the SIMT GEMM has no overlapped mode */
+    const int rows = (int)(sizeof cpu_comms / sizeof cpu_comms[0]) + (use_cuda ? 1 : 0);
+    int best_n_comm = 0, best_chunk = 0;
+    double best_ms = -1, best_ov_ms = -1;
+    int best_ov_chunk = chunks[0]; /* recorded with a sequential win: what n_comm > 0 calls then use */
+    int pushed = 0;                /* GPU: the layer pushes (one chunk column) */
+    for (int i = 0; i < rows; i++) {
+        const int seq = use_cuda && i == 0, n_comm = seq ? COMET_SEQUENTIAL : n_comms[i - (use_cuda ? 1 : 0)];
+        comet_run_t run;
+        if (i == (use_cuda ? 1 : 0)) { /* the grid's header, once the sequential run (GPU) said the modes */
+            printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns%s)\n%8s", iters,
+                   pushed ? "; with push it does nothing: one" : "", "n_comm");
+            for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
+            printf("\n");
+        }
+        if (!seq) printf("%8d", n_comm);
+        for (int c = 0; c < (seq ? 1 : n_chunks); c++) {
+            memset(&run, 0, sizeof run);
+            run.n_comm = n_comm, run.chunk_cols = chunks[c], run.repeats = warmup + iters;
+            run.input_sets = use_cuda ? input_sets_for(p) : 1;
+            comet_status_t st = comet_problem_run(p, w, &run, warmup);
+            if (st != COMET_SUCCESS) {
+                fprintf(stderr, "\ncomet tune: %s: %s\n", comet_status_string(st), comet_last_error());
+                comet_world_destroy(w);
+                comet_problem_destroy(p);
+                return 1;
+            }
+            if (seq)
+                printf("\nthe sequential chain: %.3f ms%s\n", run.ms_median,
+                       run.protocol.gemm == COMET_GEMM_SIMT ? " (SIMT GEMM: no overlapped mode)" : "");
+            else
+                printf(" %9.3f", run.ms_median);
+            if (best_ms < 0 || run.ms_median < best_ms)
+                best_n_comm = seq ? 0 : n_comm, best_chunk = chunks[c], best_ms = run.ms_median;
+            if (!seq && (best_ov_ms < 0 || run.ms_median < best_ov_ms)) best_ov_ms = run.ms_median, best_ov_chunk = chunks[c];
+        }
+        if (seq && run.protocol.gemm == COMET_GEMM_SIMT) break; /* every n_comm would run the same sequential chain */
+        if (use_cuda) n_chunks = 1, pushed = 1; /* no chunked combine on GPUs: the width does nothing */
+        if (!seq) printf("\n");
+        fflush(stdout);
+    }
+    if (best_n_comm == 0) best_chunk = best_ov_chunk;
+    const char *out = r->opt.out ? r->opt.out : getenv("COMET_TUNE_FILE");
+    if (!out || !*out) out = "comet-tune.tsv";
+    comet_world_destroy(w);
+    const int rc = comet_tune_append(out, &r->cfg, r->world, backend_of(r), best_n_comm, best_chunk, best_ms);
+    printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best_n_comm, use_cuda && best_n_comm == 0 ? " (sequential)" : "",
+           best_chunk, best_ms, rc == 0 ? "appended to" : "could not append to", out);
+    comet_problem_destroy(p);
+    return rc == 0 ? 0 : 1;
+}
