@@ -158,7 +158,8 @@ typedef struct {
                             *      0: COMET_CPU_WORKERS, else 2 */
     const char *tune_file; /* [in] the tuner's table (`comet tune` writes one): NULL: COMET_TUNE_FILE, else
                             *      none; "": none. Read when the world is created; a file that does not
-                            *      exist (yet) is an empty table */
+                            *      exist (yet) is an empty table, one that is not a table (not a regular
+                            *      file, over 1 MiB) fails the create with COMET_ERR_INVALID_ARGUMENT */
     int graph_replay;      /* [in] CUDA backend: 1 replays each layer's kernel chain as a captured graph,
                             *      -1 launches its kernels one by one; 0: -1 if COMET_REPLAY=0, else 1 */
 } comet_world_options_t;
@@ -173,7 +174,8 @@ comet_status_t comet_world_create_nccl_opts(comet_world_t **world, int rank, int
                                             const comet_unique_id_t *id, int device,
                                             const comet_world_options_t *options);
 /* The options the world runs with, every default filled in (tune_file ""
- * for none; the string lives as long as the world). */
+ * for none; the string lives as long as the world). out->struct_size must be
+ * set (COMET_WORLD_OPTIONS_INIT). */
 comet_status_t comet_world_get_options(const comet_world_t *world, comet_world_options_t *out);
 
 /* Destroy a world after all its layers are destroyed: while one lives it

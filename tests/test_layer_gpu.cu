@@ -39,7 +39,21 @@
 #include <string.h>
 
 #include "../harness/workload.h"
+#include "../src/core/validate.h"
+#include "../src/cuda/gemm.h"
 #include "check.h"
+
+/* The GEMM a layer of cfg must run here, decided apart from the layer: the
+ * Hopper GEMM on an sm_90 GPU for the shapes it takes (unless
+ * COMET_SIMT_GEMM), else the SIMT tiles; so a silent fallback fails. */
+static comet_gemm_kind_t expected_gemm(const comet_layer_config_t *cfg, int w) {
+    cudaDeviceProp prop;
+    comet_dims_t d;
+    const int hopper = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && !getenv("COMET_SIMT_GEMM");
+    return hopper && comet_dims_from_config(cfg, w, 0, &d) == COMET_SUCCESS && comet_gemm_check(&d) == NULL
+               ? COMET_GEMM_HOPPER
+               : COMET_GEMM_SIMT;
+}
 
 /* comet_problem_run with the environment variables vars (name, value, ...,
  * NULL) set while its layers are created (the caller's values put back after). */
@@ -107,6 +121,9 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     CHECK(chk.wrong == 0, "%s: %lld of %lld elements off the reference (worst %.3g of the row rms)", tag,
           (long long)chk.wrong, (long long)chk.elements, chk.worst);
     CHECK(comet_problem_count_poison(p) == 0, "%s: %lld outputs never written", tag, (long long)comet_problem_count_poison(p));
+    const comet_gemm_kind_t gemm = expected_gemm(cfg, w);
+    CHECK(run.protocol.gemm == gemm, "%s: the layer ran GEMM kind %d, expected %d", tag, (int)run.protocol.gemm,
+          (int)gemm);
     printf("test_layer_gpu: %-60s %lld elements, %lld not bitwise equal, worst %.2e\n", tag, (long long)chk.elements,
            (long long)chk.differ, chk.worst);
 

@@ -107,7 +107,9 @@ static void print_notes(const cli_result_t *r) {
     if (r->use_cuda) /* src/cuda/replay.c: the forward chain captured once, then one graph launch a call */
         printf("forwards replayed as one CUDA graph on rank 0: %lld, from %lld capture%s%s\n", (long long)r->replays,
                (long long)r->captures, r->captures == 1 ? "" : "s",
-               r->replays || r->captures ? "" : " (graph replay off: each forward launched kernel by kernel)");
+               r->replays || r->captures ? ""
+               : r->protocol.gemm == COMET_GEMM_SIMT ? " (the SIMT GEMM: each forward launched kernel by kernel)"
+                                                     : " (graph replay off: each forward launched kernel by kernel)");
     const double *side = r->side_ms;
     if (o->hidden_metric && !r->sides_differ) {
         printf("communication hidden: not measured (the SIMT GEMM fallback runs every call whole)\n");
@@ -144,8 +146,9 @@ static int append_json(const cli_result_t *r, const char *path) {
             r->use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o->model, (long long)r->total_tokens, cfg->tp,
             cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn,
             o->skew, (long long)o->zero_experts, r->ms, r->rate, r->link_gbps, (long long)r->wrong,
-            (long long)r->check.elements, r->n_comm, o->n_comm == 0, combine_names[r->protocol.combine],
-            gemm_names[r->protocol.gemm], r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
+            (long long)r->check.elements, r->n_comm, o->n_comm == 0,
+            r->protocol.struct_size ? combine_names[r->protocol.combine] : "none",
+            r->protocol.struct_size ? gemm_names[r->protocol.gemm] : "none", r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
             r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup);
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
         fprintf(f, ", \"sm_mhz\": [");

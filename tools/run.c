@@ -262,13 +262,12 @@ int cli_tune(const cli_result_t *r) {
     int best_n_comm = 0, best_chunk = 0;
     double best_ms = -1, best_ov_ms = -1;
     int best_ov_chunk = chunks[0]; /* recorded with a sequential win: what n_comm > 0 calls then use */
-    int pushed = 0;                /* GPU: the layer pushes (one chunk column) */
     for (int i = 0; i < rows; i++) {
         const int seq = use_cuda && i == 0, n_comm = seq ? COMET_SEQUENTIAL : n_comms[i - (use_cuda ? 1 : 0)];
         comet_run_t run;
         if (i == (use_cuda ? 1 : 0)) { /* the grid's header, once the sequential run (GPU) said the modes */
             printf("\nms (median of %d) by communication workers (rows) and layer-1 chunk width (columns%s)\n%8s", iters,
-                   pushed ? "; with push it does nothing: one" : "", "n_comm");
+                   use_cuda ? "; on GPUs, with no chunked combine, it does nothing: one" : "", "n_comm");
             for (int c = 0; c < n_chunks; c++) printf(" %9d", chunks[c]);
             printf("\n");
         }
@@ -294,7 +293,7 @@ int cli_tune(const cli_result_t *r) {
             if (!seq && (best_ov_ms < 0 || run.ms_median < best_ov_ms)) best_ov_ms = run.ms_median, best_ov_chunk = chunks[c];
         }
         if (seq && run.protocol.gemm == COMET_GEMM_SIMT) break; /* every n_comm would run the same sequential chain */
-        if (use_cuda) n_chunks = 1, pushed = 1; /* no chunked combine on GPUs: the width does nothing */
+        if (use_cuda) n_chunks = 1; /* no chunked combine on GPUs: the width does nothing */
         if (!seq) printf("\n");
         fflush(stdout);
     }

@@ -4,6 +4,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "api.h"
 #include "../core/status.h"
@@ -37,8 +38,13 @@ static comet_status_t world_create(comet_world_t **world, int num_ranks, comet_b
     w->local_rank = local_rank;
     atomic_init(&w->aborted, 0);
     atomic_init(&w->live_layers, 0);
-    comet_tune_table_load(settings.tune_file, &w->tune); /* a missing file: an empty table */
+    /* a file that does not exist (yet) is an empty table; one that is not a table is an error */
+    const int entries = comet_tune_table_load(settings.tune_file, &w->tune);
     comet_status_t st = w->tune ? COMET_SUCCESS : comet_fail(COMET_ERR_OUT_OF_MEMORY, "world: no memory");
+    if (st == COMET_SUCCESS && entries < 0 && access(settings.tune_file, F_OK) == 0)
+        st = comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                        "the tune file %s (options.tune_file or COMET_TUNE_FILE) is not a table: not a readable "
+                        "regular file, or over 1 MiB", settings.tune_file);
     if (st == COMET_SUCCESS && ops->world_init) st = ops->world_init(w, id ? id->bytes : NULL, local_rank >= 0 ? device : -1);
     if (st != COMET_SUCCESS) {
         comet_tune_table_free(w->tune);
@@ -84,6 +90,10 @@ comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int worl
 comet_status_t comet_world_get_options(const comet_world_t *w, comet_world_options_t *out) {
     comet_clear_error();
     if (!w || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world or out is NULL");
+    if (out->struct_size != sizeof(comet_world_options_t))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "out->struct_size is %u, expected %zu (use COMET_WORLD_OPTIONS_INIT)", out->struct_size,
+                          sizeof(comet_world_options_t));
     const comet_world_options_t o = {sizeof(comet_world_options_t), w->settings.timeout_ms, w->settings.cpu_workers,
                                      w->settings.tune_file, w->settings.graph_replay ? 1 : -1};
     *out = o;

@@ -51,10 +51,10 @@ comet_status_t comet_settings_resolve(const comet_world_options_t *o, comet_sett
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "options.cpu_workers %d is outside [0, 256]", o->cpu_workers);
     if (o->graph_replay < -1 || o->graph_replay > 1)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "options.graph_replay %d is not -1, 0 or 1", o->graph_replay);
+    if (o->tune_file && strlen(o->tune_file) >= sizeof out->tune_file)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "options.tune_file is longer than %d bytes", COMET_PATH_MAX - 1);
     const char *tune = o->tune_file ? o->tune_file : getenv("COMET_TUNE_FILE");
-    if (tune && strlen(tune) >= sizeof out->tune_file)
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "the tune file's path is longer than %d bytes",
-                          COMET_PATH_MAX - 1);
+    if (tune && strlen(tune) >= sizeof out->tune_file) tune = NULL; /* a bad environment value: as unset */
     out->timeout_ms = o->timeout_ms ? o->timeout_ms : env_int("COMET_TIMEOUT_MS", 60000, 1, 3600 * 1000);
     out->cpu_workers = o->cpu_workers ? o->cpu_workers : env_int("COMET_CPU_WORKERS", 2, 1, 256);
     out->graph_replay = o->graph_replay ? o->graph_replay > 0 : !env_is("COMET_REPLAY", "0");

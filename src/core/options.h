@@ -50,8 +50,10 @@ typedef struct {
 
 /* The settings of a world created with options (NULL: every field default):
  * a field left at its default takes the environment's value, else the
- * built-in one. Fails on a bad field (struct_size, negative values, a path
- * too long) with a message; a bad environment value is ignored, as unset. */
+ * built-in one. Fails on a bad field (struct_size, values out of range, a
+ * path too long) with a message; a bad environment value is ignored, as
+ * unset. (World create then also refuses a tune file that exists and is not
+ * a table, whichever named it.) */
 comet_status_t comet_settings_resolve(const comet_world_options_t *options, comet_settings_t *out);
 
 /* The measurement knobs from the environment (layer create), and the GEMM's

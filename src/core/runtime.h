@@ -68,8 +68,9 @@ void comet_rendezvous_init(comet_world_t *w);
 void comet_rendezvous_destroy(comet_world_t *w);
 
 /* What a backend implements. A world holds its backend's table; the public
- * calls (src/api) check their arguments and call through it. NULL entries:
- * the backend has nothing to do there. */
+ * calls (src/api) check their arguments and call through it. The layer_*
+ * entries are required, except layer_sync; the others may be NULL where the
+ * backend has nothing to do (a CPU world has no device, no NCCL id). */
 struct comet_backend_ops {
     const char *name;
     int (*device_count)(void);

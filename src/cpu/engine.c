@@ -259,10 +259,19 @@ static void *take(cpu_layer_t *L, size_t bytes, int aligned) {
     return ptr;
 }
 
+/* The create's first meeting is the world's rendezvous (cpu_layer_create). */
+static void cpu_layer_create_failed(comet_world_t *world, int rank) {
+    if (world->size > 1) comet_world_rendezvous_failed(world, rank);
+}
+
 static comet_status_t cpu_layer_create(comet_layer_t *l) {
     const comet_dims_t *d = &l->dims;
     cpu_layer_t *L = calloc(1, sizeof *L);
-    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer", l->rank);
+    if (!L) {
+        const comet_status_t st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer", l->rank);
+        cpu_layer_create_failed(l->world, l->rank);
+        return st;
+    }
     pthread_mutex_init(&L->err_mu, NULL);
     const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden;
     L->plan_ws = take(L, align64(comet_plan_workspace_bytes(d)), 1);
@@ -606,11 +615,6 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     for (int c = 0; c < L->n_chunks; c++) L->l1_base[c] += (uint64_t)nb;
     atomic_store_explicit(&me->done, epoch, memory_order_release);
     return COMET_SUCCESS;
-}
-
-/* The create's first meeting is the world's rendezvous (cpu_layer_create). */
-static void cpu_layer_create_failed(comet_world_t *world, int rank) {
-    if (world->size > 1) comet_world_rendezvous_failed(world, rank);
 }
 
 const comet_backend_ops_t comet_cpu_ops = {

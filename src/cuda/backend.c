@@ -5,8 +5,9 @@
  * enqueues work (layer_chain.cu) on the caller's stream: no host
  * synchronisation, so a whole forward can be captured in a CUDA graph. The
  * routing is checked on the device; comet_layer_sync reports what the device
- * found. The layer's protocol (comet_protocol_t) is the tuner's: the GEMM
- * kind and the combine at create, the mode and n_comm at each forward.
+ * found. The GEMM kind is decided at create (the Hopper GEMM on sm_90 for
+ * the shapes it takes), the combine at create and the mode and n_comm at
+ * each forward by the tuner (comet_protocol_t).
  *
  * Ranks > 1 talk through NCCL symmetric memory (src/comm); a single rank needs
  * no NCCL at all. Compiled only when the CUDA toolkit is present
@@ -61,6 +62,7 @@ typedef struct {
     comet_gemm_t *gemm;    /* prepared for gemm_w1/gemm_w2 */
     void *gemm_split;      /* GEMM1's tail split workspace inside buf.scratch, sized at create, or NULL */
     const void *gemm_w1, *gemm_w2;
+    char gemm_error[256];  /* why the Hopper GEMM could not be prepared for these weights, or "" */
     comet_cuda_replay_t *replay; /* the chain as a replayed graph (replay.c), or NULL: replay off */
 } cuda_layer_t;
 
@@ -88,6 +90,8 @@ typedef struct {
     comet_comm_t *comm[COMET_CUDA_MAX_RANKS];
     int layers[COMET_CUDA_MAX_RANKS];
     int device;                 /* external worlds: this rank's device */
+    uint64_t *agree_words;      /* external worlds: 3 device words for agree_across_processes, made with
+                                 * the world so that a rank short of memory can still take part */
 } cuda_world_t;
 
 static int cuda_world_device(const comet_world_t *w) { return ((const cuda_world_t *)w->backend_world)->device; }
@@ -120,7 +124,10 @@ static comet_status_t cuda_world_init(comet_world_t *w, const void *id, int devi
         comet_comm_id_t cid;
         memcpy(cid.bytes, id, sizeof cid.bytes);
         comet_status_t st = comet_comm_create(&cw->comm[w->local_rank], w->local_rank, w->size, &cid, device);
+        cudaError_t me = st == COMET_SUCCESS ? cudaMalloc((void **)&cw->agree_words, 3 * sizeof(uint64_t)) : cudaSuccess;
+        if (st == COMET_SUCCESS && me != cudaSuccess) st = cuda_fail(w->local_rank, me, "the world's agreement words");
         if (st != COMET_SUCCESS) {
+            if (cw->comm[w->local_rank]) comet_comm_destroy(cw->comm[w->local_rank]);
             free(cw);
             return st;
         }
@@ -133,6 +140,7 @@ static void cuda_world_destroy(comet_world_t *w) {
     cuda_world_t *cw = w->backend_world;
     if (!cw) return;
     if (w->local_rank >= 0) comet_comm_destroy(cw->comm[w->local_rank]);
+    cudaFree(cw->agree_words);
     free(cw);
     w->backend_world = NULL;
 }
@@ -172,16 +180,12 @@ static void release_shared_id(cuda_shared_t *s) {
  * and 1 from a rank that failed before it could compare), in place. */
 static comet_status_t agree_across_processes(comet_world_t *world, int rank, uint64_t words[3]) {
     const cuda_world_t *cw = world->backend_world;
-    uint64_t *dev = NULL;
-    cudaError_t e = cudaMalloc((void **)&dev, 3 * sizeof(uint64_t));
-    if (e == cudaSuccess) e = cudaMemcpy(dev, words, 3 * sizeof(uint64_t), cudaMemcpyHostToDevice);
-    if (e != cudaSuccess) {
-        cudaFree(dev);
-        return cuda_fail(rank, e, "config check");
-    }
+    uint64_t *dev = cw->agree_words;
+    /* the allreduce comes whatever the copy did: a rank that skipped it would leave its peers in it */
+    cudaError_t e = cudaMemcpy(dev, words, 3 * sizeof(uint64_t), cudaMemcpyHostToDevice);
     ncclResult_t r = ncclAllReduce(dev, dev, 3, ncclUint64, ncclMax, comet_comm_nccl(cw->comm[rank]), 0);
+    if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
     e = r == ncclSuccess ? cudaMemcpy(words, dev, 3 * sizeof(uint64_t), cudaMemcpyDeviceToHost) : cudaSuccess;
-    cudaFree(dev);
     if (r != ncclSuccess) return comet_fail(COMET_ERR_NCCL, "rank %d: config check: %s", rank, ncclGetErrorString(r));
     if (e != cudaSuccess) return cuda_fail(rank, e, "config check");
     return COMET_SUCCESS;
@@ -201,7 +205,8 @@ static void cuda_layer_create_failed(comet_world_t *world, int rank) {
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", comet_last_error());
     uint64_t words[3] = {0, 0, 1};
-    if (cudaSetDevice(cuda_world_device(world)) == cudaSuccess) agree_across_processes(world, rank, words);
+    cudaSetDevice(cuda_world_device(world));
+    agree_across_processes(world, rank, words);
     comet_fail_copy(COMET_ERR_INTERNAL, msg); /* the message only: the caller returns its own status */
 }
 
@@ -467,7 +472,11 @@ static comet_status_t layer_init(comet_layer_t *l, cuda_layer_t *L) {
 static comet_status_t cuda_layer_create(comet_layer_t *l) {
     const int rank = l->rank;
     cuda_layer_t *L = calloc(1, sizeof *L);
-    if (!L) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
+    if (!L) {
+        const comet_status_t st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory", rank);
+        cuda_layer_create_failed(l->world, rank);
+        return st;
+    }
     L->device = device_of(l->world, rank);
     cudaError_t e = cudaSetDevice(L->device);
     comet_status_t st = e == cudaSuccess ? COMET_SUCCESS : cuda_fail(rank, e, "cudaSetDevice");
@@ -542,8 +551,13 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
             char err[256];
             comet_gemm_destroy(L->gemm);
             L->gemm = NULL;
-            /* on failure the SIMT tiles run: returning here would strand the peers */
-            if (comet_gemm_prepare(&ga, &L->gemm, err, sizeof err) != 0) L->gemm = NULL;
+            /* on failure the SIMT tiles run: returning here would strand the peers; the reason
+             * is kept for comet_layer_sync's report */
+            L->gemm_error[0] = 0;
+            if (comet_gemm_prepare(&ga, &L->gemm, err, sizeof err) != 0) {
+                L->gemm = NULL;
+                snprintf(L->gemm_error, sizeof L->gemm_error, "%s", err);
+            }
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
@@ -576,7 +590,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
     L->last_stream = stream;
     proto.graph_replay = replayed;
-    l->protocol = proto, l->has_run = 1;
+    if (own == COMET_SUCCESS) l->protocol = proto, l->has_run = 1;
     l->replays += replayed;
     l->captures = comet_cuda_replay_captures(L->replay);
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
@@ -644,9 +658,10 @@ static comet_status_t cuda_layer_sync(comet_layer_t *l) {
     if (st == COMET_ERR_INVALID_ARGUMENT) /* this rank's arguments (forward said so), or: */
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "rank %d: invalid arguments, or the ranks ran different protocols (sequential or "
-                          "overlapped, combine, GEMM): n_comm and the tune file must agree on every rank, and "
-                          "every rank must run the Hopper GEMM; nothing was written",
-                          l->rank);
+                          "overlapped, push or pull combine): n_comm and the tune file must agree on every rank; "
+                          "nothing was written%s%s",
+                          l->rank, L->gemm_error[0] ? "; this rank runs the SIMT tiles, its Hopper GEMM: " : "",
+                          L->gemm_error);
     if (st != COMET_SUCCESS)
         return comet_fail((comet_status_t)st, "rank %d: the last forward failed (%s)", l->rank,
                           comet_status_string((comet_status_t)st));

@@ -155,11 +155,13 @@ typedef struct {
 } comet_cuda_ctx_t;
 
 
-/* The protocol as the ranks compare it on the device (k_plan): mode,
- * combine and GEMM kind in one word (n_comm may differ between ranks). The
+/* The protocol as the ranks compare it on the device (k_plan): mode and
+ * combine in one word. n_comm and the GEMM kind may differ between ranks
+ * (a rank whose Hopper GEMM could not be prepared runs the SIMT tiles and,
+ * sequential with the pull combine, meets its peers' rows as they do). The
  * one encoding of comet_protocol_t for the device. */
 static inline uint64_t comet_cuda_protocol_word(const comet_protocol_t *p) {
-    return 1u + (uint64_t)p->mode + 4u * (uint64_t)p->combine + 16u * (uint64_t)p->gemm;
+    return 1u + (uint64_t)p->mode + 4u * (uint64_t)p->combine;
 }
 
 /* Enqueue one whole forward (every step above) of the call's tensors on

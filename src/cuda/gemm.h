@@ -92,7 +92,9 @@ typedef struct {
     int l0_order;
     /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
-     * call chunk c gains num_blocks * ceil(width_c / 256). */
+     * call chunk c gains num_blocks * ceil(width_c / 256). The forward's
+     * chain uses no chunks (test_gemm_gpu checks the hook); it is there for a
+     * combine that runs chunk by chunk beside GEMM1, the backward's dX. */
     uint64_t *chunk_done;
     /* skip != NULL: when *skip != 0 at kernel start, do nothing (the layer's
      * "some rank's input is invalid" flag). */

@@ -317,7 +317,7 @@ __device__ static __forceinline__ void pull_combine(const comet_cuda_ctx_t *c, c
     }
 }
 
-/* The combine of the sequential chain (and of the overlapped mode with push):
+/* The combine after GEMM1, in both modes (pulling the rows, or reading those pushed here):
  * first the signal (every CTA's thread 0, so that none waits on a CTA not
  * yet resident): my o (and plan), complete as the kernels before this one
  * ended, announced to every rank;
