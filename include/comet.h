@@ -374,6 +374,62 @@ comet_status_t comet_reference_forward(const comet_layer_config_t *cfg, int worl
                                        const comet_forward_args_t *inputs);
 
 /* ---------------------------------------------------------------------------
+ * Backward (training). Given dy, the gradient of the loss with respect to y,
+ * the layer's gradients with respect to x, topk_w, w1 and w2 follow from the
+ * forward's semantics. The contract fixes their rounding points and every
+ * sum that crosses rows or ranks, as the forward's does. For each row r =
+ * (token t, slot j) whose expert e = topk_idx[t,j] lives on rank q (q's ffn
+ * slice of e), w = topk_w[t,j]:
+ *   1. gu = x_t W1_e^T, fp32 accumulation, stored bf16 ([g|u], 2 F_local,
+ *      gated; g, F_local, GELU); a = the forward's h (its activation of the
+ *      fp32 accumulators, stored bf16).
+ *   2. G = dy_t W2_e: (F_local) in fp32 (fp32 accumulation over H).
+ *   3. d_topk_w[t,j] = the sum over the TP ranks of e's EP group, in
+ *      ascending tp, of that rank's <G, a> over its slice (fp32
+ *      accumulation), in fp32 from 0.
+ *   4. dA = w * G (fp32); the activation's backward in fp32 from gu's bf16
+ *      values: gated, s = sigmoid(g), dg = dA * u * s * (1 + g (1 - s)),
+ *      du = dA * g * s; GELU (erf), dg = dA * (Phi(g) + g phi(g)). dH =
+ *      [dg|du] (or dg) stored bf16.
+ *   5. dX_r = dH W1_e: (H), fp32 accumulation over W1's rows, stored bf16.
+ *   6. On the token's home rank, dx[t] = the sum over the ranks q that hold
+ *      at least one of t's experts, in ascending q, of (the sum over t's
+ *      slots on q, in ascending j, of dX_r, in fp32 from 0), in fp32 from 0,
+ *      stored bf16: the forward's combine with weights 1.
+ *   7. dW2_e = sum over e's rows r of bf16(w * dy_t)^T a_r, dW1_e = sum over
+ *      e's rows r of dH_r^T x_t: fp32 accumulation (order free, as a GEMM's),
+ *      then rounded once to the output's dtype, or added in fp32 to it
+ *      (accumulate: main-grad style, across micro-batches).
+ * The sums of rows (6, 7) and the cross-rank sums (3, 6) have a fixed order,
+ * so every backend is bitwise deterministic run to run.
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    uint32_t struct_size;    /* [in] sizeof(comet_backward_args_t): set by the initializer */
+    comet_tensor_t x;        /* [in]  (T, H) bf16: this rank's tokens, as in the forward */
+    comet_tensor_t topk_idx; /* [in]  (T, topk) int32, as in the forward */
+    comet_tensor_t topk_w;   /* [in]  (T, topk) fp32, as in the forward */
+    comet_tensor_t w1;       /* [in]  (E_local, w1_rows, H) bf16, as in the forward */
+    comet_tensor_t w2;       /* [in]  (E_local, H, F_local) bf16, as in the forward */
+    comet_tensor_t dy;       /* [in]  (T, H) bf16: the gradient of y */
+    comet_tensor_t dx;       /* [out] (T, H) bf16 */
+    comet_tensor_t d_topk_w; /* [out] (T, topk) fp32 */
+    comet_tensor_t dw1;      /* [out] (E_local, w1_rows, H) bf16 or fp32: this rank's experts' slices */
+    comet_tensor_t dw2;      /* [out] (E_local, H, F_local) bf16 or fp32 */
+    int accumulate;          /* [in]  0: dw1, dw2 written; 1: added to (both fp32) */
+} comet_backward_args_t;
+
+#define COMET_BACKWARD_ARGS_INIT \
+    {sizeof(comet_backward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, 0}
+
+/* The backward's specification as plain loops, for every rank at once, in
+ * the calling thread: args[r] holds rank r's inputs and outputs. Validates
+ * everything before writing anything; the outputs of every rank are then
+ * written (dw1 and dw2 also for experts no token chose: zero, or unchanged
+ * when accumulating). */
+comet_status_t comet_reference_backward(const comet_layer_config_t *cfg, int world_size,
+                                        const comet_backward_args_t *args);
+
+/* ---------------------------------------------------------------------------
  * Trace: record what every worker of every rank did, and when, during the
  * forward calls of the layers it is attached to, then write it as a
  * Chrome-trace JSON file (Perfetto, chrome://tracing) or an SVG picture with
