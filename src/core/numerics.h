@@ -36,6 +36,20 @@ COMET_HD static inline comet_bf16_t comet_f32_to_bf16(float f) {
 
 COMET_HD static inline float comet_silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* The gated SiLU's backward (include/comet.h, backward step 4): from the
+ * pre-activation (g, u) and the gradient dA of h = silu(g) u, the gradients
+ * of g and u, evaluated in this order. */
+COMET_HD static inline void comet_silu_gated_backward(float g, float u, float dA, float *dg, float *du) {
+    const float s = 1.0f / (1.0f + expf(-g));
+    *dg = dA * u * s * (1.0f + g * (1.0f - s));
+    *du = dA * g * s;
+}
+
+/* d gelu(g) / dg, erf form: Phi(g) + g phi(g). */
+COMET_HD static inline float comet_gelu_grad(float g) {
+    return 0.5f * (1.0f + erff(g * 0.70710678118654752f)) + g * 0.39894228040143268f * expf(-0.5f * g * g);
+}
+
 /* GELU, erf form (torch.nn.GELU() default). */
 COMET_HD static inline float comet_gelu(float g) {
     return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));

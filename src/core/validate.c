@@ -239,6 +239,46 @@ comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forwa
     return COMET_SUCCESS;
 }
 
+/* A weight gradient: the weight's shape, bf16 or fp32 (fp32 when accumulating). */
+static comet_status_t check_weight_grad(const comet_tensor_t *t, const char *name, int accumulate,
+                                        const int64_t shape[3]) {
+    const comet_dtype_t dtype = t->dtype == COMET_DTYPE_BF16 && !accumulate ? COMET_DTYPE_BF16 : COMET_DTYPE_FP32;
+    if (accumulate && t->dtype != COMET_DTYPE_FP32)
+        return comet_fail(COMET_ERR_INVALID_SHAPE, "%s: accumulating needs fp32, got %s", name, dtype_name(t->dtype));
+    return check_tensor(t, name, dtype, 3, shape);
+}
+
+comet_status_t comet_check_backward_args(const comet_dims_t *d, const comet_backward_args_t *a, int check_routing,
+                                         int64_t *num_tokens) {
+    if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "backward args are NULL");
+    if (a->struct_size != sizeof(comet_backward_args_t))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "args.struct_size is %u, expected %zu: initialize it with COMET_BACKWARD_ARGS_INIT",
+                          a->struct_size, sizeof(comet_backward_args_t));
+    if (a->accumulate != 0 && a->accumulate != 1)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.accumulate %d is not 0 or 1", a->accumulate);
+    /* the forward's inputs, with dx where the forward has y */
+    comet_forward_args_t f = COMET_FORWARD_ARGS_INIT;
+    f.x = a->x, f.topk_idx = a->topk_idx, f.topk_w = a->topk_w, f.w1 = a->w1, f.w2 = a->w2, f.y = a->dx;
+    int64_t t = 0;
+    comet_status_t st = comet_check_forward_args(d, &f, check_routing, &t);
+    if (st == COMET_ERR_INVALID_SHAPE && strncmp(comet_last_error(), "y:", 2) == 0) { /* named as the caller did */
+        char msg[512];
+        snprintf(msg, sizeof msg, "dx%s", comet_last_error() + 1);
+        return comet_fail_copy(COMET_ERR_INVALID_SHAPE, msg);
+    }
+    COMET_TRY(st);
+    const int64_t sx[2] = {t, d->hidden}, sk[2] = {t, d->topk};
+    const int64_t s1[3] = {d->experts_local, d->w1_rows, d->hidden};
+    const int64_t s2[3] = {d->experts_local, d->hidden, d->ffn_local};
+    COMET_TRY(check_tensor(&a->dy, "dy", COMET_DTYPE_BF16, 2, sx));
+    COMET_TRY(check_tensor(&a->d_topk_w, "d_topk_w", COMET_DTYPE_FP32, 2, sk));
+    COMET_TRY(check_weight_grad(&a->dw1, "dw1", a->accumulate, s1));
+    COMET_TRY(check_weight_grad(&a->dw2, "dw2", a->accumulate, s2));
+    *num_tokens = t;
+    return COMET_SUCCESS;
+}
+
 comet_tensor_t comet_tensor_2d(void *data, comet_dtype_t dtype, int64_t d0, int64_t d1) {
     comet_tensor_t t;
     memset(&t, 0, sizeof t);

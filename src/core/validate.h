@@ -38,6 +38,12 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *args,
                                         int check_routing, int64_t *num_tokens);
 
+/* The same for one rank's backward arguments: the forward's inputs, dy and
+ * dx (T, H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 of the weights'
+ * shapes in bf16 or fp32 (fp32 when accumulating). */
+comet_status_t comet_check_backward_args(const comet_dims_t *d, const comet_backward_args_t *args,
+                                         int check_routing, int64_t *num_tokens);
+
 #ifdef __cplusplus
 }
 #endif
