@@ -71,6 +71,11 @@ expect trace-long-nothing 0 '^0$' -- bash -c 'ls "$1" | wc -l' _ "$ldir"
 rm -rf "$ldir"
 expect graph-cpu 0 'the CPU engine runs without it' -- "$comet" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --graph
 expect n-comm-seq-cpu 0 'auto .* ok \(0 of' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
+# flags a run ignores or clamps: a warning on stderr, and the run goes on
+expect n-comm-seq-cpu-warn 0 '^comet: warning: --n-comm -1 \(the sequential chain\) is for GPUs: the CPU engine always overlaps' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
+expect check-iters-warn 0 '^comet: warning: --iters and --warmup ignored: comet check runs one forward' -- "$comet" check --backend cpu --scale 64 --tokens 8 --iters 3
+expect scale-warn 0 '^comet: warning: --scale 4 ignored: --hidden and --ffn set' -- "$comet" check --backend cpu --tokens 8 --scale 4 --hidden 64 --ffn 32
+expect chunk-cpu-no-warn 0 '^none$' -- bash -c '"$1" check --backend cpu --scale 64 --tokens 8 --n-comm 2 --chunk 16 2>&1 | grep -c "warning" | sed "s/^0$/none/"' _ "$comet"
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # CI: no GPU here
     expect cuda-absent 2 "no CUDA device found" -- "$comet" check --backend cuda
 fi
@@ -105,6 +110,8 @@ expect launch-bad-env 2 "not a valid launch" -- env WORLD_SIZE=2 RANK=5 "$comet"
 expect comm-hidden 0 'communication hidden: -?[0-9.]+%, (-?[0-9.]+%|not measurable [^)]*\)) net of the steps every side keeps \(gemm only [0-9.]+ ms, comm only [0-9.]+ ms, neither [0-9.]+ ms' -- "$comet" bench --backend cpu --scale 64 --tokens 32 --iters 2 --warmup 0 --comm-hidden
 tune_out=$(mktemp -u /tmp/comet-tune-cli-XXXXXX)
 expect tune-help 0 'usage: comet tune' -- "$comet" tune --help
+expect tune-knobs-warn 0 'warning: --n-comm and --chunk ignored: comet tune times its own grid' -- "$comet" tune --backend cpu --scale 64 --tokens 8 --iters 1 --warmup 0 --n-comm 2 --out "$tune_out.knobs"
+rm -f "$tune_out.knobs"
 expect tune-json 2 'comet tune: --json is a flag of comet bench and comet check' -- "$comet" tune --backend cpu --json /tmp/x.jsonl
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
 [ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }

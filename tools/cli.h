@@ -109,10 +109,14 @@ int cli_run(cli_result_t *r);
  * Returns the exit status. */
 int cli_tune(const cli_result_t *r);
 
-/* report.c. The backend and the model's scale, before anything runs. */
+/* report.c. "comet: warning: ..." on stderr, where a flag is ignored or
+ * clamped (the run goes on). */
+void cli_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The backend and the model's scale, before anything runs. */
 void cli_report_setup(const cli_result_t *r);
-/* The result's console lines, then its JSON row (--json). Returns 0, or 1
- * if the row could not be appended. */
+/* The warnings of the protocol the run reported (--n-comm clamped or not run,
+ * --chunk ignored), the result's console lines, then its JSON row (--json).
+ * Returns 0, or 1 if the row could not be appended. */
 int cli_report(const cli_result_t *r);
 
 #endif /* COMET_CLI_H */

@@ -435,6 +435,17 @@ int cli_configure(cli_result_t *r) {
     cfg->max_tokens_per_rank = (total + world - 1) / world;
     for (int s = 0; s < world; s++) r->tokens[s] = total / world + (s < total % world);
     const int tune = o->command == CLI_TUNE; /* fewer timed runs a point of its grid */
+    if (cli_speaks(launch)) { /* flags this run ignores */
+        if (!use_cuda && o->n_comm == COMET_SEQUENTIAL && !tune)
+            cli_warn("--n-comm -1 (the sequential chain) is for GPUs: the CPU engine always overlaps, with the "
+                     "tuner's workers");
+        if (tune && (o->n_comm || o->chunk_cols))
+            cli_warn("--n-comm and --chunk ignored: comet tune times its own grid of them");
+        if (o->command == CLI_CHECK && (o->iters >= 0 || o->warmup >= 0))
+            cli_warn("--iters and --warmup ignored: comet check runs one forward");
+        if (o->scale && o->hidden && o->ffn)
+            cli_warn("--scale %d ignored: --hidden and --ffn set the layer's sizes", o->scale);
+    }
     if (o->iters < 0) o->iters = tune ? 3 : use_cuda ? 20 : 5;
     if (o->warmup < 0) o->warmup = tune ? 1 : use_cuda ? 5 : 1;
     if (comet_layer_config_check(cfg, world) != COMET_SUCCESS) {

@@ -1,10 +1,13 @@
 /*
  * tools/report.c - what the CLI says about a run (tools/cli.h), from its
- * cli_result_t alone: the backend line before it runs; after, the result
- * row with the check, the notes under it (protocol, memory, inputs, the
- * GPUs' clocks, graph replays, communication hidden) and, with --json, one
- * JSON row appended to the file (bench/report.py reads it).
+ * cli_result_t alone: the warnings ("comet: warning: ...", stderr) of flags
+ * a run ignores or clamps; the backend line before it runs; after, the
+ * warnings of the protocol the layer reported, the result row with the
+ * check, the notes under it (protocol, memory, inputs, the GPUs' clocks,
+ * graph replays, communication hidden) and, with --json, one JSON row
+ * appended to the file (bench/report.py reads it).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -14,6 +17,36 @@
 static const char *const combine_names[] = {"partials", "push", "pull"};
 static const char *const gemm_names[] = {"cpu", "hopper", "simt"};
 static const char *const chosen_names[] = {"args", "table", "rule"};
+
+void cli_warn(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "comet: warning: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+/* Flags the protocol the layer ran did not follow: --n-comm clamped (the
+ * CUDA backend runs at most SMs - 1 communication CTAs) or not run (the
+ * sequential chain of the SIMT GEMM), --chunk where nothing chunks (the
+ * CUDA backend) or at another width. */
+static void warn_ignored(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const comet_protocol_t *p = &r->protocol;
+    if (!p->struct_size) return;
+    if (o->n_comm > 0 && p->mode == COMET_MODE_SEQUENTIAL)
+        cli_warn("--n-comm %d: the layer ran the sequential chain%s", o->n_comm,
+                 p->gemm == COMET_GEMM_SIMT ? " (the SIMT GEMM, which runs here, has no overlapped mode)" : "");
+    else if (o->n_comm > 0 && p->n_comm != o->n_comm)
+        cli_warn("--n-comm %d: the layer ran %d communication %s", o->n_comm, p->n_comm,
+                 r->use_cuda ? "CTAs (the CUDA backend runs at most the GPU's SMs - 1)" : "workers");
+    if (o->chunk_cols > 0 && p->chunk_cols == 0)
+        cli_warn("--chunk %d ignored: nothing chunks on the %s (no chunked combine)", o->chunk_cols,
+                 r->use_cuda ? "CUDA backend" : "layer");
+    else if (o->chunk_cols > 0 && p->chunk_cols != o->chunk_cols)
+        cli_warn("--chunk %d: the layer ran chunks of %d columns", o->chunk_cols, p->chunk_cols);
+}
 
 void cli_report_setup(const cli_result_t *r) {
     const cli_options_t *o = &r->opt;
@@ -166,6 +199,8 @@ static int append_json(const cli_result_t *r, const char *path) {
 }
 
 int cli_report(const cli_result_t *r) {
+    warn_ignored(r);
+    fflush(stderr);
     print_row(r);
     print_notes(r);
     return r->opt.json ? append_json(r, r->opt.json) : 0;

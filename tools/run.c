@@ -116,7 +116,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     run.graph = o->graph && r->use_cuda;
     run.input_sets = bench && r->use_cuda && !run.graph ? input_sets_for(p) : 1;
     if (o->graph && !r->use_cuda && cli_speaks(&o->launch))
-        fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
+        cli_warn("--graph is for GPUs; the CPU engine runs without it");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
     if (o->trace &&
