@@ -70,7 +70,7 @@ expect trace-long 2 "--trace: the path is longer than 4091 characters" -- "$come
 expect trace-long-nothing 0 '^0$' -- bash -c 'ls "$1" | wc -l' _ "$ldir"
 rm -rf "$ldir"
 expect graph-cpu 0 'the CPU engine runs without it' -- "$comet" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --graph
-expect n-comm-seq-cpu 0 'auto .* ok \(0 of' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
+expect n-comm-seq-cpu 0 ' auto:[0-9]+ \(rule\) +[0-9]+ .* ok \(0 of' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
 # flags a run ignores or clamps: a warning on stderr, and the run goes on
 expect n-comm-seq-cpu-warn 0 '^comet: warning: --n-comm -1 \(the sequential chain\) is for GPUs: the CPU engine always overlaps' -- "$comet" check --backend cpu --tokens 16 --n-comm -1
 expect check-iters-warn 0 '^comet: warning: --iters and --warmup ignored: comet check runs one forward' -- "$comet" check --backend cpu --scale 64 --tokens 8 --iters 3
@@ -79,6 +79,11 @@ expect chunk-cpu-no-warn 0 '^none$' -- bash -c '"$1" check --backend cpu --scale
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # CI: no GPU here
     expect cuda-absent 2 "no CUDA device found" -- "$comet" check --backend cuda
 fi
+# the row: n_comm and chunk width the layer ran, and who chose them (the arguments: plain numbers;
+# the tuner's rule or table: "auto:<n> (rule)")
+expect row-args 0 '^qwen2-moe .* 3 +24 +[0-9.]+ .* ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --scale 16 --tokens 8 --n-comm 3 --chunk 24
+expect row-header 0 '^model .* ffn +n_comm +chunk +ms ' -- "$comet" check --backend cpu --tokens 8
+expect row-rule 0 '^mixtral-8x7b .* auto:1 \(rule\) +64 +[0-9.]+ .* ok \(0 of' -- "$comet" check --backend cpu --tokens 8
 expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --tokens 64
 expect check-tp 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
 expect check-gelu 0 'ok \(0 of' -- "$comet" check --backend cpu --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40
@@ -97,6 +102,7 @@ expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "
     { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
 expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/tuned.jsonl"
 expect bench-json-iters 0 '"iters": 1, "warmup": 0[,}]' -- cat "$tdir/tuned.jsonl"
+expect bench-json-chosen 0 '"chunk_cols": 8, "chosen_by": "rule"[,}]' -- cat "$tdir/tuned.jsonl"
 expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # without a GPU, --backend cuda is refused before any trace

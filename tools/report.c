@@ -72,25 +72,42 @@ static void print_per_gpu(FILE *f, const double *v, int n, const char *sep, cons
     }
 }
 
-/* The result row under its header. CUDA's n_comm is the protocol the layer
- * ran: "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. */
+/* The n_comm cell: what the layer ran, "<n>" or "seq" (the sequential
+ * chain, CUDA), as "auto:<n> (table)" / "auto:seq (rule)" where the tuner
+ * chose it (its table or its rule) rather than --n-comm. */
+static void n_comm_cell(const cli_result_t *r, char *buf, size_t size) {
+    const comet_protocol_t *p = &r->protocol;
+    if (!p->struct_size) { /* no forward reported one */
+        snprintf(buf, size, "%s", r->opt.n_comm == 0 ? "auto" : "-");
+        return;
+    }
+    char ran[16];
+    if (p->mode == COMET_MODE_SEQUENTIAL)
+        snprintf(ran, sizeof ran, "seq");
+    else
+        snprintf(ran, sizeof ran, "%d", p->n_comm);
+    if (p->chosen_by == COMET_CHOSEN_BY_ARGS)
+        snprintf(buf, size, "%s", ran);
+    else
+        snprintf(buf, size, "auto:%s (%s)", ran, chosen_names[p->chosen_by]);
+}
+
+/* The result row under its header: n_comm as n_comm_cell, chunk the
+ * layer-1 column-chunk width the layer ran ("-" where nothing chunks: CUDA). */
 static void print_row(const cli_result_t *r) {
     const cli_options_t *o = &r->opt;
     const comet_layer_config_t *cfg = &r->cfg;
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
-           "hidden", "ffn", "n_comm", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
-    char ncomm[16];
-    const char *auto_tag = o->n_comm == 0 ? "auto:" : "";
-    if (r->use_cuda && r->n_comm > 0)
-        snprintf(ncomm, sizeof ncomm, "%s%d", auto_tag, r->n_comm);
-    else if (r->use_cuda)
-        snprintf(ncomm, sizeof ncomm, "%sseq", auto_tag);
-    else
-        snprintf(ncomm, sizeof ncomm, o->n_comm > 0 ? "%d" : "auto", o->n_comm);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %9s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o->model,
+    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %16s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+           "hidden", "ffn", "n_comm", "chunk", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU",
+           "check vs reference");
+    char ncomm[40], chunk[16] = "-";
+    n_comm_cell(r, ncomm, sizeof ncomm);
+    if (r->protocol.chunk_cols > 0) snprintf(chunk, sizeof chunk, "%d", r->protocol.chunk_cols);
+    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %16s %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o->model,
            (long long)r->total_tokens, cfg->tp, cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts,
-           (long long)cfg->hidden, (long long)cfg->ffn, ncomm, r->ms, r->rate, r->link_gbps, r->wrong ? "WRONG" : "ok",
-           (long long)r->wrong, (long long)r->check.elements, r->use_cuda ? "sampled elements off" : "elements differ");
+           (long long)cfg->hidden, (long long)cfg->ffn, ncomm, chunk, r->ms, r->rate, r->link_gbps,
+           r->wrong ? "WRONG" : "ok", (long long)r->wrong, (long long)r->check.elements,
+           r->use_cuda ? "sampled elements off" : "elements differ");
 }
 
 /* The GPUs' clocks over the timed forwards: one value for every GPU of this
@@ -175,14 +192,15 @@ static int append_json(const cli_result_t *r, const char *path) {
             "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
             "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"combine\": \"%s\", \"gemm\": \"%s\", \"comm_hidden\": %.4f, "
             "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
-            "\"iters\": %d, \"warmup\": %d",
+            "\"iters\": %d, \"warmup\": %d, \"chunk_cols\": %d, \"chosen_by\": \"%s\"",
             r->use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o->model, (long long)r->total_tokens, cfg->tp,
             cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn,
             o->skew, (long long)o->zero_experts, r->ms, r->rate, r->link_gbps, (long long)r->wrong,
             (long long)r->check.elements, r->n_comm, o->n_comm == 0,
             r->protocol.struct_size ? combine_names[r->protocol.combine] : "none",
             r->protocol.struct_size ? gemm_names[r->protocol.gemm] : "none", r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
-            r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup);
+            r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup, r->protocol.chunk_cols,
+            r->protocol.struct_size ? chosen_names[r->protocol.chosen_by] : "none");
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
         fprintf(f, ", \"sm_mhz\": [");
         print_per_gpu(f, r->watch.mhz, r->watch.n, ", ", "%.0f");
