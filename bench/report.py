@@ -64,6 +64,9 @@ def load(paths):
             for line in text.splitlines():
                 if line.strip():
                     r = json.loads(line)
+                    if r.get("custom"):  # sizes moved off the preset's: its own model, paired with no baseline
+                        r["model"] = (f"custom ({r['model']}, hidden {r['hidden']}, ffn {r['ffn']}, "
+                                      f"experts {r['experts']}, topk {r['topk']})")
                     comet_rows.append(r)
                     machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
     return torch_rows, comet_rows, reference, sorted(machines)

@@ -84,6 +84,9 @@ fi
 expect row-args 0 '^qwen2-moe .* 3 +24 +[0-9.]+ .* ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --scale 16 --tokens 8 --n-comm 3 --chunk 24
 expect row-header 0 '^model .* ffn +n_comm +chunk +ms ' -- "$comet" check --backend cpu --tokens 8
 expect row-rule 0 '^mixtral-8x7b .* auto:1 \(rule\) +64 +[0-9.]+ .* ok \(0 of' -- "$comet" check --backend cpu --tokens 8
+# sizes off the preset's: a custom model in the row; JSON "model" keeps the preset, with "custom": 1
+expect custom-row 0 '^custom \(mixtral-8x7b, hidden 256, topk 4\) +8 +1 +2 +4 +8 +256 .* ok \(0 of' -- "$comet" check --backend cpu --tokens 8 --hidden 256 --topk 4
+expect custom-not 0 '^mixtral-8x7b +8 ' -- "$comet" check --backend cpu --tokens 8 --hidden 512 # the scaled preset's own
 expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --tokens 64
 expect check-tp 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
 expect check-gelu 0 'ok \(0 of' -- "$comet" check --backend cpu --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40
@@ -102,7 +105,11 @@ expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "
     { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
 expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/tuned.jsonl"
 expect bench-json-iters 0 '"iters": 1, "warmup": 0[,}]' -- cat "$tdir/tuned.jsonl"
-expect bench-json-chosen 0 '"chunk_cols": 8, "chosen_by": "rule"[,}]' -- cat "$tdir/tuned.jsonl"
+expect bench-json-chosen 0 '"chunk_cols": 8, "chosen_by": "rule", "custom": 0[,}]' -- cat "$tdir/tuned.jsonl"
+expect bench-json-custom 0 '"model": "qwen2-moe", .*"hidden": 64, .*"custom": 1[,}]' -- bash -c '"$1" bench --backend cpu --model qwen2-moe --hidden 64 --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/custom.jsonl"
+if command -v python3 >/dev/null; then # bench/report.py: a custom row is its own model, not the preset's
+    expect report-custom 0 '^\| custom \(qwen2-moe, hidden 64, ffn 22, experts 64, topk 4\) \| 16 \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tdir/custom.jsonl"
+fi
 expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
 expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # without a GPU, --backend cuda is refused before any trace

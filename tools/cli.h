@@ -68,6 +68,8 @@ typedef struct {
     int use_cuda;                    /* the CUDA backend, else the CPU engine */
     int gpus;                        /* the GPUs this process sees */
     int scale;                       /* the model's hidden and ffn divided by it */
+    int custom;                      /* --hidden, --ffn, --experts or --topk moved a size off the preset's */
+    char model_label[192];           /* the row's model: the preset, or "custom (mixtral-8x7b, hidden 1024)" */
     int64_t tokens[CLI_MAX_RANKS];   /* each rank's */
     int64_t total_tokens;            /* M: over all ranks */
     /* the timed forwards (cli_run; comet_run_t's) */

@@ -420,6 +420,21 @@ int cli_configure(cli_result_t *r) {
     cfg->num_experts = o->experts ? o->experts : m->num_experts;
     cfg->topk = o->topk ? o->topk : m->topk;
     cfg->activation = o->activation;
+    /* a size other than the (scaled) preset's: a custom model, labelled with the sizes that moved */
+    const int64_t got[4] = {cfg->hidden, cfg->ffn, cfg->num_experts, cfg->topk};
+    const int64_t preset[4] = {m->hidden / scale, m->ffn / scale, m->num_experts, m->topk};
+    static const char *const size_names[4] = {"hidden", "ffn", "experts", "topk"};
+    char moved[160] = "";
+    for (int k = 0; k < 4; k++)
+        if (got[k] != preset[k]) {
+            const size_t at = strlen(moved);
+            snprintf(moved + at, sizeof moved - at, ", %s %lld", size_names[k], (long long)got[k]);
+        }
+    r->custom = moved[0] != 0;
+    if (r->custom)
+        snprintf(r->model_label, sizeof r->model_label, "custom (%s%s)", o->model, moved);
+    else
+        snprintf(r->model_label, sizeof r->model_label, "%s", o->model);
     cfg->tp = tp, cfg->ep = ep;
     const int world = r->world = tp * ep;
     if (launch->on && world != launch->size) {

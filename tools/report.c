@@ -92,18 +92,21 @@ static void n_comm_cell(const cli_result_t *r, char *buf, size_t size) {
         snprintf(buf, size, "auto:%s (%s)", ran, chosen_names[p->chosen_by]);
 }
 
-/* The result row under its header: n_comm as n_comm_cell, chunk the
- * layer-1 column-chunk width the layer ran ("-" where nothing chunks: CUDA). */
+/* The result row under its header: the model's label (a preset, or a
+ * custom model: the preset and the sizes that moved off it), n_comm as
+ * n_comm_cell, chunk the layer-1 column-chunk width the layer ran ("-"
+ * where nothing chunks: CUDA). */
 static void print_row(const cli_result_t *r) {
-    const cli_options_t *o = &r->opt;
     const comet_layer_config_t *cfg = &r->cfg;
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %16s %6s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
+    const int width = (int)strlen(r->model_label) > 14 ? (int)strlen(r->model_label) : 14;
+    printf("\n%-*s %7s %3s %3s %4s %4s %6s %6s %16s %6s %10s %11s %9s  %s\n", width, "model", "M", "TP", "EP", "topk", "E",
            "hidden", "ffn", "n_comm", "chunk", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU",
            "check vs reference");
     char ncomm[40], chunk[16] = "-";
     n_comm_cell(r, ncomm, sizeof ncomm);
     if (r->protocol.chunk_cols > 0) snprintf(chunk, sizeof chunk, "%d", r->protocol.chunk_cols);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %16s %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o->model,
+    printf("%-*s %7lld %3d %3d %4lld %4lld %6lld %6lld %16s %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", width,
+           r->model_label,
            (long long)r->total_tokens, cfg->tp, cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts,
            (long long)cfg->hidden, (long long)cfg->ffn, ncomm, chunk, r->ms, r->rate, r->link_gbps,
            r->wrong ? "WRONG" : "ok", (long long)r->wrong, (long long)r->check.elements,
@@ -192,7 +195,7 @@ static int append_json(const cli_result_t *r, const char *path) {
             "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
             "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"combine\": \"%s\", \"gemm\": \"%s\", \"comm_hidden\": %.4f, "
             "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
-            "\"iters\": %d, \"warmup\": %d, \"chunk_cols\": %d, \"chosen_by\": \"%s\"",
+            "\"iters\": %d, \"warmup\": %d, \"chunk_cols\": %d, \"chosen_by\": \"%s\", \"custom\": %d",
             r->use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o->model, (long long)r->total_tokens, cfg->tp,
             cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn,
             o->skew, (long long)o->zero_experts, r->ms, r->rate, r->link_gbps, (long long)r->wrong,
@@ -200,7 +203,7 @@ static int append_json(const cli_result_t *r, const char *path) {
             r->protocol.struct_size ? combine_names[r->protocol.combine] : "none",
             r->protocol.struct_size ? gemm_names[r->protocol.gemm] : "none", r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
             r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup, r->protocol.chunk_cols,
-            r->protocol.struct_size ? chosen_names[r->protocol.chosen_by] : "none");
+            r->protocol.struct_size ? chosen_names[r->protocol.chosen_by] : "none", r->custom);
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
         fprintf(f, ", \"sm_mhz\": [");
         print_per_gpu(f, r->watch.mhz, r->watch.n, ", ", "%.0f");
