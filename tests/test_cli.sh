@@ -95,6 +95,9 @@ expect bench-small 0 'median of 2 runs' -- "$comet" bench --backend cpu --model 
 tdir=$(mktemp -d)
 expect bench-trace 0 'trace: [1-9][0-9]* events of the last forward \(0 dropped\)' -- "$comet" bench --backend cpu --scale 32 --tokens 32 --iters 2 --warmup 0 --n-comm 2 --trace "$tdir/b.json"
 expect check-trace 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --scale 16 --tp 2 --ep 2 --tokens 24 --trace "$tdir/c"
+# --trace x.svg: the picture in x.svg, the JSON in x.json
+expect trace-svg-name 0 'trace: [1-9][0-9]* events .* -> .*/s\.json, .*/s\.svg$' -- "$comet" check --backend cpu --scale 64 --tokens 8 --trace "$tdir/s.svg"
+expect trace-svg-files 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1.svg" && grep -q "traceEvents" "$1.json" && echo ok' _ "$tdir/s"
 for f in "$tdir/b.json" "$tdir/b.svg" "$tdir/c" "$tdir/c.svg"; do
     expect "trace-file-$(basename "$f")" 0 '^ok$' -- bash -c '[ -s "$1" ] && echo ok' _ "$f"
 done

@@ -18,7 +18,7 @@
 #include "../harness/gpu_watch.h"
 #include "../harness/workload.h"
 
-#define CLI_TRACE_PATH_MAX ((size_t)4096) /* --trace FILE and the .svg name made from it, with the NUL */
+#define CLI_TRACE_PATH_MAX ((size_t)4096) /* each of --trace's two file names, with the NUL */
 #define CLI_MAX_RANKS 64                  /* the runner's and the CPU engine's most ranks */
 
 typedef enum { CLI_BENCH, CLI_CHECK, CLI_TUNE } cli_command_t;
@@ -51,6 +51,8 @@ typedef struct {
     const char *backend;
     const char *json;
     const char *trace;
+    char trace_json[CLI_TRACE_PATH_MAX]; /* --trace's two files: x.svg or x.json gives x.json and x.svg, */
+    char trace_svg[CLI_TRACE_PATH_MAX];  /* another FILE gives FILE (JSON) and FILE.svg */
     const char *out;
     int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
     int graph;         /* --graph: replay one captured forward (GPUs, one process) */

@@ -34,9 +34,9 @@ static const char *const flag_help =
     "  --seed S           random seed for inputs and routing (default 1)\n"
     "  --backend B        auto (default), cpu, cuda\n"
     "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
-    "  --trace FILE       record every worker's steps in the last forward as\n"
-    "                     Chrome-trace JSON in FILE (Perfetto, chrome://tracing) and a\n"
-    "                     picture in FILE with .svg in place of .json\n";
+    "  --trace FILE       record every worker's steps in the last forward: a picture (SVG) and\n"
+    "                     Chrome-trace JSON (Perfetto, chrome://tracing); x.svg or x.json writes\n"
+    "                     both x.svg and x.json, another name FILE the JSON to FILE, the SVG to FILE.svg\n";
 
 void cli_usage(FILE *f) {
     fprintf(f,
@@ -229,6 +229,32 @@ static int parse_choice(const char *flag, const char *s, const char *const *choi
     return -1;
 }
 
+static int ends_with(const char *s, const char *tail) {
+    const size_t n = strlen(s), k = strlen(tail);
+    return n >= k && strcasecmp(s + n - k, tail) == 0;
+}
+
+/* --trace's two files (cli_options_t): x.svg or x.json gives the picture
+ * x.svg and the JSON x.json; another name FILE the JSON FILE and the
+ * picture FILE.svg. Returns 0, or -1 when either name would not fit
+ * (printed: refused, not truncated). */
+static int trace_names(const char *path, char *json, char *svg) {
+    const size_t n = strlen(path), max = CLI_TRACE_PATH_MAX - 1;
+    const int is_svg = ends_with(path, ".svg"), is_json = ends_with(path, ".json");
+    const size_t base = is_svg ? n - 4 : is_json ? n - 5 : n; /* the name without its extension */
+    const size_t longest = is_svg ? max - 1 : is_json ? max : max - 4;
+    if (n > longest) {
+        fprintf(stderr, "comet: --trace: the path is longer than %zu characters\n", longest);
+        return -1;
+    }
+    if (is_svg || is_json)
+        snprintf(json, CLI_TRACE_PATH_MAX, "%.*s.json", (int)base, path);
+    else
+        snprintf(json, CLI_TRACE_PATH_MAX, "%s", path);
+    snprintf(svg, CLI_TRACE_PATH_MAX, "%.*s.svg", (int)base, path);
+    return 0;
+}
+
 /* A value that is the next flag ("--json --tokens 8"), not a value. */
 static int looks_like_flag(const char *v) { return v[0] == '-' && v[1] == '-'; }
 
@@ -331,11 +357,7 @@ static int parse_flags(const char *cmd, int argc, char **argv, cli_options_t *o)
         } else if (strcmp(f, "--out") == 0) {
             o->out = v;
         } else if (strcmp(f, "--trace") == 0) {
-            if (strlen(v) + sizeof ".svg" > CLI_TRACE_PATH_MAX) { /* the picture's name beside it must fit too */
-                fprintf(stderr, "comet: --trace: the path is longer than %zu characters\n",
-                        CLI_TRACE_PATH_MAX - sizeof ".svg");
-                return -1;
-            }
+            if (trace_names(v, o->trace_json, o->trace_svg)) return -1;
             o->trace = v;
         } else if (strcmp(f, "--backend") == 0) {
             const int b = parse_choice(f, v, backends, 3);

@@ -82,20 +82,17 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
     return comet_problem_run(p, w, run, bench ? o->warmup : 0);
 }
 
-/* --trace: the last forward as Chrome-trace JSON in FILE and a picture in
- * FILE with .svg in place of .json. Returns 0, or 1 (printed). */
-static int write_trace(const char *path, const comet_trace_t *trace) {
-    char svg[CLI_TRACE_PATH_MAX];
-    const size_t n = strlen(path);
-    const int ext = n >= 5 && strcmp(path + n - 5, ".json") == 0;
-    snprintf(svg, sizeof svg, "%.*s.svg", (int)(ext ? n - 5 : n), path);
-    if (comet_trace_write_chrome_json(trace, path) != COMET_SUCCESS ||
-        comet_trace_write_svg(trace, svg) != COMET_SUCCESS) {
+/* --trace: the last forward as Chrome-trace JSON and an SVG picture, in
+ * the two files parse.c named (cli_options_t.trace_json, trace_svg).
+ * Returns 0, or 1 (printed). */
+static int write_trace(const cli_options_t *o, const comet_trace_t *trace) {
+    if (comet_trace_write_chrome_json(trace, o->trace_json) != COMET_SUCCESS ||
+        comet_trace_write_svg(trace, o->trace_svg) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         return 1;
     }
     printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n", (long long)comet_trace_event_count(trace),
-           (long long)comet_trace_dropped(trace), path, svg);
+           (long long)comet_trace_dropped(trace), o->trace_json, o->trace_svg);
     return 0;
 }
 
@@ -135,7 +132,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
         fprintf(stderr, "comet: %s failed: %s: %s\n", failed, comet_status_string(st), why);
         rc = 1;
     } else if (run.trace) {
-        rc = write_trace(o->trace, run.trace);
+        rc = write_trace(o, run.trace);
     }
     comet_trace_destroy(run.trace);
     r->ms = run.ms_median;
