@@ -114,7 +114,18 @@ if command -v python3 >/dev/null; then # bench/report.py: a custom row is its ow
     expect report-custom 0 '^\| custom \(qwen2-moe, hidden 64, ffn 22, experts 64, topk 4\) \| 16 \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tdir/custom.jsonl"
 fi
 expect trace-svg 0 '^ok$' -- bash -c 'grep -q "</svg>" "$1" && [ "$(grep -c "<g class=\"lane\"" "$1")" -ge 4 ] && echo ok' _ "$tdir/c.svg"
-expect trace-bad-path 1 'cannot open' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
+# the files a run writes are checked before it runs (exit 2, nothing run)
+expect trace-bad-path 2 '^comet: --trace /nonexistent-dir/t\.json: the directory /nonexistent-dir does not exist$' -- "$comet" check --backend cpu --tokens 8 --trace /nonexistent-dir/t.json
+expect json-bad-path 2 '^comet: --json /nonexistent-dir/r\.jsonl: the directory /nonexistent-dir does not exist$' -- "$comet" bench --backend cpu --tokens 8 --json /nonexistent-dir/r.jsonl
+expect json-dir 2 "^comet: --json $tdir: is a directory, not a file$" -- "$comet" bench --backend cpu --tokens 8 --json "$tdir"
+expect json-under-file 2 "is not a directory$" -- "$comet" bench --backend cpu --tokens 8 --json "$tdir/b.svg/r.jsonl"
+expect json-empty 2 "^comet: --json needs a file name, got ''$" -- "$comet" bench --backend cpu --tokens 8 --json ''
+expect tune-out-bad 2 '^comet: --out /nonexistent-dir/t\.tsv: the directory /nonexistent-dir does not exist$' -- "$comet" tune --backend cpu --out /nonexistent-dir/t.tsv
+expect tune-env-bad 2 '^comet: COMET_TUNE_FILE=/nonexistent-dir/t\.tsv: the directory' -- env COMET_TUNE_FILE=/nonexistent-dir/t.tsv "$comet" tune --backend cpu
+if [ "$(id -u)" != 0 ]; then # root writes anywhere
+    mkdir "$tdir/ro" && chmod a-w "$tdir/ro"
+    expect json-read-only 2 "cannot create a file in $tdir/ro" -- "$comet" bench --backend cpu --tokens 8 --json "$tdir/ro/r.jsonl"
+fi
 if [ "${COMET_TEST_GPU:-0}" = 0 ]; then # without a GPU, --backend cuda is refused before any trace
     expect trace-cuda 2 'no CUDA device found' -- "$comet" bench --backend cuda --trace "$tdir/x.json"
 fi

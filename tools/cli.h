@@ -53,7 +53,7 @@ typedef struct {
     const char *trace;
     char trace_json[CLI_TRACE_PATH_MAX]; /* --trace's two files: x.svg or x.json gives x.json and x.svg, */
     char trace_svg[CLI_TRACE_PATH_MAX];  /* another FILE gives FILE (JSON) and FILE.svg */
-    const char *out;
+    const char *out; /* tune: --out, else $COMET_TUNE_FILE, else comet-tune.tsv (cli_parse) */
     int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
     int graph;         /* --graph: replay one captured forward (GPUs, one process) */
 } cli_options_t;

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -368,6 +370,54 @@ static int parse_flags(const char *cmd, int argc, char **argv, cli_options_t *o)
     return 0;
 }
 
+/* A file a flag writes (--json, --trace, tune's table): refused before
+ * anything runs where it could not be written: an empty name, a directory,
+ * a file without write permission, a directory that does not exist or
+ * does not let a file be made in it. Returns 0, or -1 (printed). */
+static int check_writable(const char *flag, const char *path) {
+    struct stat st;
+    const char *sep = flag[0] == '-' ? " " : "="; /* --json FILE, COMET_TUNE_FILE=FILE */
+    if (!*path) {
+        fprintf(stderr, "comet: %s needs a file name, got ''\n", flag);
+        return -1;
+    }
+    if (stat(path, &st) == 0) {
+        if (S_ISDIR(st.st_mode)) {
+            fprintf(stderr, "comet: %s%s%s: is a directory, not a file\n", flag, sep, path);
+            return -1;
+        }
+        if (access(path, W_OK) != 0) {
+            fprintf(stderr, "comet: %s%s%s: cannot write to it (%s)\n", flag, sep, path, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    if (errno != ENOENT && errno != ENOTDIR) { /* EACCES, ELOOP, ... (ENOTDIR: the directory's check says) */
+        fprintf(stderr, "comet: %s%s%s: %s\n", flag, sep, path, strerror(errno));
+        return -1;
+    }
+    char *dir = strdup(path);
+    if (!dir) return 0; /* the write itself will say */
+    char *slash = strrchr(dir, '/');
+    const char *d = !slash ? "." : slash == dir ? "/" : (*slash = 0, dir);
+    int rc = 0;
+    if (stat(d, &st) != 0) {
+        if (errno == ENOENT)
+            fprintf(stderr, "comet: %s%s%s: the directory %s does not exist\n", flag, sep, path, d);
+        else
+            fprintf(stderr, "comet: %s%s%s: the directory %s: %s\n", flag, sep, path, d, strerror(errno));
+        rc = -1;
+    } else if (!S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "comet: %s%s%s: %s is not a directory\n", flag, sep, path, d);
+        rc = -1;
+    } else if (access(d, W_OK | X_OK) != 0) {
+        fprintf(stderr, "comet: %s%s%s: cannot create a file in %s (%s)\n", flag, sep, path, d, strerror(errno));
+        rc = -1;
+    }
+    free(dir);
+    return rc;
+}
+
 static int env_int(const char *name, int fallback) {
     const char *v = getenv(name);
     return v && *v ? atoi(v) : fallback;
@@ -411,7 +461,19 @@ int cli_parse(const char *cmd, int argc, char **argv, cli_options_t *o) {
         cli_usage(stderr);
         return -1;
     }
-    return parse_flags(cmd, argc, argv, o);
+    const int pr = parse_flags(cmd, argc, argv, o);
+    if (pr) return pr;
+    if (o->command == CLI_TUNE && !o->out) { /* where the library reads a table by default, else here */
+        const char *env = getenv("COMET_TUNE_FILE");
+        o->out = env && *env ? env : "comet-tune.tsv";
+    }
+    /* the files the run writes, checked before it runs (the JSON row: rank 0's; the trace: every rank's) */
+    if ((o->json && cli_speaks(&o->launch) && check_writable("--json", o->json)) ||
+        (o->trace && (check_writable("--trace", o->trace_json) || check_writable("--trace", o->trace_svg))) ||
+        (o->out && check_writable(getenv("COMET_TUNE_FILE") && o->out == getenv("COMET_TUNE_FILE")
+                                      ? "COMET_TUNE_FILE" : "--out", o->out)))
+        return -1;
+    return 0;
 }
 
 /* Fill in defaults (they depend on the backend) and build the config. */

@@ -295,8 +295,7 @@ int cli_tune(const cli_result_t *r) {
         fflush(stdout);
     }
     if (best_n_comm == 0) best_chunk = best_ov_chunk;
-    const char *out = r->opt.out ? r->opt.out : getenv("COMET_TUNE_FILE");
-    if (!out || !*out) out = "comet-tune.tsv";
+    const char *out = r->opt.out; /* cli_parse: --out, else $COMET_TUNE_FILE, else comet-tune.tsv */
     comet_world_destroy(w);
     const int rc = comet_tune_append(out, &r->cfg, r->world, backend_of(r), best_n_comm, best_chunk, best_ms);
     printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best_n_comm, use_cuda && best_n_comm == 0 ? " (sequential)" : "",
