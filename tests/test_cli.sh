@@ -143,6 +143,18 @@ expect tune-json 2 'comet tune: --json is a flag of comet bench and comet check'
 expect tune 0 "best: n_comm [0-9]+, chunk [0-9]+: .* appended to $tune_out" -- "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1 --out "$tune_out"
 [ "$(wc -l < "$tune_out" 2>/dev/null)" = 2 ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL test_cli tune-file: $tune_out"; }
 rm -f "$tune_out"
+# without --out or COMET_TUNE_FILE, comet tune writes comet-tune.tsv here and says how the library
+# comes to read it; comet bench then says its choice came from the table, and where it did not
+tune_dir=$(mktemp -d)
+comet_abs="$(cd "$(dirname "$comet")" && pwd)/$(basename "$comet")"
+(cd "$tune_dir" && env -u COMET_TUNE_FILE "$comet_abs" tune --backend cpu --scale 64 --tokens 32 --iters 1 >"$tune_dir/out" 2>&1)
+expect tune-default 0 'appended to comet-tune\.tsv$' -- cat "$tune_dir/out"
+expect tune-default-hint 0 "^to use it: export COMET_TUNE_FILE=$tune_dir/comet-tune\.tsv$" -- cat "$tune_dir/out"
+expect tune-default-file 0 '^ok$' -- bash -c '[ -s "$1/comet-tune.tsv" ] && echo ok' _ "$tune_dir"
+expect bench-table 0 '^mixtral-8x7b .* auto:[0-9]+ \(table\) +[0-9]+ ' -- env COMET_TUNE_FILE="$tune_dir/comet-tune.tsv" "$comet" bench --backend cpu --scale 64 --tokens 32 --iters 1 --warmup 0
+expect bench-table-none 0 'chosen by rule \(COMET_TUNE_FILE holds no entry for this configuration\)' -- env COMET_TUNE_FILE="$tune_dir/comet-tune.tsv" "$comet" bench --backend cpu --scale 32 --tokens 32 --iters 1 --warmup 0
+expect tune-named 0 '^\(COMET_TUNE_FILE names it' -- env COMET_TUNE_FILE="$tune_dir/comet-tune.tsv" "$comet" tune --backend cpu --scale 64 --tokens 32 --iters 1
+rm -rf "$tune_dir"
 # bench/report.py: the roofline column (rate / 804, GB/s / 348: the larger), comm hidden
 # (-1 = not measured, printed "-"; other values below 0 are measurements) and the whole layer
 # over its GEMM-only side (sides_ms [gemm only, comm only, whole, neither]; "-" without them)

@@ -145,10 +145,14 @@ static void print_notes(const cli_result_t *r) {
                r->check.worst, (long long)r->check.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
            r->use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
+    /* a table named but without this configuration (the SIMT GEMM's sequential chain reads none) */
+    const char *table = getenv("COMET_TUNE_FILE");
+    const int no_entry = table && *table && proto->chosen_by == COMET_CHOSEN_BY_RULE && proto->gemm != COMET_GEMM_SIMT;
     if (proto->struct_size)
-        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s\n",
+        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s%s\n",
                proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
-               combine_names[proto->combine], gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+               combine_names[proto->combine], gemm_names[proto->gemm], chosen_names[proto->chosen_by],
+               no_entry ? " (COMET_TUNE_FILE holds no entry for this configuration)" : "");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r->memory.symmetric_bytes / 1048576.0,
            r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
     if (bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o->iters, o->warmup);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "../harness/bootstrap.h"
@@ -235,6 +236,25 @@ static int tune_chunks(int64_t hidden, int unit, int chunks[4]) {
     return n;
 }
 
+/* After comet tune appended to path: how the library comes to read it (it
+ * reads only the file COMET_TUNE_FILE names, or
+ * comet_world_options_t.tune_file), unless COMET_TUNE_FILE names it already. */
+static void say_tune_file(const char *path) {
+    const char *env = getenv("COMET_TUNE_FILE");
+    if (env && strcmp(env, path) == 0) {
+        printf("(COMET_TUNE_FILE names it: the library, and comet bench, read it)\n");
+        return;
+    }
+    char cwd[CLI_TRACE_PATH_MAX] = "";
+    if (path[0] != '/' && !getcwd(cwd, sizeof cwd)) cwd[0] = 0;
+    char full[2 * CLI_TRACE_PATH_MAX];
+    snprintf(full, sizeof full, "%s%s%s", cwd, cwd[0] ? "/" : "", path);
+    const int plain = strspn(full, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._+-=:,@%") ==
+                      strlen(full); /* else quoted for the shell */
+    printf("to use it: export COMET_TUNE_FILE=%s%s%s%s\n", plain ? "" : "'", full, plain ? "" : "'",
+           env && *env ? " (it names another file now)" : "");
+}
+
 int cli_tune(const cli_result_t *r) {
     const int iters = r->opt.iters, warmup = r->opt.warmup, use_cuda = r->use_cuda;
     const comet_routing_opts_t ro = {r->opt.skew, r->opt.zero_experts, r->opt.seed};
@@ -300,6 +320,7 @@ int cli_tune(const cli_result_t *r) {
     const int rc = comet_tune_append(out, &r->cfg, r->world, backend_of(r), best_n_comm, best_chunk, best_ms);
     printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best_n_comm, use_cuda && best_n_comm == 0 ? " (sequential)" : "",
            best_chunk, best_ms, rc == 0 ? "appended to" : "could not append to", out);
+    if (rc == 0) say_tune_file(out);
     comet_problem_destroy(p);
     return rc == 0 ? 0 : 1;
 }
