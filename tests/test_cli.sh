@@ -87,6 +87,12 @@ expect row-rule 0 '^mixtral-8x7b .* auto:1 \(rule\) +64 +[0-9.]+ .* ok \(0 of' -
 # sizes off the preset's: a custom model in the row; JSON "model" keeps the preset, with "custom": 1
 expect custom-row 0 '^custom \(mixtral-8x7b, hidden 256, topk 4\) +8 +1 +2 +4 +8 +256 .* ok \(0 of' -- "$comet" check --backend cpu --tokens 8 --hidden 256 --topk 4
 expect custom-not 0 '^mixtral-8x7b +8 ' -- "$comet" check --backend cpu --tokens 8 --hidden 512 # the scaled preset's own
+# a progress line on a terminal from 2 s into the forwards, none when stderr is not one (each run
+# stopped after 3 s)
+if command -v script >/dev/null && command -v timeout >/dev/null; then
+    expect progress-tty 124 'forward [0-9]+/100000, [0-9]+ s' -- script -qec "timeout -s INT 3 $comet bench --backend cpu --scale 64 --tokens 16 --iters 100000 --warmup 0" /dev/null
+fi
+expect progress-pipe 0 '^0$' -- bash -c 'timeout -s INT 3 "$1" bench --backend cpu --scale 64 --tokens 16 --iters 100000 --warmup 0 2>&1 | grep -c "forward [0-9]*/" || true' _ "$comet"
 expect check-default 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --tokens 64
 expect check-tp 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --tp 2 --ep 2 --tokens 37 --skew 0.2 --zero-experts 5 --n-comm 3
 expect check-gelu 0 'ok \(0 of' -- "$comet" check --backend cpu --model phi-3.5-moe --activation gelu --tp 2 --ep 1 --tokens 9 --chunk 40

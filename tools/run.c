@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -59,6 +60,38 @@ static comet_status_t create_world(const cli_result_t *r, comet_world_t **w, com
     return st;
 }
 
+/* The progress line of a run that takes a while: on a terminal (stderr)
+ * only, from 2 s into the run, at most once a second, rewritten in place
+ * ("forward 12/25, 7 s") and cleared when the forwards end. */
+typedef struct {
+    int on;           /* stderr is a terminal, and this process prints */
+    int shown;        /* a line is on the terminal */
+    int warmup;       /* the calls before it are the warm-up */
+    const char *what; /* the calls: "forward", "--comm-hidden's sides" */
+    double start, last;
+} progress_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress_note(void *ctx, int done, int calls) {
+    progress_t *pg = ctx;
+    const double t = now_s();
+    if (!pg->on || t - pg->start < 2.0 || t - pg->last < 1.0) return;
+    pg->last = t, pg->shown = 1;
+    fprintf(stderr, "\r%s %d/%d%s, %.0f s\033[K", pg->what, done, calls, done < pg->warmup ? " (warm-up)" : "",
+            t - pg->start);
+    fflush(stderr);
+}
+
+static void progress_end(progress_t *pg) {
+    if (pg->shown) fprintf(stderr, "\r\033[K");
+    pg->shown = 0;
+}
+
 /* --comm-hidden: first the four sides interleaved call by call (without
  * communication, without GEMMs, without both, whole; without a graph), so
  * that clock drift reaches them alike; then the real call, timed (the GPUs'
@@ -68,11 +101,15 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
                                     const char **failed) {
     const cli_options_t *o = &r->opt;
     const int bench = o->command == CLI_BENCH;
+    progress_t pg = {isatty(STDERR_FILENO) && cli_speaks(&o->launch), 0, 0, "", now_s(), 0};
+    run->progress = progress_note, run->progress_ctx = &pg;
     if (o->hidden_metric) {
         comet_run_t sides = *run;
         sides.trace = NULL, sides.graph = 0, sides.interleave = 1, sides.repeats = 4 * run->repeats;
         *failed = "--comm-hidden's interleaved forwards";
+        pg.what = "--comm-hidden's sides", pg.warmup = 4 * o->warmup;
         const comet_status_t st = comet_problem_run(p, w, &sides, 4 * o->warmup);
+        progress_end(&pg);
         memcpy(r->side_ms, sides.ms_side, sizeof r->side_ms);
         if (st != COMET_SUCCESS) return st;
     }
@@ -80,7 +117,11 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
     *failed = "forward";
     if (r->use_cuda && bench && cli_speaks(&o->launch)) gpu_watch_open(&r->watch); /* NVML loaded before anything is timed */
     if (r->watch.n) run->timed = gpu_watch_mark, run->timed_ctx = &r->watch;
-    return comet_problem_run(p, w, run, bench ? o->warmup : 0);
+    pg.what = "forward", pg.warmup = bench ? o->warmup : 0;
+    const comet_status_t st = comet_problem_run(p, w, run, bench ? o->warmup : 0);
+    progress_end(&pg);
+    run->progress = NULL, run->progress_ctx = NULL; /* pg ends here */
+    return st;
 }
 
 /* --trace: the last forward as Chrome-trace JSON and an SVG picture, in
