@@ -169,6 +169,10 @@ if command -v python3 >/dev/null; then
     row='{"baseline": "comet-cuda", "date": "2026-11-22T00:00:00Z", "commit": "t", "model": "m", "M": 16, "tp": 1, "ep": 2, "skew": 0, "ms": 2.0, "rate": 402.0, "link_gbps": 10.0, "wrong": 0, "checked": 8, "n_comm": 0'
     printf '%s, "comm_hidden": -0.0287, "comm_hidden_net": 0.5}\n%s, "M": 32, "comm_hidden": -1}\n' "$row" "$row" > "$rj"
     report="$(dirname "$0")/../bench/report.py"
+    expect report-help 0 '^usage: python3 bench/report.py \[REFERENCE.json\] FILE' -- python3 "$report" --help
+    expect report-no-args 2 '^usage: python3 bench/report.py' -- python3 "$report"
+    expect report-bad-option 2 'report.py: unknown option --frob' -- python3 "$report" --frob
+    expect report-missing 2 'report.py: no such file: /nonexistent.jsonl' -- python3 "$report" /nonexistent.jsonl
     expect report-hidden 0 '\| 16 \| 1 \| 2 \| 0 \| seq \| 2\.000 \| - \| - \| 402 \| 50% \| -3% \| 50% \| - \| 0/8 \|' -- python3 "$report" "$rj"
     expect report-unmeasured 0 '\| 32 \| 1 \| 2 \| 0 \| seq \| .* \| 50% \| - \| - \| - \| 0/8 \| - \|' -- python3 "$report" "$rj"
     # the GPUs' SM clocks during the call (sm_mhz, NVML's order), "-" without them
