@@ -1,11 +1,12 @@
 /*
  * tools/cli.h - the command-line tool's parts, over one result struct:
  * parse.c turns the command line and the torchrun environment into
- * cli_options_t and checks it against the machine (every argument error
- * exits 2 there, before anything is allocated); run.c runs a bench or check
- * and fills a cli_result_t with what it produced, and runs `comet tune`'s
- * grid; report.c prints a result's console lines and appends its JSON row;
- * comet.c's main() dispatches. The CLI uses the public API (include/comet.h)
+ * cli_options_t and checks it against the machine and the files the run
+ * will write (every argument error exits 2 there, before anything is
+ * allocated; a flag the run ignores is a warning); run.c runs a bench or
+ * check and fills a cli_result_t with what it produced, and runs `comet
+ * tune`'s grid; report.c prints the warnings, a result's console lines and
+ * appends its JSON row; comet.c's main() dispatches. The CLI uses the public API (include/comet.h)
  * and the harness (the headers of harness/) only.
  */
 #ifndef COMET_CLI_H
