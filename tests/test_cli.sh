@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # test_cli.sh BUILD_DIR - the command-line tool: help on every subcommand,
-# bad flags rejected with exit status 2, `comet check` and `comet bench` run
-# on the CPU engine and report a bitwise match (GPU runs are covered by
-# test_layer_gpu); bench/report.py's columns on a made-up row. Prints
-# "test_cli: N passed, N failed".
+# bad flags, values and output files rejected with exit status 2 and their
+# own messages ("did you mean" included), warnings for flags a run ignores,
+# `comet check` and `comet bench` run on the CPU engine and report a bitwise
+# match (GPU runs are covered by test_layer_gpu), the row's n_comm, chunk
+# and custom-model label, the trace's files, the progress line, comet tune's
+# table and bench reading it; bench/report.py's usage and columns on made-up
+# rows. Prints "test_cli: N passed, N failed".
 set -u
 comet=${1:-build}/comet
 passed=0 failed=0
