@@ -17,6 +17,9 @@ forwards ("iters": comet and torch_moe.py since the 16th session) pair
 with a PyTorch row over as many, and a count other than the reference's 20
 shows in the mode ("seq, 200 forwards"): short calls of a short layer run
 before the GPU's power limit bites, long ones under it.
+A comet row of a custom model (sizes moved off the preset's: "custom": 1,
+rows since the cliux branch) is its own model, "custom (<preset>, hidden
+H, ffn F, experts E, topk K)", paired with no baseline or reference cell.
 
 With a reference file (bench/reference-issue5.json: {"reference": ...,
 "rows": [...]}, the table of issue 5) it also prints, for each mode, the
@@ -29,6 +32,7 @@ record) shows their median and how many.
   python3 bench/report.py bench/results/2026-11-22-torch-*.json
   python3 bench/report.py bench/results/*.json bench/results/*.jsonl
   python3 bench/report.py bench/reference-issue5.json bench/results/<day>-comet-<commit>.jsonl
+  python3 bench/report.py --help
 """
 import json
 import math
@@ -64,6 +68,9 @@ def load(paths):
             for line in text.splitlines():
                 if line.strip():
                     r = json.loads(line)
+                    if r.get("custom"):  # sizes moved off the preset's: its own model, paired with no baseline
+                        r["model"] = (f"custom ({r['model']}, hidden {r['hidden']}, ffn {r['ffn']}, "
+                                      f"experts {r['experts']}, topk {r['topk']})")
                     comet_rows.append(r)
                     machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
     return torch_rows, comet_rows, reference, sorted(machines)
@@ -195,5 +202,31 @@ def main(paths):
         print(f"- {m}")
 
 
+USAGE = """usage: python3 bench/report.py [REFERENCE.json] FILE...
+
+Benchmark results as markdown tables: PyTorch baselines (torch_moe.py --json),
+comet rows (comet bench --json FILE, JSON lines) and, with a reference table
+(bench/reference-issue5.json), the README's grid against it.
+
+  python3 bench/report.py bench/results/<day>-torch-*.json
+  python3 bench/report.py bench/results/*.json bench/results/*.jsonl
+  python3 bench/report.py bench/reference-issue5.json results.jsonl
+
+environment: GEMM_PEAK_TFLOPS (default 804) and LINK_GBPS (default 348), the
+peaks of the roofline column."""
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        sys.exit(0)
+    if not args or any(a.startswith("-") for a in args):
+        bad = [a for a in args if a.startswith("-")]
+        print((f"report.py: unknown option {bad[0]}\n" if bad else "") + USAGE, file=sys.stderr)
+        sys.exit(2)
+    missing = [a for a in args if not os.path.isfile(a)]
+    if missing:
+        print(f"report.py: no such file: {missing[0]}", file=sys.stderr)
+        sys.exit(2)
+    main(args)

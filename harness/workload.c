@@ -443,6 +443,12 @@ static void mark_timed(rank_job_t *job, int i) {
     if (i < 0 && job->timing) run->timed(run->timed_ctx, 1), job->timing = 0;
 }
 
+/* run->progress before call i (the rank that calls run->timed) and, with i == repeats, after the last. */
+static void note_progress(rank_job_t *job, int i) {
+    comet_run_t *run = job->run;
+    if (run->progress && job->marks) run->progress(run->progress_ctx, i, run->repeats);
+}
+
 static double wall_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -607,6 +613,7 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         if (job->run->compare_repeats && i > 0) e = cudaMemsetAsync(in->y, 0xff, (size_t)(t * hd) * 2, stream);
         if (e != cudaSuccess) break;
         if (job->run->interleave) a->disable = interleave_side(i);
+        note_progress(job, i);
         mark_timed(job, i);
         if (!pipe || i == 0) cudaEventRecord(e0, stream);
         if (exec)
@@ -635,6 +642,7 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
             compare_call(job, i, p->y[r], &first);
         }
     }
+    if (e == cudaSuccess && st == COMET_SUCCESS) note_progress(job, job->run->repeats);
     mark_timed(job, -1);
     free(first);
     if (e == cudaSuccess) e = y_back(p, r, last);
@@ -680,12 +688,14 @@ static void *rank_main(void *arg) {
             if (run->compare_repeats && i > 0)
                 memset(job->p->y[job->rank], 0xff, (size_t)(job->p->tokens[job->rank] * job->p->cfg.hidden) * 2);
             if (run->interleave) a.disable = interleave_side(i);
+            note_progress(job, i);
             mark_timed(job, i);
             double t0 = wall_ms();
             st = comet_layer_forward(layer, &a);
             job->ms[i] = wall_ms() - t0;
             if (run->compare_repeats && st == COMET_SUCCESS) compare_call(job, i, job->p->y[job->rank], &first);
         }
+        if (st == COMET_SUCCESS) note_progress(job, run->repeats);
         mark_timed(job, -1);
         free(first);
     }

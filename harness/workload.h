@@ -150,6 +150,11 @@ typedef struct {
                              * ranks' first timed call holds it: e.g. to watch the GPUs' clocks over the
                              * timed calls */
     void *timed_ctx;
+    void (*progress)(void *ctx, int done, int calls); /* when not NULL: called by the same rank as timed
+                             * (its thread) before each of its calls, done the calls it has made of calls
+                             * (repeats), and once more after its last (done == calls) if it made them all;
+                             * quick, as timed's begin (e.g. a progress line on a terminal) */
+    void *progress_ctx;
     double ms_median;       /* median over timed repeats of the slowest rank's call */
     comet_memory_t memory;  /* what rank 0's layer holds */
     comet_protocol_t protocol; /* out: the protocol rank 0's last forward ran (comet_layer_last_protocol);

@@ -1,11 +1,12 @@
 /*
  * tools/cli.h - the command-line tool's parts, over one result struct:
  * parse.c turns the command line and the torchrun environment into
- * cli_options_t and checks it against the machine (every argument error
- * exits 2 there, before anything is allocated); run.c runs a bench or check
- * and fills a cli_result_t with what it produced, and runs `comet tune`'s
- * grid; report.c prints a result's console lines and appends its JSON row;
- * comet.c's main() dispatches. The CLI uses the public API (include/comet.h)
+ * cli_options_t and checks it against the machine and the files the run
+ * will write (every argument error exits 2 there, before anything is
+ * allocated; a flag the run ignores is a warning); run.c runs a bench or
+ * check and fills a cli_result_t with what it produced, and runs `comet
+ * tune`'s grid; report.c prints the warnings, a result's console lines and
+ * appends its JSON row; comet.c's main() dispatches. The CLI uses the public API (include/comet.h)
  * and the harness (the headers of harness/) only.
  */
 #ifndef COMET_CLI_H
@@ -18,7 +19,7 @@
 #include "../harness/gpu_watch.h"
 #include "../harness/workload.h"
 
-#define CLI_TRACE_PATH_MAX ((size_t)4096) /* --trace FILE and the .svg name made from it, with the NUL */
+#define CLI_TRACE_PATH_MAX ((size_t)4096) /* each of --trace's two file names, with the NUL */
 #define CLI_MAX_RANKS 64                  /* the runner's and the CPU engine's most ranks */
 
 typedef enum { CLI_BENCH, CLI_CHECK, CLI_TUNE } cli_command_t;
@@ -51,7 +52,9 @@ typedef struct {
     const char *backend;
     const char *json;
     const char *trace;
-    const char *out;
+    char trace_json[CLI_TRACE_PATH_MAX]; /* --trace's two files: x.svg or x.json gives x.json and x.svg, */
+    char trace_svg[CLI_TRACE_PATH_MAX];  /* another FILE gives FILE (JSON) and FILE.svg */
+    const char *out; /* tune: --out, else $COMET_TUNE_FILE, else comet-tune.tsv (cli_parse) */
     int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
     int graph;         /* --graph: replay one captured forward (GPUs, one process) */
 } cli_options_t;
@@ -68,6 +71,8 @@ typedef struct {
     int use_cuda;                    /* the CUDA backend, else the CPU engine */
     int gpus;                        /* the GPUs this process sees */
     int scale;                       /* the model's hidden and ffn divided by it */
+    int custom;                      /* --hidden, --ffn, --experts or --topk moved a size off the preset's */
+    char model_label[192];           /* the row's model: the preset, or "custom (mixtral-8x7b, hidden 1024)" */
     int64_t tokens[CLI_MAX_RANKS];   /* each rank's */
     int64_t total_tokens;            /* M: over all ranks */
     /* the timed forwards (cli_run; comet_run_t's) */
@@ -109,10 +114,14 @@ int cli_run(cli_result_t *r);
  * Returns the exit status. */
 int cli_tune(const cli_result_t *r);
 
-/* report.c. The backend and the model's scale, before anything runs. */
+/* report.c. "comet: warning: ..." on stderr, where a flag is ignored or
+ * clamped (the run goes on). */
+void cli_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The backend and the model's scale, before anything runs. */
 void cli_report_setup(const cli_result_t *r);
-/* The result's console lines, then its JSON row (--json). Returns 0, or 1
- * if the row could not be appended. */
+/* The warnings of the protocol the run reported (--n-comm clamped or not run,
+ * --chunk ignored), the result's console lines, then its JSON row (--json).
+ * Returns 0, or 1 if the row could not be appended. */
 int cli_report(const cli_result_t *r);
 
 #endif /* COMET_CLI_H */

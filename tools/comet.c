@@ -10,7 +10,12 @@
  * one rank each; without, on the multi-rank CPU engine (ranks are threads)
  * with the default model scaled down so that a run takes seconds. The tool
  * says which in its output. Launched by torchrun (WORLD_SIZE > 1), each
- * process is one rank on GPU LOCAL_RANK, and rank 0 prints for all. The
+ * process is one rank on GPU LOCAL_RANK, and rank 0 prints for all. Exit
+ * status: 0; 1 when a run failed or its check found elements off; 2 for a
+ * command line refused before anything runs (an unknown flag, model or
+ * command with "did you mean", a missing or bad value, an output file that
+ * could not be written) or a problem that cannot be made. A flag the run
+ * ignores or clamps is a warning ("comet: warning: ..."), not an error. The
  * parts (tools/cli.h): parse.c the command line, run.c the runs, report.c
  * their output.
  */

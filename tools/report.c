@@ -1,10 +1,13 @@
 /*
  * tools/report.c - what the CLI says about a run (tools/cli.h), from its
- * cli_result_t alone: the backend line before it runs; after, the result
- * row with the check, the notes under it (protocol, memory, inputs, the
- * GPUs' clocks, graph replays, communication hidden) and, with --json, one
- * JSON row appended to the file (bench/report.py reads it).
+ * cli_result_t alone: the warnings ("comet: warning: ...", stderr) of flags
+ * a run ignores or clamps; the backend line before it runs; after, the
+ * warnings of the protocol the layer reported, the result row with the
+ * check, the notes under it (protocol, memory, inputs, the GPUs' clocks,
+ * graph replays, communication hidden) and, with --json, one JSON row
+ * appended to the file (bench/report.py reads it).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -14,6 +17,36 @@
 static const char *const combine_names[] = {"partials", "push", "pull"};
 static const char *const gemm_names[] = {"cpu", "hopper", "simt"};
 static const char *const chosen_names[] = {"args", "table", "rule"};
+
+void cli_warn(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "comet: warning: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+/* Flags the protocol the layer ran did not follow: --n-comm clamped (the
+ * CUDA backend runs at most SMs - 1 communication CTAs) or not run (the
+ * sequential chain of the SIMT GEMM), --chunk where nothing chunks (the
+ * CUDA backend) or at another width. */
+static void warn_ignored(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const comet_protocol_t *p = &r->protocol;
+    if (!p->struct_size) return;
+    if (o->n_comm > 0 && p->mode == COMET_MODE_SEQUENTIAL)
+        cli_warn("--n-comm %d: the layer ran the sequential chain%s", o->n_comm,
+                 p->gemm == COMET_GEMM_SIMT ? " (the SIMT GEMM, which runs here, has no overlapped mode)" : "");
+    else if (o->n_comm > 0 && p->n_comm != o->n_comm)
+        cli_warn("--n-comm %d: the layer ran %d communication %s", o->n_comm, p->n_comm,
+                 r->use_cuda ? "CTAs (the CUDA backend runs at most the GPU's SMs - 1)" : "workers");
+    if (o->chunk_cols > 0 && p->chunk_cols == 0)
+        cli_warn("--chunk %d ignored: nothing chunks on the %s (no chunked combine)", o->chunk_cols,
+                 r->use_cuda ? "CUDA backend" : "layer");
+    else if (o->chunk_cols > 0 && p->chunk_cols != o->chunk_cols)
+        cli_warn("--chunk %d: the layer ran chunks of %d columns", o->chunk_cols, p->chunk_cols);
+}
 
 void cli_report_setup(const cli_result_t *r) {
     const cli_options_t *o = &r->opt;
@@ -39,25 +72,45 @@ static void print_per_gpu(FILE *f, const double *v, int n, const char *sep, cons
     }
 }
 
-/* The result row under its header. CUDA's n_comm is the protocol the layer
- * ran: "<n>" / "seq", "auto:<n>" / "auto:seq" where the tuner picked it. */
-static void print_row(const cli_result_t *r) {
-    const cli_options_t *o = &r->opt;
-    const comet_layer_config_t *cfg = &r->cfg;
-    printf("\n%-14s %7s %3s %3s %4s %4s %6s %6s %9s %10s %11s %9s  %s\n", "model", "M", "TP", "EP", "topk", "E",
-           "hidden", "ffn", "n_comm", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU", "check vs reference");
-    char ncomm[16];
-    const char *auto_tag = o->n_comm == 0 ? "auto:" : "";
-    if (r->use_cuda && r->n_comm > 0)
-        snprintf(ncomm, sizeof ncomm, "%s%d", auto_tag, r->n_comm);
-    else if (r->use_cuda)
-        snprintf(ncomm, sizeof ncomm, "%sseq", auto_tag);
+/* The n_comm cell: what the layer ran, "<n>" or "seq" (the sequential
+ * chain, CUDA), as "auto:<n> (table)" / "auto:seq (rule)" where the tuner
+ * chose it (its table or its rule) rather than --n-comm. */
+static void n_comm_cell(const cli_result_t *r, char *buf, size_t size) {
+    const comet_protocol_t *p = &r->protocol;
+    if (!p->struct_size) { /* no forward reported one */
+        snprintf(buf, size, "%s", r->opt.n_comm == 0 ? "auto" : "-");
+        return;
+    }
+    char ran[16];
+    if (p->mode == COMET_MODE_SEQUENTIAL)
+        snprintf(ran, sizeof ran, "seq");
     else
-        snprintf(ncomm, sizeof ncomm, o->n_comm > 0 ? "%d" : "auto", o->n_comm);
-    printf("%-14s %7lld %3d %3d %4lld %4lld %6lld %6lld %9s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", o->model,
+        snprintf(ran, sizeof ran, "%d", p->n_comm);
+    if (p->chosen_by == COMET_CHOSEN_BY_ARGS)
+        snprintf(buf, size, "%s", ran);
+    else
+        snprintf(buf, size, "auto:%s (%s)", ran, chosen_names[p->chosen_by]);
+}
+
+/* The result row under its header: the model's label (a preset, or a
+ * custom model: the preset and the sizes that moved off it), n_comm as
+ * n_comm_cell, chunk the layer-1 column-chunk width the layer ran ("-"
+ * where nothing chunks: CUDA). */
+static void print_row(const cli_result_t *r) {
+    const comet_layer_config_t *cfg = &r->cfg;
+    const int width = (int)strlen(r->model_label) > 14 ? (int)strlen(r->model_label) : 14;
+    printf("\n%-*s %7s %3s %3s %4s %4s %6s %6s %16s %6s %10s %11s %9s  %s\n", width, "model", "M", "TP", "EP", "topk", "E",
+           "hidden", "ffn", "n_comm", "chunk", "ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s", "GB/s/GPU",
+           "check vs reference");
+    char ncomm[40], chunk[16] = "-";
+    n_comm_cell(r, ncomm, sizeof ncomm);
+    if (r->protocol.chunk_cols > 0) snprintf(chunk, sizeof chunk, "%d", r->protocol.chunk_cols);
+    printf("%-*s %7lld %3d %3d %4lld %4lld %6lld %6lld %16s %6s %10.3f %11.2f %9.2f  %s (%lld of %lld %s)\n", width,
+           r->model_label,
            (long long)r->total_tokens, cfg->tp, cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts,
-           (long long)cfg->hidden, (long long)cfg->ffn, ncomm, r->ms, r->rate, r->link_gbps, r->wrong ? "WRONG" : "ok",
-           (long long)r->wrong, (long long)r->check.elements, r->use_cuda ? "sampled elements off" : "elements differ");
+           (long long)cfg->hidden, (long long)cfg->ffn, ncomm, chunk, r->ms, r->rate, r->link_gbps,
+           r->wrong ? "WRONG" : "ok", (long long)r->wrong, (long long)r->check.elements,
+           r->use_cuda ? "sampled elements off" : "elements differ");
 }
 
 /* The GPUs' clocks over the timed forwards: one value for every GPU of this
@@ -92,10 +145,14 @@ static void print_notes(const cli_result_t *r) {
                r->check.worst, (long long)r->check.differ);
     printf("(GB/s/GPU: bytes that cross between ranks -- token rows pulled, %s -- per GPU per second)\n",
            r->use_cuda ? "once per token and rank; expert output rows sent home" : "fp32 partials stored");
+    /* a table named but without this configuration (the SIMT GEMM's sequential chain reads none) */
+    const char *table = getenv("COMET_TUNE_FILE");
+    const int no_entry = table && *table && proto->chosen_by == COMET_CHOSEN_BY_RULE && proto->gemm != COMET_GEMM_SIMT;
     if (proto->struct_size)
-        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s\n",
+        printf("protocol: %s, n_comm %d, %s combine, %s GEMM, chosen by %s%s\n",
                proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
-               combine_names[proto->combine], gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+               combine_names[proto->combine], gemm_names[proto->gemm], chosen_names[proto->chosen_by],
+               no_entry ? " (COMET_TUNE_FILE holds no entry for this configuration)" : "");
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s)\n", r->memory.symmetric_bytes / 1048576.0,
            r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
     if (bench) printf("(ms: median of %d runs of the slowest rank, after %d warm-up runs)\n", o->iters, o->warmup);
@@ -142,14 +199,15 @@ static int append_json(const cli_result_t *r, const char *path) {
             "\"skew\": %g, \"zero_experts\": %lld, \"ms\": %.6f, \"rate\": %.3f, \"link_gbps\": %.3f, \"wrong\": %lld, "
             "\"checked\": %lld, \"n_comm\": %d, \"tuned\": %d, \"combine\": \"%s\", \"gemm\": \"%s\", \"comm_hidden\": %.4f, "
             "\"comm_hidden_net\": %.4f, \"graph\": %d, \"replays\": %lld, \"input_sets\": %d, \"sides_ms\": [%.6f, %.6f, %.6f, %.6f], "
-            "\"iters\": %d, \"warmup\": %d",
+            "\"iters\": %d, \"warmup\": %d, \"chunk_cols\": %d, \"chosen_by\": \"%s\", \"custom\": %d",
             r->use_cuda ? "cuda" : "cpu", date, commit ? commit : "unknown", o->model, (long long)r->total_tokens, cfg->tp,
             cfg->ep, (long long)cfg->topk, (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn,
             o->skew, (long long)o->zero_experts, r->ms, r->rate, r->link_gbps, (long long)r->wrong,
             (long long)r->check.elements, r->n_comm, o->n_comm == 0,
             r->protocol.struct_size ? combine_names[r->protocol.combine] : "none",
             r->protocol.struct_size ? gemm_names[r->protocol.gemm] : "none", r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
-            r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup);
+            r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup, r->protocol.chunk_cols,
+            r->protocol.struct_size ? chosen_names[r->protocol.chosen_by] : "none", r->custom);
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
         fprintf(f, ", \"sm_mhz\": [");
         print_per_gpu(f, r->watch.mhz, r->watch.n, ", ", "%.0f");
@@ -166,6 +224,8 @@ static int append_json(const cli_result_t *r, const char *path) {
 }
 
 int cli_report(const cli_result_t *r) {
+    warn_ignored(r);
+    fflush(stderr);
     print_row(r);
     print_notes(r);
     return r->opt.json ? append_json(r, r->opt.json) : 0;

@@ -3,12 +3,16 @@
  * problem, the world (every rank in this process, or one rank of a
  * torchrun launch), the timed forwards and --comm-hidden's sides, the trace,
  * the check against the reference and the figures, all into one
- * cli_result_t; and `comet tune`'s grid. It prints only the progress lines
- * of the slow steps; report.c prints the result.
+ * cli_result_t; and `comet tune`'s grid, its table and how the library
+ * comes to read it. It prints only the progress lines of the slow steps
+ * (and, on a terminal, of the forwards: "forward 12/25, 7 s"); report.c
+ * prints the result.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "../harness/bootstrap.h"
@@ -58,6 +62,38 @@ static comet_status_t create_world(const cli_result_t *r, comet_world_t **w, com
     return st;
 }
 
+/* The progress line of a run that takes a while: on a terminal (stderr)
+ * only, from 2 s into the run, at most once a second, rewritten in place
+ * ("forward 12/25, 7 s") and cleared when the forwards end. */
+typedef struct {
+    int on;           /* stderr is a terminal, and this process prints */
+    int shown;        /* a line is on the terminal */
+    int warmup;       /* the calls before it are the warm-up */
+    const char *what; /* the calls: "forward", "--comm-hidden's sides" */
+    double start, last;
+} progress_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress_note(void *ctx, int done, int calls) {
+    progress_t *pg = ctx;
+    const double t = now_s();
+    if (!pg->on || t - pg->start < 2.0 || t - pg->last < 1.0) return;
+    pg->last = t, pg->shown = 1;
+    fprintf(stderr, "\r%s %d/%d%s, %.0f s\033[K", pg->what, done, calls, done < pg->warmup ? " (warm-up)" : "",
+            t - pg->start);
+    fflush(stderr);
+}
+
+static void progress_end(progress_t *pg) {
+    if (pg->shown) fprintf(stderr, "\r\033[K");
+    pg->shown = 0;
+}
+
 /* --comm-hidden: first the four sides interleaved call by call (without
  * communication, without GEMMs, without both, whole; without a graph), so
  * that clock drift reaches them alike; then the real call, timed (the GPUs'
@@ -67,11 +103,15 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
                                     const char **failed) {
     const cli_options_t *o = &r->opt;
     const int bench = o->command == CLI_BENCH;
+    progress_t pg = {isatty(STDERR_FILENO) && cli_speaks(&o->launch), 0, 0, "", now_s(), 0};
+    run->progress = progress_note, run->progress_ctx = &pg;
     if (o->hidden_metric) {
         comet_run_t sides = *run;
         sides.trace = NULL, sides.graph = 0, sides.interleave = 1, sides.repeats = 4 * run->repeats;
         *failed = "--comm-hidden's interleaved forwards";
+        pg.what = "--comm-hidden's sides", pg.warmup = 4 * o->warmup;
         const comet_status_t st = comet_problem_run(p, w, &sides, 4 * o->warmup);
+        progress_end(&pg);
         memcpy(r->side_ms, sides.ms_side, sizeof r->side_ms);
         if (st != COMET_SUCCESS) return st;
     }
@@ -79,23 +119,24 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
     *failed = "forward";
     if (r->use_cuda && bench && cli_speaks(&o->launch)) gpu_watch_open(&r->watch); /* NVML loaded before anything is timed */
     if (r->watch.n) run->timed = gpu_watch_mark, run->timed_ctx = &r->watch;
-    return comet_problem_run(p, w, run, bench ? o->warmup : 0);
+    pg.what = "forward", pg.warmup = bench ? o->warmup : 0;
+    const comet_status_t st = comet_problem_run(p, w, run, bench ? o->warmup : 0);
+    progress_end(&pg);
+    run->progress = NULL, run->progress_ctx = NULL; /* pg ends here */
+    return st;
 }
 
-/* --trace: the last forward as Chrome-trace JSON in FILE and a picture in
- * FILE with .svg in place of .json. Returns 0, or 1 (printed). */
-static int write_trace(const char *path, const comet_trace_t *trace) {
-    char svg[CLI_TRACE_PATH_MAX];
-    const size_t n = strlen(path);
-    const int ext = n >= 5 && strcmp(path + n - 5, ".json") == 0;
-    snprintf(svg, sizeof svg, "%.*s.svg", (int)(ext ? n - 5 : n), path);
-    if (comet_trace_write_chrome_json(trace, path) != COMET_SUCCESS ||
-        comet_trace_write_svg(trace, svg) != COMET_SUCCESS) {
+/* --trace: the last forward as Chrome-trace JSON and an SVG picture, in
+ * the two files parse.c named (cli_options_t.trace_json, trace_svg).
+ * Returns 0, or 1 (printed). */
+static int write_trace(const cli_options_t *o, const comet_trace_t *trace) {
+    if (comet_trace_write_chrome_json(trace, o->trace_json) != COMET_SUCCESS ||
+        comet_trace_write_svg(trace, o->trace_svg) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         return 1;
     }
     printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n", (long long)comet_trace_event_count(trace),
-           (long long)comet_trace_dropped(trace), path, svg);
+           (long long)comet_trace_dropped(trace), o->trace_json, o->trace_svg);
     return 0;
 }
 
@@ -116,7 +157,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     run.graph = o->graph && r->use_cuda;
     run.input_sets = bench && r->use_cuda && !run.graph ? input_sets_for(p) : 1;
     if (o->graph && !r->use_cuda && cli_speaks(&o->launch))
-        fprintf(stderr, "comet: --graph is for GPUs; the CPU engine runs without it\n");
+        cli_warn("--graph is for GPUs; the CPU engine runs without it");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
     if (o->trace &&
@@ -135,7 +176,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
         fprintf(stderr, "comet: %s failed: %s: %s\n", failed, comet_status_string(st), why);
         rc = 1;
     } else if (run.trace) {
-        rc = write_trace(o->trace, run.trace);
+        rc = write_trace(o, run.trace);
     }
     comet_trace_destroy(run.trace);
     r->ms = run.ms_median;
@@ -238,6 +279,25 @@ static int tune_chunks(int64_t hidden, int unit, int chunks[4]) {
     return n;
 }
 
+/* After comet tune appended to path: how the library comes to read it (it
+ * reads only the file COMET_TUNE_FILE names, or
+ * comet_world_options_t.tune_file), unless COMET_TUNE_FILE names it already. */
+static void say_tune_file(const char *path) {
+    const char *env = getenv("COMET_TUNE_FILE");
+    if (env && strcmp(env, path) == 0) {
+        printf("(COMET_TUNE_FILE names it: the library, and comet bench, read it)\n");
+        return;
+    }
+    char cwd[CLI_TRACE_PATH_MAX] = "";
+    if (path[0] != '/' && !getcwd(cwd, sizeof cwd)) cwd[0] = 0;
+    char full[2 * CLI_TRACE_PATH_MAX];
+    snprintf(full, sizeof full, "%s%s%s", cwd, cwd[0] ? "/" : "", path);
+    const int plain = strspn(full, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._+-=:,@%") ==
+                      strlen(full); /* else quoted for the shell */
+    printf("to use it: export COMET_TUNE_FILE=%s%s%s%s\n", plain ? "" : "'", full, plain ? "" : "'",
+           env && *env ? " (it names another file now)" : "");
+}
+
 int cli_tune(const cli_result_t *r) {
     const int iters = r->opt.iters, warmup = r->opt.warmup, use_cuda = r->use_cuda;
     const comet_routing_opts_t ro = {r->opt.skew, r->opt.zero_experts, r->opt.seed};
@@ -298,12 +358,12 @@ int cli_tune(const cli_result_t *r) {
         fflush(stdout);
     }
     if (best_n_comm == 0) best_chunk = best_ov_chunk;
-    const char *out = r->opt.out ? r->opt.out : getenv("COMET_TUNE_FILE");
-    if (!out || !*out) out = "comet-tune.tsv";
+    const char *out = r->opt.out; /* cli_parse: --out, else $COMET_TUNE_FILE, else comet-tune.tsv */
     comet_world_destroy(w);
     const int rc = comet_tune_append(out, &r->cfg, r->world, backend_of(r), best_n_comm, best_chunk, best_ms);
     printf("best: n_comm %d%s, chunk %d: %.3f ms; %s %s\n", best_n_comm, use_cuda && best_n_comm == 0 ? " (sequential)" : "",
            best_chunk, best_ms, rc == 0 ? "appended to" : "could not append to", out);
+    if (rc == 0) say_tune_file(out);
     comet_problem_destroy(p);
     return rc == 0 ? 0 : 1;
 }
