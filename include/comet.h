@@ -76,7 +76,8 @@ typedef enum {
     COMET_ERR_PEER_FAILED = 4,      /* another rank of the collective call failed */
     COMET_ERR_UNSUPPORTED = 5,      /* backend, dtype or feature not available in this build */
     COMET_ERR_OUT_OF_MEMORY = 6,
-    COMET_ERR_TIMEOUT = 7,          /* a wait between ranks or workers timed out */
+    COMET_ERR_TIMEOUT = 7,          /* a wait between ranks or workers timed out (CPU worlds then refuse
+                                     * every later collective call at once: destroy them) */
     COMET_ERR_SYSTEM = 8,           /* thread or OS call failed */
     COMET_ERR_CUDA = 9,
     COMET_ERR_NCCL = 10,

@@ -502,6 +502,37 @@ static void test_timeout(void) {
     CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy an aborted world");
 }
 
+/* A rank that creates a layer alone times out; a rank that comes after that
+ * is refused at once (the world ran a timeout), makes nothing, and the world
+ * can still be destroyed. */
+static void *create_alone(void *arg) {
+    create_job_t *j = arg;
+    comet_layer_t *l = NULL;
+    j->st = comet_layer_create(&l, j->world, j->rank, &j->cfg);
+    snprintf(j->msg, sizeof j->msg, "%s", comet_last_error());
+    comet_layer_destroy(l);
+    return NULL;
+}
+
+static void test_late_rank(void) {
+    setenv("COMET_TIMEOUT_MS", "200", 1);
+    comet_world_t *w;
+    comet_world_create_local(&w, 2, COMET_BACKEND_CPU);
+    unsetenv("COMET_TIMEOUT_MS");
+    create_job_t jobs[2] = {{w, base_config(), 0, 0, "", {0, 0}}, {w, base_config(), 1, 0, "", {0, 0}}};
+    pthread_t th;
+    pthread_create(&th, NULL, create_alone, &jobs[0]);
+    pthread_join(th, NULL);
+    CHECK(jobs[0].st == COMET_ERR_TIMEOUT, "alone: %s \"%s\"", comet_status_string(jobs[0].st), jobs[0].msg);
+    const double t0 = now_ms();
+    pthread_create(&th, NULL, create_alone, &jobs[1]);
+    pthread_join(th, NULL);
+    CHECK(jobs[1].st == COMET_ERR_TIMEOUT && now_ms() - t0 < 150 && has(jobs[1].msg, "timed out before"),
+          "late: %s \"%s\" after %.0f ms", comet_status_string(jobs[1].st), jobs[1].msg, now_ms() - t0);
+    CHECK(comet_world_destroy(w) == COMET_SUCCESS, "destroy a world with a call some rank never joined: %s",
+          comet_last_error());
+}
+
 int main(void) {
     test_config();
     test_huge_create();
@@ -511,5 +542,6 @@ int main(void) {
     test_destroy_live_world();
     test_n_comm_all_ranks();
     test_timeout();
+    test_late_rank();
     return check_summary("test_errors");
 }

@@ -111,7 +111,8 @@ comet_status_t comet_get_unique_id(comet_unique_id_t *id) {
 comet_status_t comet_world_destroy(comet_world_t *w) {
     comet_clear_error();
     if (!w) return COMET_SUCCESS;
-    if (w->pending) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has a collective call in progress");
+    if (w->pending && !atomic_load(&w->aborted))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has a collective call in progress");
     const int live = atomic_load(&w->live_layers);
     if (live > 0)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world still has %d layer%s: destroy them first", live,

@@ -30,6 +30,12 @@ void comet_rendezvous_init(comet_world_t *w) {
 }
 
 void comet_rendezvous_destroy(comet_world_t *w) {
+    while (w->pending) { /* only in a world a timeout aborted: calls some ranks never joined */
+        comet_rendezvous_t *rv = w->pending;
+        w->pending = rv->next;
+        free(rv->key);
+        free(rv);
+    }
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
 }
@@ -44,6 +50,11 @@ comet_status_t comet_world_rendezvous(comet_world_t *w, int rank, const void *ke
     if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
 
     pthread_mutex_lock(&w->mu);
+    if (atomic_load(&w->aborted)) { /* a wait timed out before: no collective call meets any more */
+        pthread_mutex_unlock(&w->mu);
+        return comet_fail(COMET_ERR_TIMEOUT, "rank %d: a wait of this world timed out before; it runs no more "
+                          "collective calls (destroy it)", rank);
+    }
     int64_t seq = w->next_seq[rank]++;
     comet_rendezvous_t *rv = w->pending;
     while (rv && rv->seq != seq) rv = rv->next;
