@@ -179,22 +179,40 @@ def _build_info():
         return {}
 
 
-def _preload_torch_nccl():
-    """Load torch's libnccl.so.2 (nvidia.nccl) with RTLD_GLOBAL, so that a
-    CUDA build of comet resolves NCCL to it and not to another copy. Returns
-    its path, or None when nvidia.nccl is not installed."""
+def _nvidia_lib(relpaths):
+    """The first of `relpaths` (e.g. "nccl/lib/libnccl.so.2") that exists under
+    the `nvidia` namespace package of torch's CUDA wheels, or None."""
     try:
-        import nvidia.nccl as nccl  # namespace package: no __file__
+        import nvidia  # namespace package: no __file__
     except ImportError:
         return None
-    for d in list(getattr(nccl, "__path__", [])):
-        path = os.path.join(d, "lib", "libnccl.so.2")
-        if os.path.exists(path):
+    for d in list(getattr(nvidia, "__path__", [])):
+        for rel in relpaths:
+            if os.path.exists(os.path.join(d, rel)):
+                return os.path.join(d, rel)
+    return None
+
+
+def _preload_torch_cuda():
+    """Load torch's CUDA runtime (the major version comet was built with) and
+    torch's libnccl.so.2 (nvidia.nccl) with RTLD_GLOBAL, so that a CUDA build
+    of comet resolves both to torch's copies, whichever of comet and torch is
+    imported first. Returns the NCCL's path, or None."""
+    cudart = BUILD_INFO.get("cudart")  # e.g. "libcudart.so.13"
+    if cudart:
+        path = _nvidia_lib(["cu%s/lib/%s" % (cudart.rsplit(".", 1)[-1], cudart), "cuda_runtime/lib/" + cudart])
+        if path:
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                return path
             except OSError:
-                return None
+                pass
+    path = _nvidia_lib(["nccl/lib/libnccl.so.2"])
+    if path:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            return None
     return None
 
 
@@ -215,7 +233,7 @@ LIBRARY_PATH, LIBRARY_ORIGIN = _find_library()
 BUILD_INFO = _build_info()
 # Only a library built against torch's NCCL loads it: one built against another
 # NCCL (a make build's, say) would find its headers' version mismatched.
-NCCL_PRELOADED = _preload_torch_nccl() if BUILD_INFO.get("nccl_from") == "nvidia.nccl" else None
+NCCL_PRELOADED = _preload_torch_cuda() if BUILD_INFO.get("nccl_from") == "nvidia.nccl" else None
 try:
     lib = ctypes.CDLL(LIBRARY_PATH)
 except OSError as e:
