@@ -4,15 +4,17 @@ function's prototype. Private: comet/__init__.py builds the Python API on it.
 
 Which libcomet.so is loaded: $COMET_LIBRARY if set (the test scripts point
 it at a `make` build), else the one installed inside this package by
-`pip install .`. A library built with the CUDA backend links NCCL; when
-it was built against torch's NCCL (the nvidia.nccl package), that NCCL is
-loaded first, so that comet and torch share one NCCL in the process.
+`pip install .`. A library built with the CUDA backend links NCCL and the
+CUDA runtime; where torch's (the nvidia.* wheels) are installed, they are
+loaded first, so that comet and torch share one NCCL in the process
+(`pip install .` builds comet against that NCCL).
 
 ctypes releases the GIL during every call, so the ranks of a CPU world can
 make their collective calls from Python threads.
 """
 
 import ctypes
+import glob
 import json
 import os
 
@@ -179,40 +181,37 @@ def _build_info():
         return {}
 
 
-def _nvidia_lib(relpaths):
-    """The first of `relpaths` (e.g. "nccl/lib/libnccl.so.2") that exists under
-    the `nvidia` namespace package of torch's CUDA wheels, or None."""
+def _nvidia_libs(pattern):
+    """Files matching `pattern` (e.g. "nccl/lib/libnccl.so.2") under the
+    `nvidia` namespace package of torch's CUDA wheels."""
     try:
         import nvidia  # namespace package: no __file__
     except ImportError:
-        return None
+        return []
+    found = []
     for d in list(getattr(nvidia, "__path__", [])):
-        for rel in relpaths:
-            if os.path.exists(os.path.join(d, rel)):
-                return os.path.join(d, rel)
-    return None
+        found += sorted(glob.glob(os.path.join(d, pattern)))
+    return found
 
 
 def _preload_torch_cuda():
-    """Load torch's CUDA runtime (the major version comet was built with) and
-    torch's libnccl.so.2 (nvidia.nccl) with RTLD_GLOBAL, so that a CUDA build
-    of comet resolves both to torch's copies, whichever of comet and torch is
-    imported first. Returns the NCCL's path, or None."""
-    cudart = BUILD_INFO.get("cudart")  # e.g. "libcudart.so.13"
-    if cudart:
-        path = _nvidia_lib(["cu%s/lib/%s" % (cudart.rsplit(".", 1)[-1], cudart), "cuda_runtime/lib/" + cudart])
-        if path:
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                pass
-    path = _nvidia_lib(["nccl/lib/libnccl.so.2"])
-    if path:
+    """Load torch's CUDA runtime and NCCL (the nvidia.* wheels), when present,
+    with RTLD_GLOBAL before comet, so that a CUDA build of comet resolves
+    libcudart and libnccl.so.2 to torch's copies, whichever of comet and torch
+    is imported first: torch cannot run with another NCCL (a missing symbol
+    at its import), and comet checks the NCCL it gets against the one it was
+    built with when it first uses it. Returns the NCCL's path, or None."""
+    for path in _nvidia_libs("cu[0-9]*/lib/libcudart.so.[0-9]*") + _nvidia_libs("cuda_runtime/lib/libcudart.so.[0-9]*"):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass
+    for path in _nvidia_libs("nccl/lib/libnccl.so.2"):
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return path
         except OSError:
-            return None
+            pass
     return None
 
 
@@ -231,9 +230,7 @@ def _find_library():
 
 LIBRARY_PATH, LIBRARY_ORIGIN = _find_library()
 BUILD_INFO = _build_info()
-# Only a library built against torch's NCCL loads it: one built against another
-# NCCL (a make build's, say) would find its headers' version mismatched.
-NCCL_PRELOADED = _preload_torch_cuda() if BUILD_INFO.get("nccl_from") == "nvidia.nccl" else None
+NCCL_PRELOADED = _preload_torch_cuda() if BUILD_INFO.get("backend") != "cpu" else None
 try:
     lib = ctypes.CDLL(LIBRARY_PATH)
 except OSError as e:
@@ -258,6 +255,10 @@ comet_last_error = _proto("comet_last_error", ctypes.c_char_p)
 comet_version = _proto("comet_version", ctypes.c_int)
 comet_device_count = _proto("comet_device_count", ctypes.c_int)
 
+comet_world_create_local = _proto("comet_world_create_local", _status, _P(_world_p), ctypes.c_int, ctypes.c_int)
+comet_world_create_nccl = _proto(
+    "comet_world_create_nccl", _status, _P(_world_p), ctypes.c_int, ctypes.c_int, _P(comet_unique_id_t), ctypes.c_int
+)
 comet_world_create_local_opts = _proto(
     "comet_world_create_local_opts", _status, _P(_world_p), ctypes.c_int, ctypes.c_int, _P(comet_world_options_t)
 )
