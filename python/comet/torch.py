@@ -12,8 +12,9 @@ one-rank comet world (W = 1, TP = EP = 1) on the tensors' device.
   implementation of comet.h's semantics).
 - CUDA tensors run comet's CUDA backend on the tensors' device and the current
   stream, in a build with the CUDA backend (`pip install .` where nvcc and
-  torch's NCCL are found). NOT TESTED: written to the C API's contract, never
-  run (no GPU where this was written). The forward is asynchronous; routing
+  torch's NCCL are found). NOT YET RUN: written to the C API's contract;
+  python/tests/test_torch.py's CUDA tests run where torch and comet see a GPU
+  (they skip elsewhere, CI included). The forward is asynchronous; routing
   content (expert ids in range, distinct per row) is checked on the device
   and reported by comet.torch.synchronize().
 

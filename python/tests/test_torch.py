@@ -247,3 +247,49 @@ def test_backward_is_not_implemented_yet():
         y.float().sum().backward()
     with torch.no_grad():
         assert bits_equal(ct.moe_experts(x, idx, w, w1, w2), y.detach())
+
+
+# ---------------------------------------------------------------------------
+# CUDA tensors: comet's CUDA backend (run only where torch and comet see a GPU).
+# ---------------------------------------------------------------------------
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and comet.device_count() > 0),
+    reason="no GPU for comet's CUDA backend here (a CPU-only build of comet, or no GPU): the CUDA path is not tested")
+
+
+@cuda
+@pytest.mark.parametrize("activation", ["silu_gated", "gelu"])
+@pytest.mark.parametrize("shape", [(300, 256, 128, 8, 2), (37, 60, 20, 6, 2)])  # Hopper-sized, and odd sizes
+def test_cuda_close_to_cpu(activation, shape):
+    T, H, F, E, topk = shape
+    x, idx, w, w1, w2 = problem(T=T, H=H, F=F, E=E, topk=topk, activation=activation, seed=8)
+    y_cpu = ct.moe_experts(x, idx, w, w1, w2, activation=activation)
+    y = ct.moe_experts(*(t.cuda() for t in (x, idx, w, w1, w2)), activation=activation)
+    ct.synchronize()
+    assert y.device.type == "cuda" and y.dtype == torch.bfloat16 and y.shape == (T, H)
+    # the GPU's GEMMs add in another order (fp32 accumulation either way): one bf16 step of h and o
+    torch.testing.assert_close(y.cpu().float(), y_cpu.float(), rtol=2 ** -6, atol=2 ** -8)
+    again = ct.moe_experts(*(t.cuda() for t in (x, idx, w, w1, w2)), activation=activation)
+    assert bits_equal(again.cpu(), y.cpu())  # deterministic run to run
+
+
+@cuda
+def test_cuda_routing_error_is_reported_by_synchronize():
+    x, idx, w, w1, w2 = problem(T=16)
+    bad = idx.clone()
+    bad[2, 0] = 99
+    ct.moe_experts(*(t.cuda() for t in (x, bad, w, w1, w2)))
+    with pytest.raises(comet.InvalidRouting):
+        ct.synchronize()
+    y = ct.moe_experts(*(t.cuda() for t in (x, idx, w, w1, w2)))  # the layer goes on
+    ct.synchronize()
+    torch.testing.assert_close(y.cpu().float(), ct.moe_experts(x, idx, w, w1, w2).float(), rtol=2 ** -6,
+                               atol=2 ** -8)
+
+
+@cuda
+def test_cuda_compile_fullgraph():
+    x, idx, w, w1, w2 = (t.cuda() for t in problem(T=64, H=256, F=128, E=8, seed=9))
+    f = torch.compile(lambda *a: ct.moe_experts(*a) * 2, fullgraph=True)
+    out = f(x, idx, w, w1, w2)
+    assert bits_equal(out, ct.moe_experts(x, idx, w, w1, w2) * 2)
