@@ -88,7 +88,7 @@ def choose_backend():
         facts = {"nvcc": nvcc, "nccl": nccl, "nccl_from": nccl_from}
         release = re.search(r"release (\d+)\.", subprocess.run([nvcc, "--version"], capture_output=True,
                                                                text=True).stdout)
-        if release:  # the CUDA runtime comet links: torch's of that major is loaded first (comet/_capi.py)
+        if release:  # the CUDA runtime comet links (comet/_capi.py loads torch's first), for build_info()
             facts["cudart"] = "libcudart.so." + release.group(1)
         reason = "nvcc at %s, NCCL from %s (%s)" % (nvcc, nccl_from, nccl)
         return "cuda", reason, ["NVCC=" + nvcc, "NCCL_HOME=" + nccl], facts

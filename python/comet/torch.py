@@ -7,9 +7,9 @@ is `torch.ops.comet.moe_experts`, a torch.library custom op with a fake
 (fullgraph=True included). This process holds every expert: the op runs a
 one-rank comet world (W = 1, TP = EP = 1) on the tensors' device.
 
-- CPU tensors run comet's CPU engine (tested in CI: python/tests/test_torch.py,
-  bitwise against comet.reference_forward, and against a pure-torch
-  implementation of comet.h's semantics).
+- CPU tensors run comet's CPU engine (python/tests/test_torch.py, where torch
+  is installed: bitwise against comet.reference_forward and against a
+  pure-torch implementation of comet.h's semantics).
 - CUDA tensors run comet's CUDA backend on the tensors' device and the current
   stream, in a build with the CUDA backend (`pip install .` where nvcc and
   torch's NCCL are found). NOT YET RUN: written to the C API's contract;
