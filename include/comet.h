@@ -272,7 +272,8 @@ typedef struct {
                               *       > 0 runs the overlapped mode where the Hopper GEMM runs, capped at
                               *       SMs - 1); 0 = the tuner's choice (src/tuner/tuner.h);
                               *       COMET_SEQUENTIAL = the sequential chain (CUDA; the CPU engine, which
-                              *       always overlaps, takes it as 0). The same on every rank */
+                              *       always overlaps, takes it as 0). Every rank must ask for the same
+                              *       mode: > 0 on all, 0 on all, or COMET_SEQUENTIAL on all */
     int chunk_cols;          /* [in]  CPU engine: layer-1 column-chunk width, 0..hidden; 0 = the tuner's choice;
                               *       ignored by the CUDA backend (no chunked combine there) */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
@@ -294,7 +295,9 @@ typedef struct {
 /* ---------------------------------------------------------------------------
  * Protocol: how a forward ran. The tuner chooses it (a table measured by
  * `comet tune`, else an analytical rule: src/tuner/tuner.h) unless the call's
- * n_comm fixed it; every rank of a forward runs the same one.
+ * n_comm fixed it. Every rank of a forward runs the same mode and combine
+ * (and, on the CPU engine, the same chunk width); n_comm may differ between
+ * ranks (the CPU engine's rule picks it from the rank's own token count).
  * ------------------------------------------------------------------------- */
 typedef enum {
     COMET_MODE_SEQUENTIAL = 0, /* dispatch, GEMM0, GEMM1, combine one after another (CUDA) */
