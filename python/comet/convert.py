@@ -64,7 +64,7 @@ Wrong shapes, counts or ranks raise ValueError, a wrong type TypeError, each
 naming the function, the tensor and the shape expected.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -181,7 +181,8 @@ def _one_device(fn: str, **tensors) -> None:
 # Into comet's layout.
 # ---------------------------------------------------------------------------
 def from_experts(gate, up, down, *, tp: int = 1, ep: int = 1, rank: int = 0,
-                 _fn: str = "from_experts", _names: Tuple[str, str, str] = ("gate", "up", "down")) -> Tuple[Tensor, Tensor]:
+                 _fn: str = "from_experts",
+                 _names: Tuple[str, str, str] = ("gate", "up", "down")) -> Tuple[Tensor, Tensor]:
     """(w1, w2) of `rank` from unsliced per-expert projections in nn.Linear
     orientation (out_features, in_features):
 
@@ -258,7 +259,8 @@ def _from_hf(experts, attrs: Tuple[str, str, str], hint: str, fn: str, tp: int, 
         n = len(experts)
     except TypeError:
         raise TypeError("%s: experts must be a sequence of expert modules (%s), a MoE block with .experts, or a fused "
-                        "experts module (gate_up_proj, down_proj), got %s" % (fn, hint, type(experts).__name__)) from None
+                        "experts module (gate_up_proj, down_proj), got %s"
+                        % (fn, hint, type(experts).__name__)) from None
     if n == 0:
         raise ValueError("%s: no experts" % fn)
     ws = [[_weight(experts[e], a, fn, "experts[%d]" % e, hint) for e in range(n)] for a in attrs]
@@ -411,7 +413,8 @@ def from_megatron_grouped_mlp(weight1: Tensor, weight2: Tensor, *, num_local_exp
 # ---------------------------------------------------------------------------
 # Back: from what the ranks hold to unsliced experts.
 # ---------------------------------------------------------------------------
-def _rank_pairs(ranks, fn: str) -> List[Tuple[Tensor, Tensor]]:
+def _rank_pairs(ranks, fn: str) -> Tuple[List[Tuple[Tensor, Tensor]], list]:
+    """The (w1, w2) of every rank, and what was given for each."""
     if isinstance(ranks, (tuple, list)) and len(ranks) == 2 and isinstance(ranks[0], Tensor):
         ranks = [ranks]  # W = 1: the pair itself
     elif hasattr(ranks, "w1") and hasattr(ranks, "w2"):
@@ -433,7 +436,7 @@ def _rank_pairs(ranks, fn: str) -> List[Tuple[Tensor, Tensor]]:
                 raise TypeError("%s: ranks[%d] must be a (w1, w2) pair or an object with .w1 and .w2, got %s"
                                 % (fn, r, type(item).__name__)) from None
         out.append((_tensor(w1, fn, "ranks[%d]'s w1" % r, 3), _tensor(w2, fn, "ranks[%d]'s w2" % r, 3)))
-    return out
+    return out, [ranks[r] for r in range(n)]
 
 
 def gather(ranks, *, tp: int = 1, ep: int = 1) -> Tuple[Tensor, Tensor]:
@@ -452,10 +455,15 @@ def gather(ranks, *, tp: int = 1, ep: int = 1) -> Tuple[Tensor, Tensor]:
         w2 (E, H, F) bf16.
     """
     fn = "gather"
-    pairs = _rank_pairs(ranks, fn)
+    pairs, items = _rank_pairs(ranks, fn)
     rank_coords(0, tp, ep, fn=fn)
     if len(pairs) != tp * ep:
         raise ValueError("%s: %d ranks given for TP=%d x EP=%d = %d" % (fn, len(pairs), tp, ep, tp * ep))
+    for r, item in enumerate(items):  # modules (MoEExperts) say which rank they hold
+        held = tuple(getattr(item, a, None) for a in ("rank", "tp", "ep"))
+        if None not in held and held != (r, tp, ep):
+            raise ValueError("%s: ranks[%d] holds rank %d of a TP=%d x EP=%d world, not rank %d of TP=%d x EP=%d"
+                             % (fn, r, held[0], held[1], held[2], r, tp, ep))
     El, rows, H = pairs[0][0].shape
     Fl = pairs[0][1].shape[2]
     if _shape(pairs[0][1]) != (El, H, Fl) or rows not in (Fl, 2 * Fl):
@@ -547,7 +555,7 @@ def to_megatron_grouped_mlp(w1: Tensor, w2: Tensor) -> Tuple[Tensor, Tensor]:
     inverse of from_megatron_grouped_mlp): weight1 (H, E_local * rows) and
     weight2 (E_local * F_local, H), bf16, with rows = w1.shape[1]."""
     fn = "to_megatron_grouped_mlp"
-    (w1, w2), = _rank_pairs([(w1, w2)], fn)
+    (w1, w2), = _rank_pairs([(w1, w2)], fn)[0]
     El, rows, H = w1.shape
     Fl = w2.shape[2]
     if _shape(w2) != (El, H, Fl) or rows not in (Fl, 2 * Fl):
