@@ -11,7 +11,9 @@ built into this package (or the one $COMET_LIBRARY names).
         layer.forward(x, topk_idx, topk_w, w1, w2, y)   # numpy arrays or comet.TensorDesc
 
 `comet.torch` (needs torch) has the layer as a PyTorch op:
-comet.torch.moe_experts(x, topk_idx, topk_w, w1, w2).
+comet.torch.moe_experts(x, topk_idx, topk_w, w1, w2), and the nn.Module
+comet.torch.MoEExperts; `comet.convert` (needs torch) turns HF and Megatron
+expert weights into comet's per-rank layout and back.
 
 Every failure raises a comet.CometError subclass (InvalidArgument,
 InvalidShape, InvalidRouting, PeerFailed, Unsupported, ...) carrying the

@@ -24,6 +24,10 @@ to a power of two); clear_cache() frees them.
 
 Forward only: the op has no backward yet (it comes with comet's backward);
 autograd through it raises NotImplementedError.
+
+comet.torch.MoEExperts is an nn.Module holding one rank's w1 and w2, built
+from HF Mixtral / Qwen-MoE experts, fused or Megatron weights through
+comet.convert; its forward is this op (one rank: TP = EP = 1).
 """
 
 import threading
@@ -34,7 +38,7 @@ from torch import Tensor
 
 import comet
 
-__all__ = ["moe_experts", "clear_cache", "synchronize"]
+__all__ = ["moe_experts", "clear_cache", "synchronize", "MoEExperts"]
 
 _ACTIVATIONS = ("silu_gated", "gelu")
 
@@ -257,3 +261,152 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
     if topk_w.dtype in (torch.bfloat16, torch.float16):
         topk_w = topk_w.to(torch.float32)
     return _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation)
+
+
+# ---------------------------------------------------------------------------
+# The module.
+# ---------------------------------------------------------------------------
+class MoEExperts(torch.nn.Module):
+    """The experts of one MoE layer as one rank of a TP x EP world holds them
+    (comet's layout, include/comet.h; rank = ep * TP + tp holds experts
+    [ep*E_local, (ep+1)*E_local) and the ffn slice tp).
+
+    Parameters (requires_grad=False: comet has no backward yet):
+        w1: (E_local, 2*F_local, H) bfloat16 for activation="silu_gated"
+            (rows [0, F_local) the gate slice, [F_local, 2*F_local) the up
+            slice); (E_local, F_local, H) bfloat16 for "gelu".
+        w2: (E_local, H, F_local) bfloat16.
+    with E_local = num_experts / ep and F_local = ffn / tp.
+
+    Attributes: num_experts (E), ffn (F, unsliced), hidden (H), tp, ep, rank,
+    activation.
+
+    Build it from a framework's weights with from_hf_mixtral,
+    from_hf_qwen2_moe (= from_hf_qwen3_moe), from_fused or from_megatron
+    (comet.convert does the layout and the TP slicing of gate and up); back
+    with comet.convert.to_hf_mixtral(modules, tp=, ep=) etc., which take the
+    W modules (one a rank).
+
+    forward(x, topk_idx, topk_w) runs comet.torch.moe_experts, so only a
+    module holding every expert and the whole ffn (tp = ep = 1) runs it; a
+    rank of a larger world holds its weights for a comet.Layer's forward
+    (comet.World: every rank's collective call), and its forward raises
+    NotImplementedError. Its arguments and result match transformers 5's
+    fused experts modules (MixtralExperts etc.: forward(hidden_states,
+    top_k_index, top_k_weights)).
+    """
+
+    def __init__(self, w1: Tensor, w2: Tensor, *, activation: str = "silu_gated", tp: int = 1, ep: int = 1,
+                 rank: int = 0):
+        """w1, w2: this rank's weights, bfloat16 (shapes in the class
+        docstring; made contiguous); activation: "silu_gated" or "gelu";
+        tp, ep, rank: the world and this rank."""
+        super().__init__()
+        from comet.convert import rank_coords
+
+        rank_coords(rank, tp, ep, fn="MoEExperts")
+        if activation not in _ACTIVATIONS:
+            raise ValueError('MoEExperts: activation %r is not "silu_gated" or "gelu"' % (activation,))
+        for name, t in (("w1", w1), ("w2", w2)):
+            if not isinstance(t, Tensor):
+                raise TypeError("MoEExperts: %s must be a torch.Tensor, got %s" % (name, type(t).__name__))
+            if t.dtype != torch.bfloat16:
+                raise TypeError("MoEExperts: %s must be torch.bfloat16, got %s (comet.convert's functions return "
+                                "bf16)" % (name, t.dtype))
+            if t.dim() != 3:
+                raise ValueError("MoEExperts: %s must be 3-d, got shape %s" % (name, tuple(t.shape)))
+        El, rows, H = w1.shape
+        Fl = w2.shape[2]
+        gated = activation == "silu_gated"
+        if tuple(w2.shape) != (El, H, Fl) or rows != (2 * Fl if gated else Fl):
+            raise ValueError("MoEExperts: w1 %s and w2 %s are not (E_local, %s, H) and (E_local, H, F_local) for %s"
+                             % (tuple(w1.shape), tuple(w2.shape), "2*F_local" if gated else "F_local", activation))
+        self.w1 = torch.nn.Parameter(w1.detach().contiguous(), requires_grad=False)
+        self.w2 = torch.nn.Parameter(w2.detach().contiguous(), requires_grad=False)
+        self.activation = activation
+        self.tp, self.ep, self.rank = tp, ep, rank
+        self.num_experts, self.ffn, self.hidden = El * ep, Fl * tp, H
+
+    @classmethod
+    def from_hf_mixtral(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+        """From HF Mixtral's `block_sparse_moe.experts` (E modules with w1 =
+        gate (F, H), w3 = up (F, H), w2 = down (H, F)), the block, or a fused
+        experts module (gate_up_proj (E, 2F, H), down_proj (E, H, F)): this
+        rank's slice, bf16 (comet.convert.from_hf_mixtral)."""
+        from comet import convert
+
+        w1, w2 = convert.from_hf_mixtral(experts, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+
+    @classmethod
+    def from_hf_qwen2_moe(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+        """From HF Qwen2-MoE's or Qwen3-MoE's `mlp.experts` (E modules with
+        gate_proj (F, H), up_proj (F, H), down_proj (H, F)), the block (its
+        shared expert is not included), or a fused experts module: this
+        rank's slice, bf16 (comet.convert.from_hf_qwen_moe)."""
+        from comet import convert
+
+        w1, w2 = convert.from_hf_qwen_moe(experts, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+
+    from_hf_qwen3_moe = from_hf_qwen2_moe
+
+    @classmethod
+    def from_fused(cls, gate_up: Tensor, down: Tensor, *, order: str = "gate_first", tp: int = 1, ep: int = 1,
+                   rank: int = 0) -> "MoEExperts":
+        """From fused experts: gate_up (E, 2F, H) (order "gate_first" or
+        "interleaved"), down (E, H, F) (comet.convert.from_fused)."""
+        from comet import convert
+
+        w1, w2 = convert.from_fused(gate_up, down, order=order, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+
+    @classmethod
+    def from_megatron(cls, fc1: Tensor, fc2: Tensor, *, gated: bool = True, tp: int = 1, ep: int = 1,
+                      rank: int = 0) -> "MoEExperts":
+        """From Megatron-Core's unsliced grouped experts: fc1 (E, 2F, H)
+        [gate; up] (gated) or (E, F, H) (gated=False: GELU), fc2 (E, H, F)
+        (comet.convert.from_megatron)."""
+        from comet import convert
+
+        w1, w2 = convert.from_megatron(fc1, fc2, gated=gated, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, activation="silu_gated" if gated else "gelu", tp=tp, ep=ep, rank=rank)
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t]) (comet.torch.moe_experts).
+
+        Args:
+            x: (..., H), bfloat16 (another float dtype is rounded to bf16:
+                comet computes in bf16 with fp32 accumulation).
+            topk_idx: (..., topk) int32 or int64, expert ids in [0, E),
+                distinct within a row.
+            topk_w: (..., topk) float32, bfloat16 or float16 routing weights.
+
+        Returns:
+            y: (..., H) in x's dtype and on x's device.
+        """
+        if self.tp != 1 or self.ep != 1:
+            raise NotImplementedError(
+                "MoEExperts: this module holds rank %d of a TP=%d x EP=%d world (experts %d..%d, ffn slice %d of %d): "
+                "its forward runs every expert in this process (TP = EP = 1); run a %d-rank comet.Layer "
+                "(comet.World) with these w1, w2" % (self.rank, self.tp, self.ep,
+                                                    self.rank // self.tp * (self.num_experts // self.ep),
+                                                    (self.rank // self.tp + 1) * (self.num_experts // self.ep) - 1,
+                                                    self.rank % self.tp, self.tp, self.tp * self.ep))
+        if not isinstance(x, Tensor):
+            raise TypeError("MoEExperts: x must be a torch.Tensor, got %s" % type(x).__name__)
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ValueError("MoEExperts: x must be (..., H=%d), got %s" % (self.hidden, tuple(x.shape)))
+        lead = x.shape[:-1]
+        if topk_idx.shape[:-1] != lead or topk_w.shape != topk_idx.shape or topk_idx.dim() != x.dim():
+            raise ValueError("MoEExperts: topk_idx %s and topk_w %s must both be (%s, topk) for x %s"
+                             % (tuple(topk_idx.shape), tuple(topk_w.shape), ", ".join(map(str, lead)) or "",
+                                tuple(x.shape)))
+        k = topk_idx.shape[-1]
+        y = moe_experts(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
+                        topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, activation=self.activation)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d" % (
+            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank)
