@@ -134,10 +134,11 @@ typedef struct comet_world comet_world_t;
  * threads. */
 comet_status_t comet_world_create_local(comet_world_t **world, int num_ranks,
                                         comet_backend_t backend);
-/* Worlds spread over processes or nodes (torchrun and the like, CUDA
- * backend): one process per rank. One rank makes the id, the launcher hands
- * its bytes to the others (e.g. over torch.distributed), and every rank
- * creates its world with it: collective over the ranks. */
+/* Worlds spread over the processes of one host (torchrun --standalone and
+ * the like, CUDA backend; several hosts are not supported: every rank must
+ * reach every other's memory): one process per rank. One rank makes the id,
+ * the launcher hands its bytes to the others (e.g. over torch.distributed),
+ * and every rank creates its world with it: collective over the ranks. */
 #define COMET_UNIQUE_ID_BYTES 128
 typedef struct {
     char bytes[COMET_UNIQUE_ID_BYTES];
