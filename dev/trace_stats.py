@@ -32,7 +32,9 @@ PLAN_STEPS_OLD = {0: "routing copy", 1: "count", 2: "fill", 3: "finish (or the s
 def load(path):
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    old = any(e["name"] == "plan" and e["args"].get("index") == 3 for e in events)
+    # steps by args.kind (the short id: pull, gemm0, ...); the event names are the trainer's titles
+    # ("dispatch (pull token rows)", ...) since they were renamed, the bare ids before
+    old = any(e["args"]["kind"] == "plan" and e["args"].get("index") == 3 for e in events)
     groups = {}
     for e in events:
         kind = e["args"]["kind"]

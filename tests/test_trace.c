@@ -174,7 +174,7 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
         memset(lanes_named, 0, sizeof lanes_named);
         int lanes_used[8][3][64];
         memset(lanes_used, 0, sizeof lanes_used);
-        int64_t x_events = 0, bad_interval = 0, bad_field = 0, out_of_plan = 0;
+        int64_t x_events = 0, bad_interval = 0, bad_field = 0, out_of_plan = 0, bad_name = 0;
         for (char *line = strtok(js, "\n"); line; line = strtok(NULL, "\n")) {
             char *ev = strstr(line, "{\"ph\": \"");
             if (!ev) continue;
@@ -201,6 +201,13 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
                 continue;
             }
             bad_interval += ts < 0 || dur < 0;
+            /* The event's name is the trainer's title of its kind; args.step the short label. */
+            int kind_id = -1;
+            for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++)
+                if (strcmp(kind, comet_trace_kind_name(k)) == 0) kind_id = k;
+            char want[96];
+            snprintf(want, sizeof want, "\"name\": \"%s\"", comet_trace_kind_title(kind_id));
+            bad_name += kind_id < 0 || strstr(ev, want) == NULL || strstr(ev, "\"step\": \"") == NULL;
             lanes_used[pid][tid / 1000][tid % 1000]++;
             rank_tasks_t *t = &rt[pid];
             int *slot = NULL;
@@ -223,6 +230,7 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
         CHECK(x_events == comet_trace_event_count(tr), "W=%d: %lld events in the JSON, %lld recorded", w,
               (long long)x_events, (long long)comet_trace_event_count(tr));
         CHECK(bad_field == 0, "W=%d: %lld events not parsed", w, (long long)bad_field);
+        CHECK(bad_name == 0, "W=%d: %lld events without their kind's title as name", w, (long long)bad_name);
         CHECK(bad_interval == 0, "W=%d: %lld intervals with negative time or duration", w, (long long)bad_interval);
         CHECK(out_of_plan == 0, "W=%d: %lld events outside the plan or on the wrong lane", w, (long long)out_of_plan);
 
@@ -270,6 +278,9 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
                   count_substr(svg, "data-role=\"host\""));
             CHECK(count_substr(svg, "class=\"rank\"") == w, "W=%d: rank groups", w);
             CHECK(strstr(svg, "#181;s") != NULL, "W=%d: no time axis in microseconds", w);
+            for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++) /* the legend */
+                CHECK(strstr(svg, comet_trace_kind_title(k)) != NULL, "W=%d: %s not in the SVG", w,
+                      comet_trace_kind_title(k));
             free(svg);
         }
     }

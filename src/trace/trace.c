@@ -117,8 +117,20 @@ int64_t comet_trace_dropped(const comet_trace_t *t) {
 static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {"pull", "gemm0", "gemm1", "send",
                                                               "recv", "wait",  "barrier", "plan"};
 
+/* What a model trainer calls each step: the event names of the JSON and the
+ * SVG's legend and tooltips. GEMM0 is the experts' first matmul (x W1, with
+ * the gated activation), GEMM1 their second (h W2). */
+static const char *const kind_titles[COMET_TRACE_NUM_KINDS] = {
+    "dispatch (pull token rows)", "expert GEMM 1 (x W1, activation)", "expert GEMM 2 (h W2)",
+    "combine (send partials)",    "combine (sum partials into y)",    "wait",
+    "barrier (sync ranks)",       "plan (route tokens)"};
+
 const char *comet_trace_kind_name(int kind) {
     return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_names[kind] : "unknown";
+}
+
+const char *comet_trace_kind_title(int kind) {
+    return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_titles[kind] : "unknown";
 }
 
 const char *comet_trace_role_name(int role) {
@@ -288,10 +300,10 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
         double dur = e->t_end_ns >= e->t_begin_ns ? (double)(e->t_end_ns - e->t_begin_ns) * 1e-3 : 0.0;
         fprintf(f,
                 "%s{\"ph\": \"X\", \"name\": \"%s\", \"cat\": \"%s%s%s\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, "
-                "\"dur\": %.3f, \"args\": {\"kind\": \"%s\", \"index\": %d, \"aux\": %d, \"call\": %d}}",
-                sep, label, comet_trace_role_name(e->role), layer >= 0 ? (layer ? ",layer1" : ",layer0") : "",
+                "\"dur\": %.3f, \"args\": {\"kind\": \"%s\", \"index\": %d, \"aux\": %d, \"call\": %d, \"step\": \"%s\"}}",
+                sep, comet_trace_kind_title(e->kind), comet_trace_role_name(e->role), layer >= 0 ? (layer ? ",layer1" : ",layer0") : "",
                 e->kind == COMET_TRACE_WAIT ? ",wait" : "", e->rank, e->role * 1000 + e->worker, ts, dur,
-                comet_trace_kind_name(e->kind), e->index, e->aux, e->call);
+                comet_trace_kind_name(e->kind), e->index, e->aux, e->call, label);
         sep = ",\n  ";
     }
     fprintf(f, "\n ]\n}\n");
@@ -372,17 +384,16 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     /* Legend. */
     static const int legend[] = {COMET_TRACE_PULL,  COMET_TRACE_GEMM0, COMET_TRACE_GEMM1, COMET_TRACE_SEND,
                                  COMET_TRACE_RECV,  COMET_TRACE_WAIT,  COMET_TRACE_PLAN,  COMET_TRACE_BARRIER};
-    static const char *const legend_text[] = {"layer 0 comm: pull rows", "layer 0 GEMM0 tile", "layer 1 GEMM1 tile",
-                                              "layer 1 comm: send partials", "layer 1 comm: sum into y", "wait on a flag",
-                                              "host: plan", "host: barrier"};
     double lx = 10;
     for (int i = 0; i < 8; i++) {
         fprintf(f, "<rect x=\"%.1f\" y=\"30\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"40\">%s</text>\n",
-                lx, legend[i] == COMET_TRACE_WAIT ? 4 : 10, kind_color(legend[i]), lx + 16, legend_text[i]);
-        lx += 24 + 6.2 * (double)strlen(legend_text[i]);
+                lx, legend[i] == COMET_TRACE_WAIT ? 4 : 10, kind_color(legend[i]), lx + 16,
+                comet_trace_kind_title(legend[i]));
+        lx += 24 + 6.2 * (double)strlen(comet_trace_kind_title(legend[i]));
     }
-    fprintf(f, "<text x=\"10\" y=\"54\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + GEMM0) and "
-               "of layer 1 (GEMM1 + combine); overlap shows where comm and GEMM bars share a time</text>\n");
+    fprintf(f, "<text x=\"10\" y=\"54\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + expert GEMM 1) "
+               "and of layer 1 (expert GEMM 2 + combine); communication is hidden where its bars share a time with "
+               "GEMM bars</text>\n");
     /* Grid and time axis. */
     double step = tick_step(span_us, 10);
     fprintf(f, "<g class=\"axis\" stroke=\"#ccc\" stroke-width=\"0.5\">\n");
@@ -446,9 +457,10 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
             event_label(e, label, sizeof label);
             double x0 = X_OF(e->t_begin_ns), x1 = X_OF(e->t_end_ns >= e->t_begin_ns ? e->t_end_ns : e->t_begin_ns);
             int wait = e->kind == COMET_TRACE_WAIT;
-            fprintf(f, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"%s><title>%s: %.2f - %.2f us</title></rect>\n",
+            fprintf(f, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"%s><title>%s: %s: %.2f - %.2f us</title></rect>\n",
                     x0, lane_y[i] + (wait ? 5 : 1), x1 - x0 > 1.2 ? x1 - x0 : 1.2, wait ? 4.0 : SVG_LANE - 4,
-                    kind_color(e->kind), wait ? "" : " stroke=\"white\" stroke-width=\"0.2\"", label,
+                    kind_color(e->kind), wait ? "" : " stroke=\"white\" stroke-width=\"0.2\"",
+                    comet_trace_kind_title(e->kind), label,
                     us_since(&v, e->t_begin_ns), us_since(&v, e->t_end_ns));
         }
         fprintf(f, "</g>\n");

@@ -106,6 +106,10 @@ uint32_t *comet_trace_counts(comet_trace_t *t);
 /* Short name of a kind ("pull", "gemm0", ...) and of a role ("host", ...). */
 const char *comet_trace_kind_name(int kind);
 const char *comet_trace_role_name(int role);
+/* What the step is to a model trainer ("dispatch (pull token rows)", "expert
+ * GEMM 1 (x W1, activation)", ...): the writers' event names. The short names
+ * above stay the machine-readable ids (JSON args.kind). */
+const char *comet_trace_kind_title(int kind);
 /* Layer of a kind: 0, 1, or -1 (host, wait). */
 int comet_trace_kind_layer(int kind);
 
