@@ -267,6 +267,10 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
             }
         }
         free(js);
+        js = read_all(json_path, NULL);
+        CHECK(js && count_substr(js, ": rank thread\"}}") == w && strstr(js, "\"name\": \"rank 0: compute worker 0\"}"),
+              "W=%d: JSON thread names", w);
+        free(js);
 
         char *svg = read_all(svg_path, NULL);
         CHECK(svg != NULL, "cannot read %s", svg_path);
@@ -278,6 +282,10 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
                   count_substr(svg, "data-role=\"host\""));
             CHECK(count_substr(svg, "class=\"rank\"") == w, "W=%d: rank groups", w);
             CHECK(strstr(svg, "#181;s") != NULL, "W=%d: no time axis in microseconds", w);
+            /* Lanes named for what the CPU engine runs on them. */
+            CHECK(count_substr(svg, ": rank thread</text>") == w && strstr(svg, ">rank 0: comm worker 0</text>") &&
+                      strstr(svg, ">rank 0: compute worker 0</text>"),
+                  "W=%d: lanes not named rank thread / comm worker / compute worker", w);
             for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++) /* the legend */
                 CHECK(strstr(svg, comet_trace_kind_title(k)) != NULL, "W=%d: %s not in the SVG", w,
                       comet_trace_kind_title(k));

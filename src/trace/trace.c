@@ -46,9 +46,10 @@ comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_
     t->lanes = lanes;
     t->capacity = capacity;
     atomic_init(&t->out_of_range, 0);
+    t->layout = calloc((size_t)num_ranks, sizeof *t->layout);
     t->counts = calloc(n_lanes, sizeof *t->counts);
     t->events = calloc(n_events, sizeof *t->events);
-    if (!t->counts || !t->events) { /* the message from the locals: destroy frees t */
+    if (!t->layout || !t->counts || !t->events) { /* the message from the locals: destroy frees t */
         comet_trace_destroy(t);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for %d x %d lanes of %lld events", num_ranks,
                           lanes, (long long)capacity);
@@ -60,6 +61,7 @@ comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_
 comet_status_t comet_trace_destroy(comet_trace_t *t) {
     comet_clear_error();
     if (!t) return COMET_SUCCESS;
+    free(t->layout);
     free(t->counts);
     free(t->events);
     free(t);
@@ -83,6 +85,10 @@ void comet_trace_record(comet_trace_t *t, int lane, const comet_trace_event_t *e
     uint32_t n = t->counts[slot];
     if (n != UINT32_MAX) t->counts[slot] = n + 1; /* saturate: a full lane stays full */
     if ((int64_t)n < t->capacity) t->events[slot * (size_t)t->capacity + n] = *ev;
+}
+
+void comet_trace_set_layout(comet_trace_t *t, int rank, int layout) {
+    if (t && rank >= 0 && rank < t->ranks) t->layout[rank] = (uint8_t)layout;
 }
 
 size_t comet_trace_buffer_bytes(const comet_trace_t *t) {
@@ -160,6 +166,29 @@ static void event_label(const comet_trace_event_t *e, char *buf, size_t n) {
     case COMET_TRACE_WAIT: snprintf(buf, n, "wait for %s %d", comet_trace_kind_name(e->aux), e->index); break;
     case COMET_TRACE_BARRIER: snprintf(buf, n, "barrier (%s)", e->index ? "entry" : "previous call done"); break;
     default: snprintf(buf, n, "%s", k); break;
+    }
+}
+
+/* What a lane holds, by the rank's backend: "rank 1: comm CTAs 3 mod 8",
+ * "rank 0: compute worker 2", ... (without "rank r: " when `with_rank` is 0). */
+static void lane_label(const comet_trace_t *t, int rank, int role, int worker, int with_rank, char *buf, size_t n) {
+    char pre[24] = "";
+    if (with_rank) snprintf(pre, sizeof pre, "rank %d: ", rank);
+    const int layout = rank < t->ranks ? t->layout[rank] : COMET_TRACE_LAYOUT_UNKNOWN;
+    if (layout == COMET_TRACE_LAYOUT_CUDA) {
+        if (role == COMET_TRACE_HOST) snprintf(buf, n, "%sstream", pre);
+        else if (role == COMET_TRACE_COMM) snprintf(buf, n, "%scomm CTAs %d mod 8", pre, worker);
+        else if (role == COMET_TRACE_GEMM && worker < 2) snprintf(buf, n, "%sGEMM%d kernel", pre, worker);
+        else snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
+    } else if (layout == COMET_TRACE_LAYOUT_CPU) {
+        if (role == COMET_TRACE_HOST) snprintf(buf, n, "%srank thread", pre);
+        else if (role == COMET_TRACE_COMM) snprintf(buf, n, "%scomm worker %d", pre, worker);
+        else if (role == COMET_TRACE_GEMM) snprintf(buf, n, "%scompute worker %d", pre, worker);
+        else snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
+    } else if (role == COMET_TRACE_HOST) {
+        snprintf(buf, n, "%shost", pre);
+    } else {
+        snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
     }
 }
 
@@ -282,12 +311,10 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
             last_rank = k->rank;
         }
         int tid = k->role * 1000 + k->worker;
-        if (k->role == COMET_TRACE_HOST)
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"host\"}}",
-                    sep, k->rank, tid);
-        else
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"%s %d\"}}",
-                    sep, k->rank, tid, comet_trace_role_name(k->role), k->worker);
+        char name[64];
+        lane_label(t, k->rank, k->role, k->worker, 1, name, sizeof name);
+        fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"%s\"}}",
+                sep, k->rank, tid, name);
         fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": %d, \"tid\": %d, \"args\": {\"sort_index\": %d}}",
                 sep, k->rank, tid, tid);
     }
@@ -316,7 +343,7 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
  * ------------------------------------------------------------------------- */
 
 #define SVG_WIDTH 1400.0
-#define SVG_LEFT 120.0  /* lane labels */
+#define SVG_LEFT 180.0  /* lane labels */
 #define SVG_RIGHT 30.0
 #define SVG_TOP 62.0    /* title and legend */
 #define SVG_LANE 16.0   /* lane height */
@@ -440,15 +467,12 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     /* Lanes (events are sorted by lane). */
     for (int64_t i = 0, j = 0; i < v.n_lanes; i++) {
         const lane_key_t *k = &v.lanes[i];
-        char name[32];
-        if (k->role == COMET_TRACE_HOST)
-            snprintf(name, sizeof name, "host");
-        else
-            snprintf(name, sizeof name, "%s %d", comet_trace_role_name(k->role), k->worker);
+        char name[64];
+        lane_label(t, k->rank, k->role, k->worker, 1, name, sizeof name);
         fprintf(f,
                 "<g class=\"lane\" data-rank=\"%d\" data-role=\"%s\" data-worker=\"%d\">\n"
                 "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"/>\n"
-                "<text x=\"30\" y=\"%.1f\">%s</text>\n",
+                "<text x=\"18\" y=\"%.1f\">%s</text>\n",
                 k->rank, comet_trace_role_name(k->role), k->worker, SVG_LEFT, lane_y[i], plot_w, SVG_LANE - 2,
                 i % 2 ? "#f7f7f7" : "#efefef", lane_y[i] + 11, name);
         for (; j < v.n && same_lane(&v.ev[j], k); j++) {
