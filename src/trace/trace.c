@@ -287,6 +287,125 @@ static comet_status_t view_open(const comet_trace_t *t, const char *path, view_t
 }
 
 /* ---------------------------------------------------------------------------
+ * Summary per rank: the layer's time, the busy time of the GEMM and of the
+ * communication steps, and how much of the communication overlapped GEMMs.
+ * Times within one rank only (one clock), so they hold whatever the ranks'
+ * clocks are.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int present;
+    uint64_t first, last;                /* the rank's first begin and last end */
+    uint64_t gemm_ns, comm_ns, hidden_ns; /* |U gemm|, |U comm|, |U comm n U gemm| */
+} rank_sum_t;
+
+typedef struct {
+    uint64_t b, e;
+} span_t;
+
+static int cmp_span(const void *a, const void *b) {
+    const span_t *x = a, *y = b;
+    return (x->b > y->b) - (x->b < y->b);
+}
+
+static int is_gemm(int kind) { return kind == COMET_TRACE_GEMM0 || kind == COMET_TRACE_GEMM1; }
+static int is_comm(int kind) { return kind == COMET_TRACE_PULL || kind == COMET_TRACE_SEND || kind == COMET_TRACE_RECV; }
+
+/* The rank's intervals of the kinds `pick` takes, as a sorted union of
+ * disjoint spans in s (room for v->n); returns how many. */
+static int64_t union_of(const view_t *v, int rank, int (*pick)(int), span_t *s) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < v->n; i++) {
+        const comet_trace_event_t *e = &v->ev[i];
+        if (e->rank == rank && pick(e->kind))
+            s[n++] = (span_t){e->t_begin_ns, e->t_end_ns > e->t_begin_ns ? e->t_end_ns : e->t_begin_ns};
+    }
+    qsort(s, (size_t)n, sizeof *s, cmp_span);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (m && s[i].b <= s[m - 1].e) {
+            if (s[i].e > s[m - 1].e) s[m - 1].e = s[i].e;
+        } else {
+            s[m++] = s[i];
+        }
+    }
+    return m;
+}
+
+static uint64_t length_of(const span_t *s, int64_t n) {
+    uint64_t t = 0;
+    for (int64_t i = 0; i < n; i++) t += s[i].e - s[i].b;
+    return t;
+}
+
+/* out[0..max_rank]; 0 on success, -1 out of memory. */
+static int summarize(const view_t *v, int max_rank, rank_sum_t *out) {
+    span_t *a = malloc((size_t)(v->n ? v->n : 1) * sizeof *a), *b = malloc((size_t)(v->n ? v->n : 1) * sizeof *b);
+    if (!a || !b) {
+        free(a), free(b);
+        return -1;
+    }
+    for (int r = 0; r <= max_rank; r++) {
+        rank_sum_t *o = &out[r];
+        memset(o, 0, sizeof *o);
+        o->first = UINT64_MAX;
+        for (int64_t i = 0; i < v->n; i++) {
+            const comet_trace_event_t *e = &v->ev[i];
+            if (e->rank != r) continue;
+            o->present = 1;
+            if (e->t_begin_ns < o->first) o->first = e->t_begin_ns;
+            if (e->t_end_ns > o->last) o->last = e->t_end_ns;
+        }
+        if (!o->present) {
+            o->first = 0;
+            continue;
+        }
+        if (o->last < o->first) o->last = o->first;
+        int64_t na = union_of(v, r, is_gemm, a), nb = union_of(v, r, is_comm, b);
+        o->gemm_ns = length_of(a, na), o->comm_ns = length_of(b, nb);
+        for (int64_t i = 0, j = 0; i < na && j < nb;) { /* two sorted disjoint lists: their overlap */
+            uint64_t lo = a[i].b > b[j].b ? a[i].b : b[j].b, hi = a[i].e < b[j].e ? a[i].e : b[j].e;
+            if (hi > lo) o->hidden_ns += hi - lo;
+            if (a[i].e < b[j].e) i++;
+            else j++;
+        }
+    }
+    free(a), free(b);
+    return 0;
+}
+
+static const char *layout_name(const comet_trace_t *t, int rank) {
+    const int l = rank < t->ranks ? t->layout[rank] : COMET_TRACE_LAYOUT_UNKNOWN;
+    return l == COMET_TRACE_LAYOUT_CPU ? "cpu" : l == COMET_TRACE_LAYOUT_CUDA ? "cuda" : "unknown";
+}
+
+/* The view's highest rank and its summaries (NULL: out of memory; the
+ * caller frees). */
+static rank_sum_t *view_summary(const view_t *v, int *max_rank) {
+    *max_rank = v->n_lanes ? v->lanes[v->n_lanes - 1].rank : -1;
+    rank_sum_t *sums = malloc((size_t)(*max_rank + 2) * sizeof *sums);
+    if (sums && summarize(v, *max_rank, sums) != 0) free(sums), sums = NULL;
+    return sums;
+}
+
+/* "rank 1 (+3.2 us)": where the rank's first event lies on the common axis. */
+static void rank_title(const view_t *v, const rank_sum_t *o, int rank, char *buf, size_t n) {
+    snprintf(buf, n, "rank %d (+%.1f us)", rank, us_since(v, o->first));
+}
+
+/* "812.3 us" or "226.073 ms". */
+static void time_text(double us, char *buf, size_t n) {
+    if (us < 10000) snprintf(buf, n, "%.1f us", us);
+    else snprintf(buf, n, "%.3f ms", us * 1e-3);
+}
+
+/* "80.1% of it hidden behind GEMMs", or "none to hide". */
+static void hidden_text(const rank_sum_t *o, char *buf, size_t n) {
+    if (o->comm_ns) snprintf(buf, n, "%.1f%% of it hidden behind GEMMs", 100.0 * (double)o->hidden_ns / (double)o->comm_ns);
+    else snprintf(buf, n, "none to hide");
+}
+
+/* ---------------------------------------------------------------------------
  * Chrome-trace JSON
  * ------------------------------------------------------------------------- */
 
@@ -295,16 +414,40 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
     view_t v;
     FILE *f;
     COMET_TRY(view_open(t, path, &v, &f));
-    fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld},\n"
-               " \"traceEvents\": [\n",
+    int max_rank;
+    rank_sum_t *sums = view_summary(&v, &max_rank);
+    if (!sums) {
+        fclose(f), view_free(&v);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for the summary");
+    }
+    /* otherData: the summary the picture's top lines show, per rank (us). */
+    fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld",
             (long long)v.n, (long long)comet_trace_dropped(t));
+    double layer_max = 0;
+    for (int r = 0; r <= max_rank; r++)
+        if (sums[r].present && (double)(sums[r].last - sums[r].first) * 1e-3 > layer_max)
+            layer_max = (double)(sums[r].last - sums[r].first) * 1e-3;
+    fprintf(f, ", \"layer_us_max\": %.3f, \"ranks\": [", layer_max);
+    for (int r = 0, any = 0; r <= max_rank; r++) {
+        const rank_sum_t *o = &sums[r];
+        if (!o->present) continue;
+        fprintf(f, "%s\n  {\"rank\": %d, \"backend\": \"%s\", \"start_us\": %.3f, \"layer_us\": %.3f, \"gemm_busy_us\": %.3f, "
+                   "\"comm_busy_us\": %.3f, \"comm_hidden_us\": %.3f, \"comm_hidden\": ",
+                any++ ? "," : "", r, layout_name(t, r), us_since(&v, o->first), (double)(o->last - o->first) * 1e-3,
+                (double)o->gemm_ns * 1e-3, (double)o->comm_ns * 1e-3, (double)o->hidden_ns * 1e-3);
+        if (o->comm_ns) fprintf(f, "%.4f}", (double)o->hidden_ns / (double)o->comm_ns);
+        else fprintf(f, "null}");
+    }
+    fprintf(f, "]},\n \"traceEvents\": [\n");
     const char *sep = "  ";
     int last_rank = -1;
     for (int64_t i = 0; i < v.n_lanes; i++) {
         const lane_key_t *k = &v.lanes[i];
         if (k->rank != last_rank) {
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}}", sep,
-                    k->rank, k->rank);
+            char pname[48];
+            rank_title(&v, &sums[k->rank], k->rank, pname, sizeof pname);
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": \"%s\"}}", sep,
+                    k->rank, pname);
             sep = ",\n  ";
             fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": %d, \"args\": {\"sort_index\": %d}}",
                     sep, k->rank, k->rank);
@@ -334,6 +477,7 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
         sep = ",\n  ";
     }
     fprintf(f, "\n ]\n}\n");
+    free(sums);
     view_free(&v);
     return close_out(f, path);
 }
@@ -345,7 +489,6 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
 #define SVG_WIDTH 1400.0
 #define SVG_LEFT 180.0  /* lane labels */
 #define SVG_RIGHT 30.0
-#define SVG_TOP 62.0    /* title and legend */
 #define SVG_LANE 16.0   /* lane height */
 #define SVG_HEADER 18.0 /* rank header with the layer bands */
 #define SVG_GAP 10.0    /* between ranks */
@@ -378,13 +521,26 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     COMET_TRY(view_open(t, path, &v, &f));
     /* Vertical layout: every rank a header row (layer bands), then its lanes. */
     double *lane_y = malloc((size_t)(v.n_lanes ? v.n_lanes : 1) * sizeof(double));
-    int max_rank = v.n_lanes ? v.lanes[v.n_lanes - 1].rank : -1;
+    int max_rank;
+    rank_sum_t *sums = view_summary(&v, &max_rank);
     double *rank_y = malloc((size_t)(max_rank + 2) * sizeof(double));
-    if (!lane_y || !rank_y) {
-        free(lane_y), free(rank_y), fclose(f), view_free(&v);
+    if (!lane_y || !rank_y || !sums) {
+        free(lane_y), free(rank_y), free(sums), fclose(f), view_free(&v);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for the picture");
     }
-    double y = SVG_TOP;
+    /* Top: title, one summary line per rank, the clock note, legend, bands note. */
+    int n_present = 0, any_gpu = 0;
+    double layer_max = 0;
+    for (int r = 0; r <= max_rank; r++) {
+        if (!sums[r].present) continue;
+        n_present++;
+        any_gpu |= r < t->ranks && t->layout[r] == COMET_TRACE_LAYOUT_CUDA;
+        if ((double)(sums[r].last - sums[r].first) * 1e-3 > layer_max)
+            layer_max = (double)(sums[r].last - sums[r].first) * 1e-3;
+    }
+    const double summary_y = 36, note_y = summary_y + 14.0 * n_present, legend_y = note_y + 29,
+                 top = legend_y + 32; /* the first rank's header */
+    double y = top;
     for (int64_t i = 0; i < v.n_lanes; i++) {
         if (i == 0 || v.lanes[i].rank != v.lanes[i - 1].rank) {
             if (i) y += SVG_GAP;
@@ -404,29 +560,54 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
                "<!-- comet trace: one lane per rank x worker; %lld events, %lld dropped -->\n"
                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
             SVG_WIDTH, height, SVG_WIDTH, height, (long long)v.n, (long long)comet_trace_dropped(t));
-    fprintf(f, "<text x=\"10\" y=\"18\" font-size=\"14\" font-weight=\"bold\">comet trace: %d rank%s, %.1f us, "
-               "%lld events%s</text>\n",
-            max_rank + 1, max_rank ? "s" : "", span_us, (long long)v.n,
+    char tl[32];
+    time_text(layer_max, tl, sizeof tl);
+    fprintf(f, "<text x=\"10\" y=\"18\" font-size=\"14\" font-weight=\"bold\">comet trace: %d rank%s, layer %s "
+               "(slowest rank, first event to last), %lld events%s</text>\n",
+            n_present, n_present == 1 ? "" : "s", tl, (long long)v.n,
             comet_trace_dropped(t) ? " (some dropped: lanes were full)" : "");
+    fprintf(f, "<g class=\"summary\">\n");
+    for (int r = 0, line = 0; r <= max_rank; r++) {
+        const rank_sum_t *o = &sums[r];
+        if (!o->present) continue;
+        char lt[32], gt[32], ct[32], hid[48];
+        time_text((double)(o->last - o->first) * 1e-3, lt, sizeof lt);
+        time_text((double)o->gemm_ns * 1e-3, gt, sizeof gt);
+        time_text((double)o->comm_ns * 1e-3, ct, sizeof ct);
+        hidden_text(o, hid, sizeof hid);
+        fprintf(f, "<text x=\"10\" y=\"%.1f\" data-rank=\"%d\"><tspan font-weight=\"bold\">rank %d:</tspan> layer %s "
+                   "(starts at +%.1f us) | GEMM busy %s | communication busy %s, %s</text>\n",
+                summary_y + 14.0 * line++, r, r, lt, us_since(&v, o->first), gt, ct, hid);
+    }
+    fprintf(f, "<text x=\"10\" y=\"%.1f\" fill=\"#555\">layer: the rank's first event to its last; busy: time "
+               "when at least one of its lanes runs that kind of step (waits not counted); hidden: the communication "
+               "time during which a GEMM also ran (per rank, from its own events only).</text>\n"
+               "<text x=\"10\" y=\"%.1f\" fill=\"#555\">%s</text>\n</g>\n",
+            note_y, note_y + 13, any_gpu ? "Each GPU's times come from its own %globaltimer: a rank's +offset includes its "
+                              "clock's difference from the others' (each rank's own numbers above hold)."
+                            : "All ranks share one clock (CLOCK_MONOTONIC): a rank's +offset, where its first event lies after the "
+                              "earliest one, is real.");
     /* Legend. */
     static const int legend[] = {COMET_TRACE_PULL,  COMET_TRACE_GEMM0, COMET_TRACE_GEMM1, COMET_TRACE_SEND,
                                  COMET_TRACE_RECV,  COMET_TRACE_WAIT,  COMET_TRACE_PLAN,  COMET_TRACE_BARRIER};
     double lx = 10;
     for (int i = 0; i < 8; i++) {
-        fprintf(f, "<rect x=\"%.1f\" y=\"30\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"40\">%s</text>\n",
-                lx, legend[i] == COMET_TRACE_WAIT ? 4 : 10, kind_color(legend[i]), lx + 16,
+        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
+                lx, legend_y + (legend[i] == COMET_TRACE_WAIT ? 3 : 0), legend[i] == COMET_TRACE_WAIT ? 4 : 10,
+                kind_color(legend[i]), lx + 16, legend_y + 10,
                 comet_trace_kind_title(legend[i]));
         lx += 24 + 6.2 * (double)strlen(comet_trace_kind_title(legend[i]));
     }
-    fprintf(f, "<text x=\"10\" y=\"54\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + expert GEMM 1) "
+    fprintf(f, "<text x=\"10\" y=\"%.1f\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + expert GEMM 1) "
                "and of layer 1 (expert GEMM 2 + combine); communication is hidden where its bars share a time with "
-               "GEMM bars</text>\n");
+               "GEMM bars</text>\n",
+            legend_y + 24);
     /* Grid and time axis. */
     double step = tick_step(span_us, 10);
     fprintf(f, "<g class=\"axis\" stroke=\"#ccc\" stroke-width=\"0.5\">\n");
     for (double u = 0; u <= span_us * 1.0001; u += step)
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n", SVG_LEFT + u / span_us * plot_w,
-                SVG_TOP - 2, SVG_LEFT + u / span_us * plot_w, axis_y);
+                top - 2, SVG_LEFT + u / span_us * plot_w, axis_y);
     fprintf(f, "</g>\n<g class=\"axis-labels\" text-anchor=\"middle\">\n");
     fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n", SVG_LEFT, axis_y,
             SVG_LEFT + plot_w, axis_y);
@@ -450,8 +631,10 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
         for (int64_t i = 0; i < v.n_lanes; i++) present |= v.lanes[i].rank == r;
         if (!present) continue;
         double ry = rank_y[r];
-        fprintf(f, "<g class=\"rank\" data-rank=\"%d\">\n<text x=\"10\" y=\"%.1f\" font-weight=\"bold\">rank %d</text>\n",
-                r, ry + 12, r);
+        char rt[48];
+        rank_title(&v, &sums[r], r, rt, sizeof rt);
+        fprintf(f, "<g class=\"rank\" data-rank=\"%d\">\n<text x=\"10\" y=\"%.1f\" font-weight=\"bold\">%s</text>\n",
+                r, ry + 12, rt);
         for (int layer = 0; any && layer < 2; layer++) {
             if (lo[layer] == UINT64_MAX) continue;
             double x0 = X_OF(lo[layer]), x1 = X_OF(hi[layer]);
@@ -491,7 +674,7 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     }
 #undef X_OF
     fprintf(f, "</svg>\n");
-    free(lane_y), free(rank_y);
+    free(lane_y), free(rank_y), free(sums);
     view_free(&v);
     return close_out(f, path);
 }
