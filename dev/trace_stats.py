@@ -14,7 +14,9 @@ older traces have four: fill and finish apart). With two or more files
 file's figures side by side, so a change in the remote pulls' pass length is
 a change in their rate (the passes move the same rows).
 
-A timeline per file and rank comes first: each step's first begin and last
+The writer's summary per rank comes first (otherData: layer time, GEMM and
+communication busy time, the share of communication hidden behind GEMMs;
+docs/trace.md), then a timeline per file and rank: each step's first begin and last
 end, and the gap before it (launch gaps and waits of the sequential chain).
 
   dev/trace_stats.py A.json [B.json ...]
@@ -69,9 +71,21 @@ def timeline(path, table):
             last = e if last is None else max(last, e)
 
 
+def summary(path):
+    """The writer's per-rank summary (otherData.ranks; traces since it was added)."""
+    with open(path) as f:
+        ranks = json.load(f).get("otherData", {}).get("ranks", [])
+    for r in ranks:
+        hid = "-" if r["comm_hidden"] is None else "%.1f%%" % (100 * r["comm_hidden"])
+        print("  r%d layer %.1f us (starts +%.1f) | GEMM busy %.1f us | comm busy %.1f us, hidden %s"
+              % (r["rank"], r["layer_us"], r["start_us"], r["gemm_busy_us"], r["comm_busy_us"], hid))
+
+
 def main(paths):
     if not paths:
         sys.exit(__doc__.strip())
+    for p in paths:
+        summary(p)
     tables = [load(p) for p in paths]
     for p, t in zip(paths, tables):
         timeline(p, t)
