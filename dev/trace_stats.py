@@ -14,7 +14,9 @@ older traces have four: fill and finish apart). With two or more files
 file's figures side by side, so a change in the remote pulls' pass length is
 a change in their rate (the passes move the same rows).
 
-A timeline per file and rank comes first: each step's first begin and last
+The writer's summary per rank comes first (otherData: layer time, GEMM and
+communication busy time, the share of communication hidden behind GEMMs;
+docs/trace.md), then a timeline per file and rank: each step's first begin and last
 end, and the gap before it (launch gaps and waits of the sequential chain).
 
   dev/trace_stats.py A.json [B.json ...]
@@ -32,7 +34,9 @@ PLAN_STEPS_OLD = {0: "routing copy", 1: "count", 2: "fill", 3: "finish (or the s
 def load(path):
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    old = any(e["name"] == "plan" and e["args"].get("index") == 3 for e in events)
+    # steps by args.kind (the short id: pull, gemm0, ...); the event names are the trainer's titles
+    # ("dispatch (pull token rows)", ...) since they were renamed, the bare ids before
+    old = any(e["args"]["kind"] == "plan" and e["args"].get("index") == 3 for e in events)
     groups = {}
     for e in events:
         kind = e["args"]["kind"]
@@ -67,9 +71,21 @@ def timeline(path, table):
             last = e if last is None else max(last, e)
 
 
+def summary(path):
+    """The writer's per-rank summary (otherData.ranks; traces since it was added)."""
+    with open(path) as f:
+        ranks = json.load(f).get("otherData", {}).get("ranks", [])
+    for r in ranks:
+        hid = "-" if r["comm_hidden"] is None else "%.1f%%" % (100 * r["comm_hidden"])
+        print("  r%d layer %.1f us (starts +%.1f) | GEMM busy %.1f us | comm busy %.1f us, hidden %s"
+              % (r["rank"], r["layer_us"], r["start_us"], r["gemm_busy_us"], r["comm_busy_us"], hid))
+
+
 def main(paths):
     if not paths:
         sys.exit(__doc__.strip())
+    for p in paths:
+        summary(p)
     tables = [load(p) for p in paths]
     for p, t in zip(paths, tables):
         timeline(p, t)

@@ -113,7 +113,7 @@ done
 # valid-looking JSON: one object with traceEvents, complete events with ts/dur, every rank named
 expect trace-json 0 '^ok$' -- bash -c 'head -c1 "$1" | grep -q "{" && tail -c2 "$1" | grep -q "}" &&
     grep -q "\"traceEvents\": \[" "$1" && grep -q "\"ph\": \"X\".*\"ts\": [0-9.]*, \"dur\": [0-9.]*" "$1" &&
-    grep -q "\"name\": \"rank 1\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "\"kind\": \"send\"" "$1" &&
+    grep -q "\"name\": \"rank 1 (+[0-9.]* us)\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "\"kind\": \"send\"" "$1" &&
     { ! command -v python3 >/dev/null || python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1"; } && echo ok' _ "$tdir/b.json"
 expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --backend cpu --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/tuned.jsonl"
 expect bench-json-iters 0 '"iters": 1, "warmup": 0[,}]' -- cat "$tdir/tuned.jsonl"

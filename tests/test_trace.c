@@ -174,7 +174,7 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
         memset(lanes_named, 0, sizeof lanes_named);
         int lanes_used[8][3][64];
         memset(lanes_used, 0, sizeof lanes_used);
-        int64_t x_events = 0, bad_interval = 0, bad_field = 0, out_of_plan = 0;
+        int64_t x_events = 0, bad_interval = 0, bad_field = 0, out_of_plan = 0, bad_name = 0;
         for (char *line = strtok(js, "\n"); line; line = strtok(NULL, "\n")) {
             char *ev = strstr(line, "{\"ph\": \"");
             if (!ev) continue;
@@ -201,6 +201,13 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
                 continue;
             }
             bad_interval += ts < 0 || dur < 0;
+            /* The event's name is the trainer's title of its kind; args.step the short label. */
+            int kind_id = -1;
+            for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++)
+                if (strcmp(kind, comet_trace_kind_name(k)) == 0) kind_id = k;
+            char want[96];
+            snprintf(want, sizeof want, "\"name\": \"%s\"", comet_trace_kind_title(kind_id));
+            bad_name += kind_id < 0 || strstr(ev, want) == NULL || strstr(ev, "\"step\": \"") == NULL;
             lanes_used[pid][tid / 1000][tid % 1000]++;
             rank_tasks_t *t = &rt[pid];
             int *slot = NULL;
@@ -223,6 +230,7 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
         CHECK(x_events == comet_trace_event_count(tr), "W=%d: %lld events in the JSON, %lld recorded", w,
               (long long)x_events, (long long)comet_trace_event_count(tr));
         CHECK(bad_field == 0, "W=%d: %lld events not parsed", w, (long long)bad_field);
+        CHECK(bad_name == 0, "W=%d: %lld events without their kind's title as name", w, (long long)bad_name);
         CHECK(bad_interval == 0, "W=%d: %lld intervals with negative time or duration", w, (long long)bad_interval);
         CHECK(out_of_plan == 0, "W=%d: %lld events outside the plan or on the wrong lane", w, (long long)out_of_plan);
 
@@ -259,6 +267,10 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
             }
         }
         free(js);
+        js = read_all(json_path, NULL);
+        CHECK(js && count_substr(js, ": rank thread\"}}") == w && strstr(js, "\"name\": \"rank 0: compute worker 0\"}"),
+              "W=%d: JSON thread names", w);
+        free(js);
 
         char *svg = read_all(svg_path, NULL);
         CHECK(svg != NULL, "cannot read %s", svg_path);
@@ -270,6 +282,16 @@ static void test_plan(int tp, int ep, const int64_t *tokens, int n_comm, int chu
                   count_substr(svg, "data-role=\"host\""));
             CHECK(count_substr(svg, "class=\"rank\"") == w, "W=%d: rank groups", w);
             CHECK(strstr(svg, "#181;s") != NULL, "W=%d: no time axis in microseconds", w);
+            /* The summary: one line per rank, the shared clock said. */
+            CHECK(count_substr(svg, "</tspan> layer ") == w && strstr(svg, "share one clock (CLOCK_MONOTONIC)"),
+                  "W=%d: summary lines", w);
+            /* Lanes named for what the CPU engine runs on them. */
+            CHECK(count_substr(svg, ": rank thread</text>") == w && strstr(svg, ">rank 0: comm worker 0</text>") &&
+                      strstr(svg, ">rank 0: compute worker 0</text>"),
+                  "W=%d: lanes not named rank thread / comm worker / compute worker", w);
+            for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++) /* the legend */
+                CHECK(strstr(svg, comet_trace_kind_title(k)) != NULL, "W=%d: %s not in the SVG", w,
+                      comet_trace_kind_title(k));
             free(svg);
         }
     }
@@ -376,6 +398,51 @@ static void test_api(void) {
     comet_trace_destroy(tr);
 }
 
+/* ---- summary -------------------------------------------------------------------
+ * Hand-made events: rank 0 (no backend) with GEMMs on two lanes, dispatch
+ * and a send around a wait; rank 1 (the CUDA layout) 3.2 us later with a
+ * stream step and a GEMM1 kernel only. The summary's numbers, the lane
+ * names of both layouts and the ranks' offsets. */
+static void test_summary(void) {
+    comet_trace_t *tr;
+    if (comet_trace_create(&tr, 2, 11, 8) != COMET_SUCCESS) {
+        CHECK(0, "create: %s", comet_last_error());
+        return;
+    }
+    const comet_trace_event_t ev[] = {
+        {0, 50, 1, -1, 0, 0, COMET_TRACE_HOST, COMET_TRACE_BARRIER, 1},  {100, 300, 0, 0, 0, 0, COMET_TRACE_GEMM, COMET_TRACE_GEMM0, 1},
+        {250, 400, 1, 0, 0, 1, COMET_TRACE_GEMM, COMET_TRACE_GEMM0, 1}, {350, 500, 0, 0, 0, 0, COMET_TRACE_COMM, COMET_TRACE_PULL, 1},
+        {500, 600, 0, 3, 0, 0, COMET_TRACE_COMM, COMET_TRACE_WAIT, 1},  {600, 700, 0, 1, 0, 0, COMET_TRACE_COMM, COMET_TRACE_SEND, 1},
+        {3200, 3300, 1, -1, 1, 0, COMET_TRACE_HOST, COMET_TRACE_BARRIER, 1},
+        {3400, 5400, -1, -1, 1, 1, COMET_TRACE_GEMM, COMET_TRACE_GEMM1, 1}};
+    const int lane[] = {0, 9, 10, 1, 1, 1, 0, 10};
+    for (int i = 0; i < 8; i++) comet_trace_record(tr, lane[i], &ev[i]);
+    comet_trace_set_layout(tr, 1, COMET_TRACE_LAYOUT_CUDA);
+    comet_trace_set_layout(tr, 7, COMET_TRACE_LAYOUT_CUDA); /* outside: ignored */
+    CHECK(comet_trace_write_chrome_json(tr, json_path) == COMET_SUCCESS, "json: %s", comet_last_error());
+    CHECK(comet_trace_write_svg(tr, svg_path) == COMET_SUCCESS, "svg: %s", comet_last_error());
+    char *js = read_all(json_path, NULL), *svg = read_all(svg_path, NULL);
+    CHECK(js && json_balanced(js), "summary: JSON not balanced");
+    /* rank 0: layer 0..700 ns; GEMM union [100, 400]; comm union [350, 500] + [600, 700]; overlap [350, 400] */
+    CHECK(js && strstr(js, "\"layer_us_max\": 2.200") &&
+              strstr(js, "{\"rank\": 0, \"backend\": \"unknown\", \"start_us\": 0.000, \"layer_us\": 0.700, "
+                         "\"gemm_busy_us\": 0.300, \"comm_busy_us\": 0.250, \"comm_hidden_us\": 0.050, \"comm_hidden\": 0.2000}") &&
+              strstr(js, "{\"rank\": 1, \"backend\": \"cuda\", \"start_us\": 3.200, \"layer_us\": 2.200, "
+                         "\"gemm_busy_us\": 2.000, \"comm_busy_us\": 0.000, \"comm_hidden_us\": 0.000, \"comm_hidden\": null}"),
+          "summary in otherData:\n%.900s", js ? js : "");
+    CHECK(js && strstr(js, "\"name\": \"rank 1 (+3.2 us)\"") && strstr(js, "\"name\": \"rank 1: GEMM1 kernel\"") &&
+              strstr(js, "\"name\": \"rank 1: stream\"") && strstr(js, "\"name\": \"rank 0: gemm 1\"") &&
+              strstr(js, "\"name\": \"rank 0: host\""),
+          "summary: process and thread names");
+    CHECK(svg && strstr(svg, "layer 2.2 us (slowest rank") && strstr(svg, "250.0 ns") == NULL &&
+              strstr(svg, "layer 0.7 us (starts at +0.0 us) | GEMM busy 0.3 us | communication busy 0.2 us, 20.0% of it hidden") &&
+              strstr(svg, "layer 2.2 us (starts at +3.2 us) | GEMM busy 2.0 us | communication busy 0.0 us, none to hide") &&
+              strstr(svg, ">rank 1 (+3.2 us)</text>") && strstr(svg, "own %globaltimer"),
+          "summary lines in the SVG");
+    free(js), free(svg);
+    comet_trace_destroy(tr);
+}
+
 /* ---- too large ------------------------------------------------------------------ */
 /* The allocation failure below is real (a recorder of 2^52 bytes): the
  * sanitizers' allocators return NULL for it, as libc's does, instead of
@@ -402,6 +469,7 @@ int main(void) {
     snprintf(svg_path, sizeof svg_path, "%s/comet_test_trace_%d.svg", tmp && *tmp ? tmp : "/tmp", (int)getpid());
     test_api();
     test_too_large();
+    test_summary();
     int64_t t2[2] = {13, 9}, t4[4] = {7, 0, 11, 5}, t1[1] = {16};
     test_plan(1, 2, t2, 2, 16, 0.0, 0);
     test_plan(2, 2, t4, 3, 24, 0.3, 2);

@@ -191,6 +191,7 @@ static comet_status_t cpu_layer_set_trace(comet_layer_t *l, comet_trace_t *trace
     cpu_layer_t *L = l->backend_state;
     if (!L) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has no CPU state", l->rank);
     L->trace = trace;
+    comet_trace_set_layout(trace, l->rank, COMET_TRACE_LAYOUT_CPU);
     return COMET_SUCCESS;
 }
 

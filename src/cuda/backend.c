@@ -617,6 +617,7 @@ static comet_status_t cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
                                                     sizeof(comet_trace_event_t)));
     CUDA_TRY(l->rank, cudaMalloc((void **)&L->tr_counts, COMET_CUDA_TRACE_LANES * sizeof(uint32_t)));
     L->trace = t;
+    comet_trace_set_layout(t, l->rank, COMET_TRACE_LAYOUT_CUDA);
     return COMET_SUCCESS;
 }
 

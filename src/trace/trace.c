@@ -46,9 +46,10 @@ comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_
     t->lanes = lanes;
     t->capacity = capacity;
     atomic_init(&t->out_of_range, 0);
+    t->layout = calloc((size_t)num_ranks, sizeof *t->layout);
     t->counts = calloc(n_lanes, sizeof *t->counts);
     t->events = calloc(n_events, sizeof *t->events);
-    if (!t->counts || !t->events) { /* the message from the locals: destroy frees t */
+    if (!t->layout || !t->counts || !t->events) { /* the message from the locals: destroy frees t */
         comet_trace_destroy(t);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for %d x %d lanes of %lld events", num_ranks,
                           lanes, (long long)capacity);
@@ -60,6 +61,7 @@ comet_status_t comet_trace_create(comet_trace_t **out, int num_ranks, int lanes_
 comet_status_t comet_trace_destroy(comet_trace_t *t) {
     comet_clear_error();
     if (!t) return COMET_SUCCESS;
+    free(t->layout);
     free(t->counts);
     free(t->events);
     free(t);
@@ -83,6 +85,10 @@ void comet_trace_record(comet_trace_t *t, int lane, const comet_trace_event_t *e
     uint32_t n = t->counts[slot];
     if (n != UINT32_MAX) t->counts[slot] = n + 1; /* saturate: a full lane stays full */
     if ((int64_t)n < t->capacity) t->events[slot * (size_t)t->capacity + n] = *ev;
+}
+
+void comet_trace_set_layout(comet_trace_t *t, int rank, int layout) {
+    if (t && rank >= 0 && rank < t->ranks) t->layout[rank] = (uint8_t)layout;
 }
 
 size_t comet_trace_buffer_bytes(const comet_trace_t *t) {
@@ -117,8 +123,20 @@ int64_t comet_trace_dropped(const comet_trace_t *t) {
 static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {"pull", "gemm0", "gemm1", "send",
                                                               "recv", "wait",  "barrier", "plan"};
 
+/* What a model trainer calls each step: the event names of the JSON and the
+ * SVG's legend and tooltips. GEMM0 is the experts' first matmul (x W1, with
+ * the gated activation), GEMM1 their second (h W2). */
+static const char *const kind_titles[COMET_TRACE_NUM_KINDS] = {
+    "dispatch (pull token rows)", "expert GEMM 1 (x W1, activation)", "expert GEMM 2 (h W2)",
+    "combine (send partials)",    "combine (sum partials into y)",    "wait",
+    "barrier (sync ranks)",       "plan (route tokens)"};
+
 const char *comet_trace_kind_name(int kind) {
     return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_names[kind] : "unknown";
+}
+
+const char *comet_trace_kind_title(int kind) {
+    return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_titles[kind] : "unknown";
 }
 
 const char *comet_trace_role_name(int role) {
@@ -148,6 +166,29 @@ static void event_label(const comet_trace_event_t *e, char *buf, size_t n) {
     case COMET_TRACE_WAIT: snprintf(buf, n, "wait for %s %d", comet_trace_kind_name(e->aux), e->index); break;
     case COMET_TRACE_BARRIER: snprintf(buf, n, "barrier (%s)", e->index ? "entry" : "previous call done"); break;
     default: snprintf(buf, n, "%s", k); break;
+    }
+}
+
+/* What a lane holds, by the rank's backend: "rank 1: comm CTAs 3 mod 8",
+ * "rank 0: compute worker 2", ... (without "rank r: " when `with_rank` is 0). */
+static void lane_label(const comet_trace_t *t, int rank, int role, int worker, int with_rank, char *buf, size_t n) {
+    char pre[24] = "";
+    if (with_rank) snprintf(pre, sizeof pre, "rank %d: ", rank);
+    const int layout = rank < t->ranks ? t->layout[rank] : COMET_TRACE_LAYOUT_UNKNOWN;
+    if (layout == COMET_TRACE_LAYOUT_CUDA) {
+        if (role == COMET_TRACE_HOST) snprintf(buf, n, "%sstream", pre);
+        else if (role == COMET_TRACE_COMM) snprintf(buf, n, "%scomm CTAs %d mod 8", pre, worker);
+        else if (role == COMET_TRACE_GEMM && worker < 2) snprintf(buf, n, "%sGEMM%d kernel", pre, worker);
+        else snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
+    } else if (layout == COMET_TRACE_LAYOUT_CPU) {
+        if (role == COMET_TRACE_HOST) snprintf(buf, n, "%srank thread", pre);
+        else if (role == COMET_TRACE_COMM) snprintf(buf, n, "%scomm worker %d", pre, worker);
+        else if (role == COMET_TRACE_GEMM) snprintf(buf, n, "%scompute worker %d", pre, worker);
+        else snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
+    } else if (role == COMET_TRACE_HOST) {
+        snprintf(buf, n, "%shost", pre);
+    } else {
+        snprintf(buf, n, "%s%s %d", pre, comet_trace_role_name(role), worker);
     }
 }
 
@@ -246,6 +287,125 @@ static comet_status_t view_open(const comet_trace_t *t, const char *path, view_t
 }
 
 /* ---------------------------------------------------------------------------
+ * Summary per rank: the layer's time, the busy time of the GEMM and of the
+ * communication steps, and how much of the communication overlapped GEMMs.
+ * Times within one rank only (one clock), so they hold whatever the ranks'
+ * clocks are.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int present;
+    uint64_t first, last;                /* the rank's first begin and last end */
+    uint64_t gemm_ns, comm_ns, hidden_ns; /* |U gemm|, |U comm|, |U comm n U gemm| */
+} rank_sum_t;
+
+typedef struct {
+    uint64_t b, e;
+} span_t;
+
+static int cmp_span(const void *a, const void *b) {
+    const span_t *x = a, *y = b;
+    return (x->b > y->b) - (x->b < y->b);
+}
+
+static int is_gemm(int kind) { return kind == COMET_TRACE_GEMM0 || kind == COMET_TRACE_GEMM1; }
+static int is_comm(int kind) { return kind == COMET_TRACE_PULL || kind == COMET_TRACE_SEND || kind == COMET_TRACE_RECV; }
+
+/* The rank's intervals of the kinds `pick` takes, as a sorted union of
+ * disjoint spans in s (room for v->n); returns how many. */
+static int64_t union_of(const view_t *v, int rank, int (*pick)(int), span_t *s) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < v->n; i++) {
+        const comet_trace_event_t *e = &v->ev[i];
+        if (e->rank == rank && pick(e->kind))
+            s[n++] = (span_t){e->t_begin_ns, e->t_end_ns > e->t_begin_ns ? e->t_end_ns : e->t_begin_ns};
+    }
+    qsort(s, (size_t)n, sizeof *s, cmp_span);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (m && s[i].b <= s[m - 1].e) {
+            if (s[i].e > s[m - 1].e) s[m - 1].e = s[i].e;
+        } else {
+            s[m++] = s[i];
+        }
+    }
+    return m;
+}
+
+static uint64_t length_of(const span_t *s, int64_t n) {
+    uint64_t t = 0;
+    for (int64_t i = 0; i < n; i++) t += s[i].e - s[i].b;
+    return t;
+}
+
+/* out[0..max_rank]; 0 on success, -1 out of memory. */
+static int summarize(const view_t *v, int max_rank, rank_sum_t *out) {
+    span_t *a = malloc((size_t)(v->n ? v->n : 1) * sizeof *a), *b = malloc((size_t)(v->n ? v->n : 1) * sizeof *b);
+    if (!a || !b) {
+        free(a), free(b);
+        return -1;
+    }
+    for (int r = 0; r <= max_rank; r++) {
+        rank_sum_t *o = &out[r];
+        memset(o, 0, sizeof *o);
+        o->first = UINT64_MAX;
+        for (int64_t i = 0; i < v->n; i++) {
+            const comet_trace_event_t *e = &v->ev[i];
+            if (e->rank != r) continue;
+            o->present = 1;
+            if (e->t_begin_ns < o->first) o->first = e->t_begin_ns;
+            if (e->t_end_ns > o->last) o->last = e->t_end_ns;
+        }
+        if (!o->present) {
+            o->first = 0;
+            continue;
+        }
+        if (o->last < o->first) o->last = o->first;
+        int64_t na = union_of(v, r, is_gemm, a), nb = union_of(v, r, is_comm, b);
+        o->gemm_ns = length_of(a, na), o->comm_ns = length_of(b, nb);
+        for (int64_t i = 0, j = 0; i < na && j < nb;) { /* two sorted disjoint lists: their overlap */
+            uint64_t lo = a[i].b > b[j].b ? a[i].b : b[j].b, hi = a[i].e < b[j].e ? a[i].e : b[j].e;
+            if (hi > lo) o->hidden_ns += hi - lo;
+            if (a[i].e < b[j].e) i++;
+            else j++;
+        }
+    }
+    free(a), free(b);
+    return 0;
+}
+
+static const char *layout_name(const comet_trace_t *t, int rank) {
+    const int l = rank < t->ranks ? t->layout[rank] : COMET_TRACE_LAYOUT_UNKNOWN;
+    return l == COMET_TRACE_LAYOUT_CPU ? "cpu" : l == COMET_TRACE_LAYOUT_CUDA ? "cuda" : "unknown";
+}
+
+/* The view's highest rank and its summaries (NULL: out of memory; the
+ * caller frees). */
+static rank_sum_t *view_summary(const view_t *v, int *max_rank) {
+    *max_rank = v->n_lanes ? v->lanes[v->n_lanes - 1].rank : -1;
+    rank_sum_t *sums = malloc((size_t)(*max_rank + 2) * sizeof *sums);
+    if (sums && summarize(v, *max_rank, sums) != 0) free(sums), sums = NULL;
+    return sums;
+}
+
+/* "rank 1 (+3.2 us)": where the rank's first event lies on the common axis. */
+static void rank_title(const view_t *v, const rank_sum_t *o, int rank, char *buf, size_t n) {
+    snprintf(buf, n, "rank %d (+%.1f us)", rank, us_since(v, o->first));
+}
+
+/* "812.3 us" or "226.073 ms". */
+static void time_text(double us, char *buf, size_t n) {
+    if (us < 10000) snprintf(buf, n, "%.1f us", us);
+    else snprintf(buf, n, "%.3f ms", us * 1e-3);
+}
+
+/* "80.1% of it hidden behind GEMMs", or "none to hide". */
+static void hidden_text(const rank_sum_t *o, char *buf, size_t n) {
+    if (o->comm_ns) snprintf(buf, n, "%.1f%% of it hidden behind GEMMs", 100.0 * (double)o->hidden_ns / (double)o->comm_ns);
+    else snprintf(buf, n, "none to hide");
+}
+
+/* ---------------------------------------------------------------------------
  * Chrome-trace JSON
  * ------------------------------------------------------------------------- */
 
@@ -254,28 +414,50 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
     view_t v;
     FILE *f;
     COMET_TRY(view_open(t, path, &v, &f));
-    fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld},\n"
-               " \"traceEvents\": [\n",
+    int max_rank;
+    rank_sum_t *sums = view_summary(&v, &max_rank);
+    if (!sums) {
+        fclose(f), view_free(&v);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for the summary");
+    }
+    /* otherData: the summary the picture's top lines show, per rank (us). */
+    fprintf(f, "{\"displayTimeUnit\": \"ns\",\n \"otherData\": {\"tool\": \"comet\", \"events\": %lld, \"dropped\": %lld",
             (long long)v.n, (long long)comet_trace_dropped(t));
+    double layer_max = 0;
+    for (int r = 0; r <= max_rank; r++)
+        if (sums[r].present && (double)(sums[r].last - sums[r].first) * 1e-3 > layer_max)
+            layer_max = (double)(sums[r].last - sums[r].first) * 1e-3;
+    fprintf(f, ", \"layer_us_max\": %.3f, \"ranks\": [", layer_max);
+    for (int r = 0, any = 0; r <= max_rank; r++) {
+        const rank_sum_t *o = &sums[r];
+        if (!o->present) continue;
+        fprintf(f, "%s\n  {\"rank\": %d, \"backend\": \"%s\", \"start_us\": %.3f, \"layer_us\": %.3f, \"gemm_busy_us\": %.3f, "
+                   "\"comm_busy_us\": %.3f, \"comm_hidden_us\": %.3f, \"comm_hidden\": ",
+                any++ ? "," : "", r, layout_name(t, r), us_since(&v, o->first), (double)(o->last - o->first) * 1e-3,
+                (double)o->gemm_ns * 1e-3, (double)o->comm_ns * 1e-3, (double)o->hidden_ns * 1e-3);
+        if (o->comm_ns) fprintf(f, "%.4f}", (double)o->hidden_ns / (double)o->comm_ns);
+        else fprintf(f, "null}");
+    }
+    fprintf(f, "]},\n \"traceEvents\": [\n");
     const char *sep = "  ";
     int last_rank = -1;
     for (int64_t i = 0; i < v.n_lanes; i++) {
         const lane_key_t *k = &v.lanes[i];
         if (k->rank != last_rank) {
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}}", sep,
-                    k->rank, k->rank);
+            char pname[48];
+            rank_title(&v, &sums[k->rank], k->rank, pname, sizeof pname);
+            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": \"%s\"}}", sep,
+                    k->rank, pname);
             sep = ",\n  ";
             fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": %d, \"args\": {\"sort_index\": %d}}",
                     sep, k->rank, k->rank);
             last_rank = k->rank;
         }
         int tid = k->role * 1000 + k->worker;
-        if (k->role == COMET_TRACE_HOST)
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"host\"}}",
-                    sep, k->rank, tid);
-        else
-            fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"%s %d\"}}",
-                    sep, k->rank, tid, comet_trace_role_name(k->role), k->worker);
+        char name[64];
+        lane_label(t, k->rank, k->role, k->worker, 1, name, sizeof name);
+        fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, \"args\": {\"name\": \"%s\"}}",
+                sep, k->rank, tid, name);
         fprintf(f, "%s{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": %d, \"tid\": %d, \"args\": {\"sort_index\": %d}}",
                 sep, k->rank, tid, tid);
     }
@@ -288,13 +470,14 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
         double dur = e->t_end_ns >= e->t_begin_ns ? (double)(e->t_end_ns - e->t_begin_ns) * 1e-3 : 0.0;
         fprintf(f,
                 "%s{\"ph\": \"X\", \"name\": \"%s\", \"cat\": \"%s%s%s\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, "
-                "\"dur\": %.3f, \"args\": {\"kind\": \"%s\", \"index\": %d, \"aux\": %d, \"call\": %d}}",
-                sep, label, comet_trace_role_name(e->role), layer >= 0 ? (layer ? ",layer1" : ",layer0") : "",
+                "\"dur\": %.3f, \"args\": {\"kind\": \"%s\", \"index\": %d, \"aux\": %d, \"call\": %d, \"step\": \"%s\"}}",
+                sep, comet_trace_kind_title(e->kind), comet_trace_role_name(e->role), layer >= 0 ? (layer ? ",layer1" : ",layer0") : "",
                 e->kind == COMET_TRACE_WAIT ? ",wait" : "", e->rank, e->role * 1000 + e->worker, ts, dur,
-                comet_trace_kind_name(e->kind), e->index, e->aux, e->call);
+                comet_trace_kind_name(e->kind), e->index, e->aux, e->call, label);
         sep = ",\n  ";
     }
     fprintf(f, "\n ]\n}\n");
+    free(sums);
     view_free(&v);
     return close_out(f, path);
 }
@@ -304,9 +487,8 @@ comet_status_t comet_trace_write_chrome_json(const comet_trace_t *t, const char 
  * ------------------------------------------------------------------------- */
 
 #define SVG_WIDTH 1400.0
-#define SVG_LEFT 120.0  /* lane labels */
+#define SVG_LEFT 180.0  /* lane labels */
 #define SVG_RIGHT 30.0
-#define SVG_TOP 62.0    /* title and legend */
 #define SVG_LANE 16.0   /* lane height */
 #define SVG_HEADER 18.0 /* rank header with the layer bands */
 #define SVG_GAP 10.0    /* between ranks */
@@ -339,13 +521,26 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     COMET_TRY(view_open(t, path, &v, &f));
     /* Vertical layout: every rank a header row (layer bands), then its lanes. */
     double *lane_y = malloc((size_t)(v.n_lanes ? v.n_lanes : 1) * sizeof(double));
-    int max_rank = v.n_lanes ? v.lanes[v.n_lanes - 1].rank : -1;
+    int max_rank;
+    rank_sum_t *sums = view_summary(&v, &max_rank);
     double *rank_y = malloc((size_t)(max_rank + 2) * sizeof(double));
-    if (!lane_y || !rank_y) {
-        free(lane_y), free(rank_y), fclose(f), view_free(&v);
+    if (!lane_y || !rank_y || !sums) {
+        free(lane_y), free(rank_y), free(sums), fclose(f), view_free(&v);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "trace: no memory for the picture");
     }
-    double y = SVG_TOP;
+    /* Top: title, one summary line per rank, the clock note, legend, bands note. */
+    int n_present = 0, any_gpu = 0;
+    double layer_max = 0;
+    for (int r = 0; r <= max_rank; r++) {
+        if (!sums[r].present) continue;
+        n_present++;
+        any_gpu |= r < t->ranks && t->layout[r] == COMET_TRACE_LAYOUT_CUDA;
+        if ((double)(sums[r].last - sums[r].first) * 1e-3 > layer_max)
+            layer_max = (double)(sums[r].last - sums[r].first) * 1e-3;
+    }
+    const double summary_y = 36, note_y = summary_y + 14.0 * n_present, legend_y = note_y + 29,
+                 top = legend_y + 32; /* the first rank's header */
+    double y = top;
     for (int64_t i = 0; i < v.n_lanes; i++) {
         if (i == 0 || v.lanes[i].rank != v.lanes[i - 1].rank) {
             if (i) y += SVG_GAP;
@@ -365,30 +560,54 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
                "<!-- comet trace: one lane per rank x worker; %lld events, %lld dropped -->\n"
                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
             SVG_WIDTH, height, SVG_WIDTH, height, (long long)v.n, (long long)comet_trace_dropped(t));
-    fprintf(f, "<text x=\"10\" y=\"18\" font-size=\"14\" font-weight=\"bold\">comet trace: %d rank%s, %.1f us, "
-               "%lld events%s</text>\n",
-            max_rank + 1, max_rank ? "s" : "", span_us, (long long)v.n,
+    char tl[32];
+    time_text(layer_max, tl, sizeof tl);
+    fprintf(f, "<text x=\"10\" y=\"18\" font-size=\"14\" font-weight=\"bold\">comet trace: %d rank%s, layer %s "
+               "(slowest rank, first event to last), %lld events%s</text>\n",
+            n_present, n_present == 1 ? "" : "s", tl, (long long)v.n,
             comet_trace_dropped(t) ? " (some dropped: lanes were full)" : "");
+    fprintf(f, "<g class=\"summary\">\n");
+    for (int r = 0, line = 0; r <= max_rank; r++) {
+        const rank_sum_t *o = &sums[r];
+        if (!o->present) continue;
+        char lt[32], gt[32], ct[32], hid[48];
+        time_text((double)(o->last - o->first) * 1e-3, lt, sizeof lt);
+        time_text((double)o->gemm_ns * 1e-3, gt, sizeof gt);
+        time_text((double)o->comm_ns * 1e-3, ct, sizeof ct);
+        hidden_text(o, hid, sizeof hid);
+        fprintf(f, "<text x=\"10\" y=\"%.1f\" data-rank=\"%d\"><tspan font-weight=\"bold\">rank %d:</tspan> layer %s "
+                   "(starts at +%.1f us) | GEMM busy %s | communication busy %s, %s</text>\n",
+                summary_y + 14.0 * line++, r, r, lt, us_since(&v, o->first), gt, ct, hid);
+    }
+    fprintf(f, "<text x=\"10\" y=\"%.1f\" fill=\"#555\">layer: the rank's first event to its last; busy: time "
+               "when at least one of its lanes runs that kind of step (waits not counted); hidden: the communication "
+               "time during which a GEMM also ran (per rank, from its own events only).</text>\n"
+               "<text x=\"10\" y=\"%.1f\" fill=\"#555\">%s</text>\n</g>\n",
+            note_y, note_y + 13, any_gpu ? "Each GPU's times come from its own %globaltimer: a rank's +offset includes its "
+                              "clock's difference from the others' (each rank's own numbers above hold)."
+                            : "All ranks share one clock (CLOCK_MONOTONIC): a rank's +offset, where its first event lies after the "
+                              "earliest one, is real.");
     /* Legend. */
     static const int legend[] = {COMET_TRACE_PULL,  COMET_TRACE_GEMM0, COMET_TRACE_GEMM1, COMET_TRACE_SEND,
                                  COMET_TRACE_RECV,  COMET_TRACE_WAIT,  COMET_TRACE_PLAN,  COMET_TRACE_BARRIER};
-    static const char *const legend_text[] = {"layer 0 comm: pull rows", "layer 0 GEMM0 tile", "layer 1 GEMM1 tile",
-                                              "layer 1 comm: send partials", "layer 1 comm: sum into y", "wait on a flag",
-                                              "host: plan", "host: barrier"};
     double lx = 10;
     for (int i = 0; i < 8; i++) {
-        fprintf(f, "<rect x=\"%.1f\" y=\"30\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"40\">%s</text>\n",
-                lx, legend[i] == COMET_TRACE_WAIT ? 4 : 10, kind_color(legend[i]), lx + 16, legend_text[i]);
-        lx += 24 + 6.2 * (double)strlen(legend_text[i]);
+        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
+                lx, legend_y + (legend[i] == COMET_TRACE_WAIT ? 3 : 0), legend[i] == COMET_TRACE_WAIT ? 4 : 10,
+                kind_color(legend[i]), lx + 16, legend_y + 10,
+                comet_trace_kind_title(legend[i]));
+        lx += 24 + 6.2 * (double)strlen(comet_trace_kind_title(legend[i]));
     }
-    fprintf(f, "<text x=\"10\" y=\"54\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + GEMM0) and "
-               "of layer 1 (GEMM1 + combine); overlap shows where comm and GEMM bars share a time</text>\n");
+    fprintf(f, "<text x=\"10\" y=\"%.1f\" fill=\"#555\">bands above each rank: span of layer 0 (dispatch + expert GEMM 1) "
+               "and of layer 1 (expert GEMM 2 + combine); communication is hidden where its bars share a time with "
+               "GEMM bars</text>\n",
+            legend_y + 24);
     /* Grid and time axis. */
     double step = tick_step(span_us, 10);
     fprintf(f, "<g class=\"axis\" stroke=\"#ccc\" stroke-width=\"0.5\">\n");
     for (double u = 0; u <= span_us * 1.0001; u += step)
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n", SVG_LEFT + u / span_us * plot_w,
-                SVG_TOP - 2, SVG_LEFT + u / span_us * plot_w, axis_y);
+                top - 2, SVG_LEFT + u / span_us * plot_w, axis_y);
     fprintf(f, "</g>\n<g class=\"axis-labels\" text-anchor=\"middle\">\n");
     fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n", SVG_LEFT, axis_y,
             SVG_LEFT + plot_w, axis_y);
@@ -412,8 +631,10 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
         for (int64_t i = 0; i < v.n_lanes; i++) present |= v.lanes[i].rank == r;
         if (!present) continue;
         double ry = rank_y[r];
-        fprintf(f, "<g class=\"rank\" data-rank=\"%d\">\n<text x=\"10\" y=\"%.1f\" font-weight=\"bold\">rank %d</text>\n",
-                r, ry + 12, r);
+        char rt[48];
+        rank_title(&v, &sums[r], r, rt, sizeof rt);
+        fprintf(f, "<g class=\"rank\" data-rank=\"%d\">\n<text x=\"10\" y=\"%.1f\" font-weight=\"bold\">%s</text>\n",
+                r, ry + 12, rt);
         for (int layer = 0; any && layer < 2; layer++) {
             if (lo[layer] == UINT64_MAX) continue;
             double x0 = X_OF(lo[layer]), x1 = X_OF(hi[layer]);
@@ -429,15 +650,12 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
     /* Lanes (events are sorted by lane). */
     for (int64_t i = 0, j = 0; i < v.n_lanes; i++) {
         const lane_key_t *k = &v.lanes[i];
-        char name[32];
-        if (k->role == COMET_TRACE_HOST)
-            snprintf(name, sizeof name, "host");
-        else
-            snprintf(name, sizeof name, "%s %d", comet_trace_role_name(k->role), k->worker);
+        char name[64];
+        lane_label(t, k->rank, k->role, k->worker, 1, name, sizeof name);
         fprintf(f,
                 "<g class=\"lane\" data-rank=\"%d\" data-role=\"%s\" data-worker=\"%d\">\n"
                 "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"/>\n"
-                "<text x=\"30\" y=\"%.1f\">%s</text>\n",
+                "<text x=\"18\" y=\"%.1f\">%s</text>\n",
                 k->rank, comet_trace_role_name(k->role), k->worker, SVG_LEFT, lane_y[i], plot_w, SVG_LANE - 2,
                 i % 2 ? "#f7f7f7" : "#efefef", lane_y[i] + 11, name);
         for (; j < v.n && same_lane(&v.ev[j], k); j++) {
@@ -446,16 +664,17 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
             event_label(e, label, sizeof label);
             double x0 = X_OF(e->t_begin_ns), x1 = X_OF(e->t_end_ns >= e->t_begin_ns ? e->t_end_ns : e->t_begin_ns);
             int wait = e->kind == COMET_TRACE_WAIT;
-            fprintf(f, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"%s><title>%s: %.2f - %.2f us</title></rect>\n",
+            fprintf(f, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\"%s><title>%s: %s: %.2f - %.2f us</title></rect>\n",
                     x0, lane_y[i] + (wait ? 5 : 1), x1 - x0 > 1.2 ? x1 - x0 : 1.2, wait ? 4.0 : SVG_LANE - 4,
-                    kind_color(e->kind), wait ? "" : " stroke=\"white\" stroke-width=\"0.2\"", label,
+                    kind_color(e->kind), wait ? "" : " stroke=\"white\" stroke-width=\"0.2\"",
+                    comet_trace_kind_title(e->kind), label,
                     us_since(&v, e->t_begin_ns), us_since(&v, e->t_end_ns));
         }
         fprintf(f, "</g>\n");
     }
 #undef X_OF
     fprintf(f, "</svg>\n");
-    free(lane_y), free(rank_y);
+    free(lane_y), free(rank_y), free(sums);
     view_free(&v);
     return close_out(f, path);
 }

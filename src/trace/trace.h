@@ -26,7 +26,7 @@
  * with comet_trace_buffer()/comet_trace_counts() as destinations; then the
  * writers below work unchanged.
  *
- * Lanes of one rank on the CPU engine: 0 is the rank's thread ("host"),
+ * Lanes of one rank on the CPU engine: 0 is the rank's thread,
  * 1..n_comm the communication workers, then the GEMM workers. The lane is
  * only a storage slot: the writers place an event by (rank, role, worker),
  * which the event carries, so n_comm may change between traced calls.
@@ -78,8 +78,18 @@ static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 b
 #else
 _Static_assert(sizeof(comet_trace_event_t) == 32, "the trace event layout is 32 bytes (shared with device code)");
 
+/* Which backend fills a rank's lanes: what the writers call its lanes and
+ * whether its clock is shared with the other ranks. Set by the backend when
+ * it attaches (comet_trace_set_layout); only labels depend on it. */
+enum {
+    COMET_TRACE_LAYOUT_UNKNOWN = 0, /* "host", "comm i", "gemm i" */
+    COMET_TRACE_LAYOUT_CPU = 1,     /* rank thread, comm worker i, compute worker i; one CLOCK_MONOTONIC for all ranks */
+    COMET_TRACE_LAYOUT_CUDA = 2     /* stream, comm CTAs i mod 8, GEMM0 kernel, GEMM1 kernel; the GPU's own %globaltimer */
+};
+
 struct comet_trace {
     int ranks, lanes;
+    uint8_t *layout;              /* [ranks] COMET_TRACE_LAYOUT_*, kept by comet_trace_clear */
     int64_t capacity;             /* events per lane */
     comet_trace_event_t *events;  /* [ranks][lanes][capacity] */
     uint32_t *counts;             /* [ranks][lanes] */
@@ -98,6 +108,11 @@ static inline uint64_t comet_trace_now_ns(void) {
  * fit is counted as dropped. */
 void comet_trace_record(comet_trace_t *t, int lane, const comet_trace_event_t *ev);
 
+/* The lane layout of `rank` (COMET_TRACE_LAYOUT_*): called by a backend's
+ * layer_set_trace; a rank outside the recorder is ignored. Each rank sets
+ * only its own byte, so ranks attaching at once do not race. */
+void comet_trace_set_layout(comet_trace_t *t, int rank, int layout);
+
 /* Buffer views for a backend that fills the recorder in bulk (see above). */
 size_t comet_trace_buffer_bytes(const comet_trace_t *t);
 comet_trace_event_t *comet_trace_buffer(comet_trace_t *t);
@@ -106,6 +121,10 @@ uint32_t *comet_trace_counts(comet_trace_t *t);
 /* Short name of a kind ("pull", "gemm0", ...) and of a role ("host", ...). */
 const char *comet_trace_kind_name(int kind);
 const char *comet_trace_role_name(int role);
+/* What the step is to a model trainer ("dispatch (pull token rows)", "expert
+ * GEMM 1 (x W1, activation)", ...): the writers' event names. The short names
+ * above stay the machine-readable ids (JSON args.kind). */
+const char *comet_trace_kind_title(int kind);
 /* Layer of a kind: 0, 1, or -1 (host, wait). */
 int comet_trace_kind_layer(int kind);
 
