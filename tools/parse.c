@@ -45,7 +45,7 @@ void cli_usage(FILE *f) {
             "usage: comet <command> [flags]\n\n"
             "commands:\n"
             "  bench    time one MoE layer forward on every rank and check it against the reference\n"
-            "  check    run one configuration once and compare it bitwise with the reference\n"
+            "  check    run one configuration once and compare it with the reference (bitwise on the CPU)\n"
             "  tune     time a configuration over the run-time knobs; record the fastest for the library\n"
             "  help     this text; `comet <command> --help` for a command's flags\n"
             "(a flag's value follows it, or '=': --tokens 512, --tokens=512)\n\n"
