@@ -42,6 +42,15 @@ ACT_SILU_GATED, ACT_GELU = 0, 1
 # tests/python: test_capi.py compares every size and offset with the C
 # compiler's, and checks that the library accepts each struct_size.
 # ---------------------------------------------------------------------------
+class _Versioned(ctypes.Structure):
+    """A struct that crosses the ABI with its size first (struct_size)."""
+
+    @classmethod
+    def init(cls):
+        """The C initializer (COMET_*_INIT): struct_size set, every other field 0."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
 class comet_tensor_t(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
@@ -55,7 +64,7 @@ class comet_unique_id_t(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_char * COMET_UNIQUE_ID_BYTES)]
 
 
-class comet_world_options_t(ctypes.Structure):
+class comet_world_options_t(_Versioned):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("timeout_ms", ctypes.c_int),
@@ -70,7 +79,7 @@ class comet_world_options_t(ctypes.Structure):
         return cls(ctypes.sizeof(cls), 0, 0, None, 0)
 
 
-class comet_layer_config_t(ctypes.Structure):
+class comet_layer_config_t(_Versioned):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("hidden", ctypes.c_int64),
@@ -95,7 +104,7 @@ class comet_memory_t(ctypes.Structure):
     _fields_ = [("symmetric_bytes", ctypes.c_size_t), ("private_bytes", ctypes.c_size_t)]
 
 
-class comet_forward_args_t(ctypes.Structure):
+class comet_forward_args_t(_Versioned):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("x", comet_tensor_t),
@@ -110,13 +119,8 @@ class comet_forward_args_t(ctypes.Structure):
         ("disable", ctypes.c_int),
     ]
 
-    @classmethod
-    def init(cls):
-        """COMET_FORWARD_ARGS_INIT."""
-        return cls(struct_size=ctypes.sizeof(cls))
 
-
-class comet_protocol_t(ctypes.Structure):
+class comet_protocol_t(_Versioned):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("mode", ctypes.c_int),
@@ -128,13 +132,8 @@ class comet_protocol_t(ctypes.Structure):
         ("graph_replay", ctypes.c_int),
     ]
 
-    @classmethod
-    def init(cls):
-        """COMET_PROTOCOL_INIT."""
-        return cls(struct_size=ctypes.sizeof(cls))
 
-
-class comet_backward_args_t(ctypes.Structure):
+class comet_backward_args_t(_Versioned):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("x", comet_tensor_t),
@@ -149,11 +148,6 @@ class comet_backward_args_t(ctypes.Structure):
         ("dw2", comet_tensor_t),
         ("accumulate", ctypes.c_int),
     ]
-
-    @classmethod
-    def init(cls):
-        """COMET_BACKWARD_ARGS_INIT."""
-        return cls(struct_size=ctypes.sizeof(cls))
 
 
 STRUCTS = {
