@@ -267,7 +267,7 @@ for md in sys.argv[1:]:
         p = m.group(1).rstrip(".")
         npaths.add(p)
         if not glob.glob(p.rstrip("/") if "*" in p else p) and not os.path.exists(p):
-            bad.append("path %s" % p)
+            bad.append("path %s: missing" % p)
     for m in link_re.finditer(text_nocode):
         link = m.group(1)
         if re.match(r"^[a-z]+:", link):
@@ -276,7 +276,7 @@ for md in sys.argv[1:]:
         target, _, anchor = link.partition("#")
         path = os.path.normpath(os.path.join(os.path.dirname(md), target)) if target else md
         if not os.path.exists(path):
-            bad.append("link %s (%s)" % (link, path))
+            bad.append("link %s: %s missing" % (link, path))
         elif anchor and path.endswith(".md") and anchor not in slugs(path):
             bad.append("link %s: no heading #%s in %s" % (link, anchor, path))
     for b in sorted(set(bad)):
@@ -286,7 +286,7 @@ PY
 )
 while IFS= read -r line; do
     case $line in
-    BAD*) fail "${line#BAD }: missing" ;;
+    BAD*) fail "${line#BAD }" ;;
     OK*) what=${line#OK }; grep -q "^BAD ${what%%:*}:" <<<"$out" || pass "$what: all exist" ;;
     esac
 done <<<"$out"
