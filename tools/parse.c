@@ -34,7 +34,10 @@ static const char *const flag_help =
     "                     rule; -1 = the sequential chain on GPUs)\n"
     "  --chunk N          layer-1 column-chunk width (0 = tuner, default)\n"
     "  --seed S           random seed for inputs and routing (default 1)\n"
-    "  --backend B        auto (default), cpu, cuda\n"
+    "  --backend B        auto (default), cpu, cuda\n";
+
+/* The flags of the runs that write results (bench, check). */
+static const char *const output_help =
     "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
     "  --trace FILE       record every worker's steps in the last forward: a picture (SVG) and\n"
     "                     Chrome-trace JSON (Perfetto, chrome://tracing); x.svg or x.json writes\n"
@@ -58,7 +61,7 @@ static void command_usage(const char *cmd, FILE *f) {
     if (strcmp(cmd, "bench") == 0)
         fprintf(f, "usage: comet bench [flags]\n\nTime the forward of one MoE layer (median over --iters after --warmup)\n"
                    "and check the output against the reference: bitwise on the CPU engine; on GPUs 16\n"
-                   "sampled tokens a rank, within the tolerance of a different fp32 summation order.\n\nflags:\n%s"
+                   "sampled tokens a rank, within the tolerance of a different fp32 summation order.\n\nflags:\n%s%s"
                    "  --iters N          timed runs (default 20 on GPUs, 5 on CPU)\n"
                    "  --warmup N         untimed runs first (default 5 on GPUs, 1 on CPU)\n"
                    "  --comm-hidden      also time the same protocol with the GEMMs left out, with the\n"
@@ -69,11 +72,11 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     subtracted from each (GPUs: the Hopper GEMM)\n"
                    "  --graph            GPUs: capture one forward in a CUDA graph and time its replays (no\n"
                    "                     launch overhead, as a graph-captured training step sees it)\n",
-                flag_help);
+                flag_help, output_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
                    "workers x layer-1 chunk width), print the curve, and append the fastest to a\n"
-                   "table file that the library reads from COMET_TUNE_FILE.\n\nflags (not --json, --trace):\n%s"
+                   "table file that the library reads from COMET_TUNE_FILE.\n\nflags (--n-comm and --chunk are what it sweeps):\n%s"
                    "  --iters N          timed runs per point (default 3)\n"
                    "  --warmup N         untimed runs first, per point (default 1)\n"
                    "  --out FILE         table to append to (default $COMET_TUNE_FILE, else comet-tune.tsv)\n",
@@ -82,8 +85,8 @@ static void command_usage(const char *cmd, FILE *f) {
         fprintf(f, "usage: comet check [flags]\n\nRun one configuration once and compare its output with the reference:\n"
                    "bitwise on the CPU engine (exit status 0 only if every element matches); on GPUs 16\n"
                    "sampled tokens a rank, within the tolerance of a different fp32 summation order\n"
-                   "(exit status 0 only if none is off).\n\nflags:\n%s",
-                flag_help);
+                   "(exit status 0 only if none is off).\n\nflags:\n%s%s",
+                flag_help, output_help);
 }
 
 /* ---- the flags --------------------------------------------------------------
