@@ -208,14 +208,74 @@ def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation):
     return torch.empty_like(x)  # (T, H) bf16
 
 
+_CUDA_BACKWARD = ("comet.torch.moe_experts: the CUDA backward is not there yet (comet's backward runs on CPU tensors "
+                  "only, through its specification, comet_reference_backward); move the layer to the CPU for "
+                  "training, or run the CUDA forward under torch.no_grad() or with detached inputs")
+
+
+def _backward_out_check(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
+                        activation: str) -> None:
+    _check(x, topk_idx, topk_w, w1, w2, activation)
+    if dy.dtype != torch.bfloat16 or tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
+        raise ValueError("moe_experts_backward: dy must be bf16 %s on %s like x, got %s %s on %s"
+                         % (tuple(x.shape), x.device, dy.dtype, tuple(dy.shape), dy.device))
+    if not dy.is_contiguous():
+        raise ValueError("moe_experts_backward: dy must be contiguous: call .contiguous()")
+
+
+def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
+                  activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
+    if x.device.type != "cpu":
+        raise NotImplementedError(_CUDA_BACKWARD)
+    T, H = x.shape
+    E = w1.shape[0]
+    F, topk = w2.shape[2], topk_idx.shape[1]
+    dx = torch.empty_like(x)
+    d_topk_w = torch.empty_like(topk_w)
+    dw1 = torch.empty_like(w1)
+    dw2 = torch.empty_like(w2)
+    if T == 0:  # no rows: every gradient is zero
+        return dx, d_topk_w, dw1.zero_(), dw2.zero_()
+    # W = 1: comet's engine and its specification compute the same bits by construction (include/comet.h)
+    cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=T, activation=activation)
+    comet.reference_backward(cfg, [{
+        "x": _desc(x, comet.DType.BF16), "topk_idx": _desc(topk_idx, comet.DType.INT32),
+        "topk_w": _desc(topk_w, comet.DType.FP32), "w1": _desc(w1, comet.DType.BF16),
+        "w2": _desc(w2, comet.DType.BF16), "dy": _desc(dy, comet.DType.BF16), "dx": _desc(dx, comet.DType.BF16),
+        "d_topk_w": _desc(d_topk_w, comet.DType.FP32), "dw1": _desc(dw1, comet.DType.BF16),
+        "dw2": _desc(dw2, comet.DType.BF16)}])
+    return dx, d_topk_w, dw1, dw2
+
+
+@torch.library.custom_op("comet::moe_experts_backward", mutates_args=())
+def _moe_experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
+                          activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy, one rank
+    (W = 1): dx (T, H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in
+    w1's and w2's shapes. CPU tensors only (CUDA: NotImplementedError)."""
+    return _run_backward(dy, x, topk_idx, topk_w, w1, w2, activation)
+
+
+@_moe_experts_backward.register_fake
+def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, activation):
+    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
+    return torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w1), torch.empty_like(w2)
+
+
 def _backward(ctx, grad):
-    raise NotImplementedError(
-        "comet.torch.moe_experts has no backward yet: it comes with comet's backward (comet_reference_backward is "
-        "the specification); run the forward under torch.no_grad() or detach its inputs")
+    x, topk_idx, topk_w, w1, w2 = ctx.saved_tensors
+    if x.device.type != "cpu":
+        raise NotImplementedError(_CUDA_BACKWARD)
+    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(grad.to(torch.bfloat16).contiguous(), x, topk_idx,
+                                                                  topk_w, w1, w2, ctx.activation)
+    return dx, None, d_topk_w, dw1, dw2, None
 
 
 def _setup_context(ctx, inputs, output):
-    pass
+    x, topk_idx, topk_w, w1, w2, activation = inputs
+    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2)
+    ctx.activation = activation
 
 
 _moe_experts.register_autograd(_backward, setup_context=_setup_context)
