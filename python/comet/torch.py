@@ -22,8 +22,20 @@ The worlds and layers live in a cache kept out of the graph, one layer per
 (device, H, F, E, topk, activation), sized for the largest T seen (rounded up
 to a power of two); clear_cache() frees them.
 
-Forward only: the op has no backward yet (it comes with comet's backward);
-autograd through it raises NotImplementedError.
+Autograd. CPU tensors: forward and backward. The backward is the backward's
+specification, exact per include/comet.h ("Backward (training)"): the op's
+registered autograd saves x, topk_idx, topk_w, w1, w2 and calls the custom op
+`torch.ops.comet.moe_experts_backward(dy, x, topk_idx, topk_w, w1, w2,
+activation)` (a fake too, so torch.compile traces it), which runs
+comet_reference_backward in a one-rank world (W = 1, where the multi-rank
+engine's backward and the reference compute the same bits by construction).
+It returns gradients for x (bf16), topk_w (fp32; the caller's dtype after
+moe_experts' conversion), w1 and w2 (bf16, the weights' layouts), none for
+topk_idx (python/tests/test_autograd.py: within a few bf16 ulps of float64
+autograd, bitwise against comet.reference_backward, torch.compile). It runs
+in the calling thread with plain loops: a specification, not fast. CUDA
+tensors: forward only; their backward raises NotImplementedError ("the CUDA
+backward is not there yet").
 
 comet.torch.MoEExperts is an nn.Module holding one rank's w1 and w2, built
 from HF Mixtral / Qwen-MoE experts, fused or Megatron weights through
@@ -312,7 +324,9 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
     not), w1 and w2 must be contiguous. Raises TypeError or ValueError for a
     wrong dtype, shape or device, and comet.InvalidRouting (a ValueError,
     carrying comet's message) for an expert id out of range or repeated in a
-    row (CUDA: reported by synchronize()). No backward yet.
+    row (CUDA: reported by synchronize()). Differentiable in x, topk_w, w1 and
+    w2 for CPU tensors (comet_reference_backward, exact per comet.h's
+    backward contract); CUDA tensors' backward raises NotImplementedError.
     """
     if not isinstance(x, Tensor):
         raise TypeError("moe_experts: x must be a torch.Tensor, got %s" % type(x).__name__)
@@ -331,7 +345,9 @@ class MoEExperts(torch.nn.Module):
     (comet's layout, include/comet.h; rank = ep * TP + tp holds experts
     [ep*E_local, (ep+1)*E_local) and the ffn slice tp).
 
-    Parameters (requires_grad=False: comet has no backward yet):
+    Parameters (created with requires_grad=False; on CPU tensors they may be
+    trained: module.requires_grad_() and moe_experts' backward gives w1.grad
+    and w2.grad, bf16; on CUDA the backward is not there yet):
         w1: (E_local, 2*F_local, H) bfloat16 for activation="silu_gated"
             (rows [0, F_local) the gate slice, [F_local, 2*F_local) the up
             slice); (E_local, F_local, H) bfloat16 for "gelu".

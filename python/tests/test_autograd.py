@@ -108,8 +108,10 @@ def direct_reference_backward(x, idx, w, w1, w2, dy, activation):
     return out
 
 
-CASES = [("silu_gated", dict()), ("gelu", dict()), ("silu_gated", dict(T=64, H=128, F=48, E=8, topk=3, seed=1)),
-         ("gelu", dict(T=64, H=128, F=48, E=8, topk=3, seed=2)), ("silu_gated", dict(T=5, H=16, F=8, E=3, topk=1, seed=3))]
+CASES = [("silu_gated", dict()), ("gelu", dict()),
+         ("silu_gated", dict(T=64, H=128, F=48, E=8, topk=3, seed=1)),
+         ("gelu", dict(T=64, H=128, F=48, E=8, topk=3, seed=2)),
+         ("silu_gated", dict(T=5, H=16, F=8, E=3, topk=1, seed=3))]
 
 
 @pytest.mark.parametrize("activation,kw", CASES)
