@@ -156,6 +156,19 @@ int main(void) {
     t = (comet_tuning_t){0, 0, 1};
     pick(&cuda_other, COMET_BACKEND_CUDA, 4096, &t);
     CHECK(t.n_comm == 16, "a CUDA configuration not in the table gets the rule: %d", t.n_comm);
+    /* where the rule would overlap, COMET_SEQUENTIAL and the SIMT GEMM keep the sequential chain */
+    comet_protocol_t seqp = COMET_PROTOCOL_INIT;
+    seqp.gemm = COMET_GEMM_HOPPER, seqp.combine = COMET_COMBINE_PUSH;
+    comet_tuner_choose(table, &cuda_other, COMET_BACKEND_CUDA, 4096, COMET_SEQUENTIAL, 0, &seqp);
+    CHECK(seqp.mode == COMET_MODE_SEQUENTIAL && seqp.n_comm == 0 && seqp.chosen_by == COMET_CHOSEN_BY_ARGS,
+          "COMET_SEQUENTIAL where the rule overlaps: mode %d, n_comm %d, chosen by %d", (int)seqp.mode, seqp.n_comm,
+          (int)seqp.chosen_by);
+    seqp = (comet_protocol_t)COMET_PROTOCOL_INIT;
+    seqp.gemm = COMET_GEMM_SIMT, seqp.combine = COMET_COMBINE_PUSH;
+    comet_tuner_choose(table, &cuda_other, COMET_BACKEND_CUDA, 4096, 0, 0, &seqp);
+    CHECK(seqp.mode == COMET_MODE_SEQUENTIAL && seqp.n_comm == 0 && seqp.chosen_by == COMET_CHOSEN_BY_RULE,
+          "the SIMT GEMM where the rule overlaps: mode %d, n_comm %d, chosen by %d", (int)seqp.mode, seqp.n_comm,
+          (int)seqp.chosen_by);
 
     /* append -> load */
     unlink(path);

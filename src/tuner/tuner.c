@@ -153,13 +153,13 @@ void comet_tuner_choose(const comet_tune_table_t *table, const comet_dims_t *d, 
     if (t.chunk_cols == 0 && lookup(table, d, backend, d->max_tokens, &m) && m.chunk_cols <= d->hidden)
         t.chunk_cols = m.chunk_cols;
     p->chosen_by = COMET_CHOSEN_BY_ARGS;
+    /* n_comm -1 below: the sequential chain, decided, which the rule must keep */
     if (cuda && (n_comm == COMET_SEQUENTIAL || p->gemm != COMET_GEMM_HOPPER)) {
-        t.n_comm = 0; /* the sequential chain: asked for, or the only one without the Hopper GEMM's hooks */
+        t.n_comm = -1; /* asked for, or the only chain without the Hopper GEMM's hooks */
         if (n_comm == 0) p->chosen_by = COMET_CHOSEN_BY_RULE;
     } else if (t.n_comm == 0 && lookup(table, d, backend, cuda ? d->max_tokens : num_tokens, &m)) {
-        t.n_comm = m.n_comm; /* CUDA: one protocol for every rank, and 0 there is the sequential chain */
+        t.n_comm = m.n_comm ? m.n_comm : -1; /* CUDA: one protocol for every rank; 0 there is sequential */
         p->chosen_by = COMET_CHOSEN_BY_TABLE;
-        if (t.n_comm == 0) t.n_comm = -1; /* keep it from the rule below */
     } else if (t.n_comm == 0) {
         p->chosen_by = COMET_CHOSEN_BY_RULE;
     }
