@@ -90,10 +90,7 @@ comet_status_t comet_world_create_nccl(comet_world_t **world, int rank, int worl
 comet_status_t comet_world_get_options(const comet_world_t *w, comet_world_options_t *out) {
     comet_clear_error();
     if (!w || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world or out is NULL");
-    if (out->struct_size != sizeof(comet_world_options_t))
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "out->struct_size is %u, expected %zu (use COMET_WORLD_OPTIONS_INIT)", out->struct_size,
-                          sizeof(comet_world_options_t));
+    COMET_TRY(comet_check_struct_size(out->struct_size, sizeof(comet_world_options_t), "out", "COMET_WORLD_OPTIONS_INIT"));
     const comet_world_options_t o = {sizeof(comet_world_options_t), w->settings.timeout_ms, w->settings.cpu_workers,
                                      w->settings.tune_file, w->settings.graph_replay ? 1 : -1};
     *out = o;

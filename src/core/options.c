@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "status.h"
+#include "validate.h"
 
 /* The integer value of variable name within [lo, hi], or fallback when it is
  * unset, empty, not a whole number or out of range. */
@@ -41,10 +42,7 @@ comet_status_t comet_settings_resolve(const comet_world_options_t *o, comet_sett
     memset(out, 0, sizeof *out);
     comet_world_options_t none = COMET_WORLD_OPTIONS_INIT;
     if (!o) o = &none;
-    if (o->struct_size != sizeof(comet_world_options_t))
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "options.struct_size is %u, expected %zu (use COMET_WORLD_OPTIONS_INIT)",
-                          o->struct_size, sizeof(comet_world_options_t));
+    COMET_TRY(comet_check_struct_size(o->struct_size, sizeof(comet_world_options_t), "options", "COMET_WORLD_OPTIONS_INIT"));
     if (o->timeout_ms < 0 || o->timeout_ms > 3600 * 1000)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "options.timeout_ms %d is outside [0, 3600000]", o->timeout_ms);
     if (o->cpu_workers < 0 || o->cpu_workers > 256)

@@ -85,14 +85,16 @@ static comet_status_t check_bytes(const comet_dims_t *x) {
     return COMET_SUCCESS;
 }
 
+comet_status_t comet_check_struct_size(uint32_t struct_size, size_t expected, const char *what, const char *init) {
+    if (struct_size == expected) return COMET_SUCCESS;
+    return comet_fail(COMET_ERR_INVALID_ARGUMENT, "%s.struct_size is %u, expected %zu: initialize it with %s", what,
+                      struct_size, expected, init);
+}
+
 comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world_size, int rank,
                                       comet_dims_t *d) {
     if (!cfg) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config is NULL");
-    if (cfg->struct_size != sizeof(comet_layer_config_t))
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "config.struct_size is %u, expected %zu: initialize it with "
-                          "COMET_LAYER_CONFIG_INIT",
-                          cfg->struct_size, sizeof(comet_layer_config_t));
+    COMET_TRY(comet_check_struct_size(cfg->struct_size, sizeof(comet_layer_config_t), "config", "COMET_LAYER_CONFIG_INIT"));
     if (cfg->hidden < 1) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.hidden %lld < 1", (long long)cfg->hidden);
     if (cfg->ffn < 1) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "config.ffn %lld < 1", (long long)cfg->ffn);
     if (cfg->num_experts < 1)
@@ -191,10 +193,7 @@ static comet_status_t check_tensor(const comet_tensor_t *t, const char *name, co
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *a,
                                         int check_routing, int64_t *num_tokens) {
     if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "forward args are NULL");
-    if (a->struct_size != sizeof(comet_forward_args_t))
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "args.struct_size is %u, expected %zu: initialize it with COMET_FORWARD_ARGS_INIT",
-                          a->struct_size, sizeof(comet_forward_args_t));
+    COMET_TRY(comet_check_struct_size(a->struct_size, sizeof(comet_forward_args_t), "args", "COMET_FORWARD_ARGS_INIT"));
     if (a->n_comm < COMET_SEQUENTIAL)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < %d (COMET_SEQUENTIAL)", a->n_comm,
                           COMET_SEQUENTIAL);
@@ -251,10 +250,7 @@ static comet_status_t check_weight_grad(const comet_tensor_t *t, const char *nam
 comet_status_t comet_check_backward_args(const comet_dims_t *d, const comet_backward_args_t *a, int check_routing,
                                          int64_t *num_tokens) {
     if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "backward args are NULL");
-    if (a->struct_size != sizeof(comet_backward_args_t))
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "args.struct_size is %u, expected %zu: initialize it with COMET_BACKWARD_ARGS_INIT",
-                          a->struct_size, sizeof(comet_backward_args_t));
+    COMET_TRY(comet_check_struct_size(a->struct_size, sizeof(comet_backward_args_t), "args", "COMET_BACKWARD_ARGS_INIT"));
     if (a->accumulate != 0 && a->accumulate != 1)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.accumulate %d is not 0 or 1", a->accumulate);
     /* the forward's inputs, with dx where the forward has y */

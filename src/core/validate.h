@@ -25,6 +25,10 @@ extern "C" {
  * configs past it are refused, so no size computed from the dims overflows. */
 #define COMET_MAX_BYTES ((int64_t)1 << 48)
 
+/* The struct_size of a versioned struct the caller passed (what: its name
+ * in the message; init: the initializer that sets it). */
+comet_status_t comet_check_struct_size(uint32_t struct_size, size_t expected, const char *what, const char *init);
+
 /* Check cfg for a world of world_size ranks (0: skip the TP*EP check) and, if
  * dims is not NULL, fill it for rank. hidden, ffn, num_experts and
  * max_tokens_per_rank must fit int32, and every buffer COMET_MAX_BYTES. */
