@@ -561,20 +561,18 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
             L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
         }
         c.gemm = L->gemm;
-        if (c.gemm) { /* else (prepare failed) the SIMT tiles and the pull combine run: returning would strand the peers */
-            /* the tuner's protocol (its table, else its rule) unless n_comm fixed it; the overlapped
-             * mode is chosen for max_tokens, so the same on every rank */
-            comet_tuner_choose(l->world->tune, &l->dims, COMET_BACKEND_CUDA, t, args->n_comm, 0, &proto);
-            c.n_comm = proto.n_comm < c.num_sms - 1 ? proto.n_comm : c.num_sms - 1;
-            proto.n_comm = c.n_comm;
-            c.push = proto.combine == COMET_COMBINE_PUSH;
-            c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
-        }
     }
-    if (!c.gemm) { /* the SIMT tiles: the sequential chain and the pull combine */
-        proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
-        proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0;
-        proto.chosen_by = args && args->struct_size == sizeof *args && args->n_comm ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
+    /* without the Hopper GEMM (or where its prepare failed: returning would strand the peers) the
+     * SIMT tiles run, and they pull */
+    if (!c.gemm) proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
+    /* the tuner's protocol (its table, else its rule) unless n_comm fixed it; the overlapped mode is
+     * chosen for max_tokens, so the same on every rank */
+    if (own == COMET_SUCCESS) comet_tuner_choose(l->world->tune, &l->dims, COMET_BACKEND_CUDA, t, args->n_comm, 0, &proto);
+    if (c.gemm) {
+        c.n_comm = proto.n_comm < c.num_sms - 1 ? proto.n_comm : c.num_sms - 1;
+        proto.n_comm = c.n_comm;
+        c.push = proto.combine == COMET_COMBINE_PUSH;
+        c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
     }
     c.protocol = comet_cuda_protocol_word(&proto);
     if (L->trace) {
