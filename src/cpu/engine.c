@@ -284,8 +284,9 @@ static comet_status_t cpu_layer_create(comet_layer_t *l) {
     L->l1_base = take(L, hd * sizeof(uint64_t), 0);
     if (!L->plan_ws || !L->a || !L->h || !L->o || !L->block_ready || !L->l1_done || !L->l1_base) {
         free_private(L);
-        comet_world_rendezvous_failed(l->world, l->rank); /* the peers learn of it at once */
-        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
+        const comet_status_t st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the layer's buffers", l->rank);
+        cpu_layer_create_failed(l->world, l->rank); /* the peers learn of it at once */
+        return st;
     }
     memset(L->l1_base, 0, hd * sizeof(uint64_t));
     comet_plan_carve(d, L->plan_ws, &L->plan);
