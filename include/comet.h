@@ -101,7 +101,8 @@ typedef enum {
     COMET_DTYPE_BF16 = 0, /* uint16_t storage, bfloat16 */
     COMET_DTYPE_FP16 = 1, /* reserved: not yet supported by any backend */
     COMET_DTYPE_FP32 = 2,
-    COMET_DTYPE_INT32 = 3
+    COMET_DTYPE_INT32 = 3,
+    COMET_DTYPE_UINT8 = 4 /* bytes: the state a training forward saves for its backward */
 } comet_dtype_t;
 
 #define COMET_MAX_DIMS 4
@@ -278,6 +279,10 @@ typedef struct {
     int chunk_cols;          /* [in]  CPU engine: layer-1 column-chunk width, 0..hidden; 0 = the tuner's choice;
                               *       ignored by the CUDA backend (no chunked combine there) */
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
+    int save;                /* [in]  comet_save_t: what this forward keeps for a backward (training) */
+    comet_tensor_t saved;    /* [out] COMET_SAVE_ACTIVATIONS: (n) uint8, n >= comet_layer_saved_bytes(layer,
+                              *       COMET_SAVE_ACTIVATIONS): caller-owned, handed to the backward of this
+                              *       micro-batch; ignored otherwise */
 } comet_forward_args_t;
 
 /* For "communication hidden" (bench): run the protocol with one side's work
@@ -291,7 +296,7 @@ typedef struct {
 #define COMET_SEQUENTIAL (-1)
 
 #define COMET_FORWARD_ARGS_INIT \
-    {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0, 0}
+    {sizeof(comet_forward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, 0, 0, 0, {0}}
 
 /* ---------------------------------------------------------------------------
  * Protocol: how a forward ran. The tuner chooses it (a table measured by
@@ -339,8 +344,8 @@ typedef struct {
 #define COMET_PROTOCOL_INIT {sizeof(comet_protocol_t), COMET_MODE_SEQUENTIAL, 0, 0, COMET_COMBINE_PARTIALS, \
                              COMET_GEMM_CPU, COMET_CHOSEN_BY_ARGS, 0}
 
-/* The protocol of this rank's last forward (launched, on the CUDA backend).
- * Before the first forward: COMET_ERR_INVALID_ARGUMENT. */
+/* The protocol of this rank's last forward or backward (launched, on the
+ * CUDA backend). Before the first: COMET_ERR_INVALID_ARGUMENT. */
 comet_status_t comet_layer_last_protocol(const comet_layer_t *layer, comet_protocol_t *out);
 
 /* Collective: every rank calls it with its own tokens. On failure no output is
@@ -359,7 +364,7 @@ comet_status_t comet_layer_last_protocol(const comet_layer_t *layer, comet_proto
  * it, and an invalid routing on any rank leaves every y untouched. */
 comet_status_t comet_layer_forward(comet_layer_t *layer, const comet_forward_args_t *args);
 
-/* Wait for this rank's last forward and return what the device found:
+/* Wait for this rank's last forward (or backward) and return what the device found:
  * COMET_SUCCESS, COMET_ERR_INVALID_ROUTING (this rank's topk_idx),
  * COMET_ERR_PEER_FAILED (another rank's) or COMET_ERR_INVALID_ARGUMENT (this
  * rank's arguments, or the ranks ran different protocols: n_comm and the
@@ -421,10 +426,50 @@ typedef struct {
     comet_tensor_t dw1;      /* [out] (E_local, w1_rows, H) bf16 or fp32: this rank's experts' slices */
     comet_tensor_t dw2;      /* [out] (E_local, H, F_local) bf16 or fp32 */
     int accumulate;          /* [in]  0: dw1, dw2 written; 1: added to (both fp32) */
+    int save;                /* [in]  comet_save_t of the forward this backward follows: ACTIVATIONS reads
+                              *       saved; RECOMPUTE (or NONE) recomputes gu and h (one more GEMM0) */
+    comet_tensor_t saved;    /* [in]  COMET_SAVE_ACTIVATIONS: what that forward wrote (same layer, same
+                              *       x and routing); ignored otherwise */
+    void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
+    int n_comm;              /* [in]  as the forward's: 0 = the tuner's choice, > 0 communication workers
+                              *       (CPU) or CTAs (CUDA), COMET_SEQUENTIAL = the sequential chain */
 } comet_backward_args_t;
 
 #define COMET_BACKWARD_ARGS_INIT \
-    {sizeof(comet_backward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, 0}
+    {sizeof(comet_backward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, {0}, NULL, 0}
+
+/* What a training forward keeps for its backward. Several micro-batches may
+ * be in flight (pipeline schedules, gradient accumulation, activation
+ * checkpointing), so the saved state lives in caller memory, never in the
+ * layer: one buffer per forward, handed to the backward of the same
+ * micro-batch. Either way the backward gathers x's rows again (from
+ * args.x) and rebuilds the routing plan from args.topk_idx. */
+typedef enum {
+    COMET_SAVE_NONE = 0,        /* inference: nothing kept (the backward then recomputes) */
+    COMET_SAVE_ACTIVATIONS = 1, /* the forward writes every row's gu and h (bf16, the bits its
+                                 * GEMM0 computed) into saved; the backward reads them */
+    COMET_SAVE_RECOMPUTE = 2    /* nothing kept: the backward reruns GEMM0 on the gathered rows,
+                                 * which gives the same bits (comet_layer_saved_bytes: 0) */
+} comet_save_t;
+
+/* Bytes of saved state one forward of this layer writes with mode save,
+ * sized for the worst case of the config (every token of every rank routed
+ * here: the row count is known only on the device): a header, then per
+ * row (max_tokens_per_rank * world * min(topk, E_local) rows, padded to
+ * row blocks) gu and h in bf16, 2 * (w1_rows + F_local) bytes. */
+comet_status_t comet_layer_saved_bytes(const comet_layer_t *layer, int save, size_t *bytes);
+
+/* Collective: the layer's backward for this rank's tokens (every rank calls
+ * it, in the same order as its other collective calls). Semantics, rounding
+ * points and sums as above; the result does not depend on save, n_comm or the
+ * backend's protocol (bitwise, run to run). On failure nothing is written to
+ * dx, d_topk_w, dw1 or dw2 on any rank (as the forward: a rank's own bad
+ * input gives its status, the others COMET_ERR_PEER_FAILED). Saved state from
+ * another layer, or from a forward with other tokens (T), is refused
+ * (COMET_ERR_INVALID_ARGUMENT). CPU backend: synchronous. CUDA backend:
+ * asynchronous on args->stream, no host synchronisation, capturable in a
+ * graph; comet_layer_sync reports what the device found. */
+comet_status_t comet_layer_backward(comet_layer_t *layer, const comet_backward_args_t *args);
 
 /* The backward's specification as plain loops, for every rank at once, in
  * the calling thread: args[r] holds rank r's inputs and outputs. Validates

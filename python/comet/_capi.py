@@ -30,7 +30,8 @@ COMET_DISABLE_COMM = 1
 COMET_DISABLE_GEMM = 2
 
 # comet_dtype_t
-DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32 = 0, 1, 2, 3
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_UINT8 = 0, 1, 2, 3, 4
+SAVE_NONE, SAVE_ACTIVATIONS, SAVE_RECOMPUTE = 0, 1, 2
 # comet_backend_t
 BACKEND_CPU, BACKEND_CUDA = 0, 1
 # comet_activation_t
@@ -117,6 +118,8 @@ class comet_forward_args_t(_Versioned):
         ("n_comm", ctypes.c_int),
         ("chunk_cols", ctypes.c_int),
         ("disable", ctypes.c_int),
+        ("save", ctypes.c_int),
+        ("saved", comet_tensor_t),
     ]
 
 
@@ -147,6 +150,10 @@ class comet_backward_args_t(_Versioned):
         ("dw1", comet_tensor_t),
         ("dw2", comet_tensor_t),
         ("accumulate", ctypes.c_int),
+        ("save", ctypes.c_int),
+        ("saved", comet_tensor_t),
+        ("stream", ctypes.c_void_p),
+        ("n_comm", ctypes.c_int),
     ]
 
 
@@ -277,6 +284,10 @@ comet_layer_memory = _proto("comet_layer_memory", _status, _layer_p, _P(comet_me
 comet_layer_forward = _proto("comet_layer_forward", _status, _layer_p, _P(comet_forward_args_t))
 comet_layer_last_protocol = _proto("comet_layer_last_protocol", _status, _layer_p, _P(comet_protocol_t))
 comet_layer_sync = _proto("comet_layer_sync", _status, _layer_p)
+comet_layer_backward = _proto("comet_layer_backward", _status, _layer_p, _P(comet_backward_args_t))
+comet_layer_saved_bytes = _proto(
+    "comet_layer_saved_bytes", _status, _layer_p, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)
+)
 comet_reference_forward = _proto(
     "comet_reference_forward", _status, _P(comet_layer_config_t), ctypes.c_int, _P(comet_forward_args_t)
 )

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "api.h"
+#include "../core/saved.h"
 #include "../core/status.h"
 #include "../core/validate.h"
 
@@ -38,6 +39,8 @@ comet_status_t comet_layer_create(comet_layer_t **out, comet_world_t *world, int
     l->rank = rank;
     l->cfg = *cfg;
     l->dims = dims;
+    static atomic_uint_fast64_t next_id = 1;
+    l->id = atomic_fetch_add(&next_id, 1);
     comet_layer_knobs_read(&l->knobs);
     const comet_protocol_t none = COMET_PROTOCOL_INIT;
     l->protocol = none;
@@ -64,6 +67,25 @@ comet_status_t comet_layer_forward(comet_layer_t *l, const comet_forward_args_t 
     comet_clear_error();
     if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
     return l->world->ops->layer_forward(l, args);
+}
+
+comet_status_t comet_layer_backward(comet_layer_t *l, const comet_backward_args_t *args) {
+    comet_clear_error();
+    if (!l) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer is NULL");
+    if (!l->world->ops->layer_backward)
+        return comet_fail(COMET_ERR_UNSUPPORTED, "rank %d: the %s backend has no backward yet", l->rank,
+                          l->world->ops->name);
+    return l->world->ops->layer_backward(l, args);
+}
+
+comet_status_t comet_layer_saved_bytes(const comet_layer_t *l, int save, size_t *bytes) {
+    comet_clear_error();
+    if (!l || !bytes) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or bytes is NULL");
+    if (save != COMET_SAVE_NONE && save != COMET_SAVE_ACTIVATIONS && save != COMET_SAVE_RECOMPUTE)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "save %d is not COMET_SAVE_NONE, COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE", save);
+    *bytes = comet_saved_bytes(&l->dims, save);
+    return COMET_SUCCESS;
 }
 
 comet_status_t comet_layer_memory(const comet_layer_t *l, comet_memory_t *out) {

@@ -46,7 +46,8 @@ struct comet_layer {
     comet_dims_t dims;
     comet_layer_knobs_t knobs;   /* measurement knobs, read at create (options.h) */
     comet_protocol_t protocol;   /* of the last forward (set by the backend's forward) */
-    int has_run;                 /* a forward was launched */
+    uint64_t id;                 /* unique in the process: saved state names the layer that wrote it */
+    int has_run;                 /* a forward or backward was launched */
     int64_t replays, captures;   /* CUDA: forwards replayed as one graph, chains captured (src/cuda/replay.c) */
     void *backend_state;
 };
@@ -87,8 +88,10 @@ struct comet_backend_ops {
      * calling thread's last-error message */
     void (*layer_create_failed)(comet_world_t *world, int rank);
     void (*layer_destroy)(comet_layer_t *layer);
-    /* sets layer->protocol (and has_run) when it launches */
+    /* forward and backward set layer->protocol (and has_run) when they launch */
     comet_status_t (*layer_forward)(comet_layer_t *layer, const comet_forward_args_t *args);
+    /* NULL: the backend has no backward (COMET_ERR_UNSUPPORTED) */
+    comet_status_t (*layer_backward)(comet_layer_t *layer, const comet_backward_args_t *args);
     comet_status_t (*layer_sync)(comet_layer_t *layer);
     void (*layer_memory)(const comet_layer_t *layer, comet_memory_t *out);
     comet_status_t (*layer_set_trace)(comet_layer_t *layer, comet_trace_t *trace);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "saved.h"
 #include "status.h"
 
 #define COMET_DEFAULT_TILE_M 128
@@ -16,6 +17,7 @@ static const char *dtype_name(comet_dtype_t t) {
     case COMET_DTYPE_FP16: return "fp16";
     case COMET_DTYPE_FP32: return "fp32";
     case COMET_DTYPE_INT32: return "int32";
+    case COMET_DTYPE_UINT8: return "uint8";
     }
     return "unknown-dtype";
 }
@@ -190,6 +192,22 @@ static comet_status_t check_tensor(const comet_tensor_t *t, const char *name, co
     return COMET_SUCCESS;
 }
 
+comet_status_t comet_check_saved(const comet_dims_t *d, int save, const comet_tensor_t *saved) {
+    if (save != COMET_SAVE_NONE && save != COMET_SAVE_ACTIVATIONS && save != COMET_SAVE_RECOMPUTE)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "args.save %d is not COMET_SAVE_NONE, COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE", save);
+    if (save != COMET_SAVE_ACTIVATIONS) return COMET_SUCCESS;
+    const size_t need = comet_saved_bytes(d, save);
+    if (saved->dtype != COMET_DTYPE_UINT8 || saved->ndim != 1)
+        return comet_fail(COMET_ERR_INVALID_SHAPE, "saved: expected a 1-d uint8 tensor of >= %zu bytes", need);
+    if (saved->shape[0] < 0 || (uint64_t)saved->shape[0] < need)
+        return comet_fail(COMET_ERR_INVALID_SHAPE,
+                          "saved: %lld bytes, the layer saves %zu (comet_layer_saved_bytes)",
+                          (long long)saved->shape[0], need);
+    if (!saved->data) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "saved.data is NULL");
+    return COMET_SUCCESS;
+}
+
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *a,
                                         int check_routing, int64_t *num_tokens) {
     if (!a) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "forward args are NULL");
@@ -202,6 +220,7 @@ comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forwa
     if (a->chunk_cols < 0 || a->chunk_cols > d->hidden)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.chunk_cols %d is outside [0, hidden=%lld]",
                           a->chunk_cols, (long long)d->hidden);
+    COMET_TRY(comet_check_saved(d, a->save, &a->saved));
     if (a->x.ndim != 2 || a->x.dtype != COMET_DTYPE_BF16)
         return comet_fail(COMET_ERR_INVALID_SHAPE, "x: expected a 2-d bf16 tensor (T, hidden=%lld)",
                           (long long)d->hidden);
@@ -253,6 +272,10 @@ comet_status_t comet_check_backward_args(const comet_dims_t *d, const comet_back
     COMET_TRY(comet_check_struct_size(a->struct_size, sizeof(comet_backward_args_t), "args", "COMET_BACKWARD_ARGS_INIT"));
     if (a->accumulate != 0 && a->accumulate != 1)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.accumulate %d is not 0 or 1", a->accumulate);
+    if (a->n_comm < COMET_SEQUENTIAL)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < %d (COMET_SEQUENTIAL)", a->n_comm,
+                          COMET_SEQUENTIAL);
+    COMET_TRY(comet_check_saved(d, a->save, &a->saved));
     /* the forward's inputs, with dx where the forward has y */
     comet_forward_args_t f = COMET_FORWARD_ARGS_INIT;
     f.x = a->x, f.topk_idx = a->topk_idx, f.topk_w = a->topk_w, f.w1 = a->w1, f.w2 = a->w2, f.y = a->dx;

@@ -42,6 +42,11 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *args,
                                         int check_routing, int64_t *num_tokens);
 
+/* A training call's save mode (comet_save_t) and, for
+ * COMET_SAVE_ACTIVATIONS, its saved tensor: 1-d uint8 of at least
+ * comet_saved_bytes (src/core/saved.h). */
+comet_status_t comet_check_saved(const comet_dims_t *d, int save, const comet_tensor_t *saved);
+
 /* The same for one rank's backward arguments: the forward's inputs, dy and
  * dx (T, H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 of the weights'
  * shapes in bf16 or fp32 (fp32 when accumulating). */
