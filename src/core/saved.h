@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "comet.h"
+#include "../plan/hd.h"
 #include "../plan/plan.h"
 
 #define COMET_SAVED_MAGIC 0x31766173746d6f63ull /* "cometsav1" */
@@ -27,16 +28,16 @@ typedef struct {
 } comet_saved_header_t;
 
 /* Bytes for mode save (comet_save_t) and dims d. */
-static inline size_t comet_saved_bytes(const comet_dims_t *d, int save) {
+COMET_HD static inline size_t comet_saved_bytes(const comet_dims_t *d, int save) {
     if (save != COMET_SAVE_ACTIVATIONS) return 0;
     return COMET_SAVED_HEADER_BYTES + (size_t)d->max_rows_padded * (size_t)(d->w1_rows + d->ffn_local) * 2u;
 }
 /* Offsets of gu (max_rows_padded, w1_rows) and h (max_rows_padded, F_local). */
-static inline size_t comet_saved_gu_offset(const comet_dims_t *d) {
+COMET_HD static inline size_t comet_saved_gu_offset(const comet_dims_t *d) {
     (void)d;
     return COMET_SAVED_HEADER_BYTES;
 }
-static inline size_t comet_saved_h_offset(const comet_dims_t *d) {
+COMET_HD static inline size_t comet_saved_h_offset(const comet_dims_t *d) {
     return COMET_SAVED_HEADER_BYTES + (size_t)d->max_rows_padded * (size_t)d->w1_rows * 2u;
 }
 

@@ -22,6 +22,7 @@
 
 #include "../comm/comm.h"
 #include "../core/runtime.h"
+#include "../core/saved.h"
 #include "../core/status.h"
 #include "../core/validate.h"
 #include "plan_kernel.h"
@@ -274,6 +275,8 @@ static void free_all(cuda_layer_t *L) {
     cudaFree(L->buf.block_ready);
     cudaFree(L->buf.routes);
     cudaFree(L->buf.plan_scratch);
+    cudaFree(L->ctx.dh);
+    cudaFree(L->ctx.dwp);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
     cudaFree(L->agree);
@@ -310,6 +313,8 @@ static void sym_layout(const comet_dims_t *d, int push, comet_sym_layout_t *lay)
     COMET_SYM_FIELD(plan, comet_plan_workspace_bytes(d));
     COMET_SYM_FIELD(o, (size_t)(d->max_rows_padded * d->hidden) * 2);
     COMET_SYM_FIELD(recv, push ? (size_t)(d->tp * d->max_tokens * d->topk * d->hidden) * 2 : 0);
+    COMET_SYM_FIELD(dy, (size_t)(d->max_tokens * d->hidden) * 2);
+    COMET_SYM_FIELD(dwr, (size_t)d->max_rows_padded * 4);
 #undef COMET_SYM_FIELD
     lay->total = off;
 }
@@ -351,7 +356,7 @@ static comet_status_t init_device_state(const comet_layer_t *l, cuda_layer_t *L,
     CUDA_TRY(rank, cudaMemcpy(c->state, &s, sizeof s, cudaMemcpyHostToDevice));
     CUDA_TRY(rank, cudaMemset(c->sym + c->lay.flags, 0, sizeof(comet_sym_flags_t)));
     /* pushed rows arrive in recv: poisoned (NaN) until they do, so one never sent shows */
-    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.total - c->lay.recv));
+    CUDA_TRY(rank, cudaMemset(c->sym + c->lay.recv, 0xff, c->lay.dy - c->lay.recv));
     size_t bytes[CUDA_NUM_BUFFERS];
     buffer_sizes(d, split_bytes(l, L), bytes);
     CUDA_TRY(rank, cudaMemset(L->buf.scratch, 0, bytes[3])); /* the split's counters too (gemm.h: its first 1 KiB) */
@@ -515,12 +520,33 @@ static void cuda_layer_destroy(comet_layer_t *l) {
     l->backend_state = NULL;
 }
 
+/* The training buffers (cuda_layer.h: dh, dwp), made by the first call
+ * that needs them. */
+static comet_status_t ensure_training(comet_layer_t *l, cuda_layer_t *L) {
+    comet_cuda_ctx_t *c = &L->ctx;
+    if (c->dh) return COMET_SUCCESS;
+    const comet_dims_t *d = &l->dims;
+    const size_t dh = (size_t)d->max_rows_padded * (size_t)d->w1_rows * 2;
+    const size_t dwp = (size_t)d->max_rows_padded * (size_t)((d->ffn_local + 63) / 64) * 4;
+    cudaError_t e = cudaMalloc((void **)&c->dh, dh);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&c->dwp, dwp);
+    if (e != cudaSuccess) {
+        cudaFree(c->dh);
+        c->dh = NULL;
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the training buffers (%zu MiB): %s",
+                          l->rank, (dh + dwp) >> 20, cudaGetErrorString(e));
+    }
+    L->private_bytes += dh + dwp;
+    return COMET_SUCCESS;
+}
+
 static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     cuda_layer_t *L = l->backend_state;
-    comet_cuda_ctx_t c;
-    memcpy(&c, &L->ctx, sizeof c); /* padding too: replay.c compares contexts bytewise */
     int64_t t = 0;
     comet_status_t own = comet_check_forward_args(&l->dims, args, 0, &t);
+    if (own == COMET_SUCCESS && args->save == COMET_SAVE_ACTIVATIONS) own = ensure_training(l, L);
+    comet_cuda_ctx_t c;
+    memcpy(&c, &L->ctx, sizeof c); /* padding too: replay.c compares contexts bytewise */
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", comet_last_error());
     comet_cuda_call_t call;
@@ -530,6 +556,8 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
     if (own == COMET_SUCCESS) {
         call.x = args->x.data, call.topk_idx = args->topk_idx.data, call.topk_w = args->topk_w.data;
         call.y = args->y.data, call.num_tokens = t;
+        call.layer_id = l->id;
+        if (args->save == COMET_SAVE_ACTIVATIONS) call.save = args->save, call.saved = args->saved.data, c.store_gu = 1;
         c.w1 = args->w1.data, c.w2 = args->w2.data;
         stream = args->stream;
     } else if (args && args->struct_size == sizeof(comet_forward_args_t)) {
@@ -574,7 +602,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
         c.push = proto.combine == COMET_COMBINE_PUSH;
         c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
     }
-    c.protocol = comet_cuda_protocol_word(&proto);
+    c.protocol = comet_cuda_protocol_word(&proto, 0);
     if (L->trace) {
         c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;
         CUDA_TRY(l->rank, cudaMemsetAsync(L->tr_counts, 0, COMET_CUDA_TRACE_LANES * sizeof(uint32_t),
@@ -591,6 +619,54 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
     if (own == COMET_SUCCESS) l->protocol = proto, l->has_run = 1;
     l->replays += replayed;
     l->captures = comet_cuda_replay_captures(L->replay);
+    if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
+    return COMET_SUCCESS;
+}
+
+/* The backward: the sequential chain on the SIMT tiles (layer_chain.cu's
+ * backward_chain), the pull combine; launched directly, never replayed. */
+static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward_args_t *args) {
+    cuda_layer_t *L = l->backend_state;
+    int64_t t = 0;
+    comet_status_t own = comet_check_backward_args(&l->dims, args, 0, &t);
+    if (own == COMET_SUCCESS) own = ensure_training(l, L);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", comet_last_error());
+    comet_cuda_ctx_t c;
+    memcpy(&c, &L->ctx, sizeof c);
+    comet_cuda_call_t call;
+    memset(&call, 0, sizeof call);
+    call.host_status = (uint32_t)own;
+    call.pass = 1;
+    void *stream = NULL;
+    if (own == COMET_SUCCESS) {
+        call.x = args->x.data, call.topk_idx = args->topk_idx.data, call.topk_w = args->topk_w.data;
+        call.y = args->dx.data, call.num_tokens = t;
+        call.dy = args->dy.data, call.d_topk_w = args->d_topk_w.data;
+        call.dw1 = args->dw1.data, call.dw2 = args->dw2.data;
+        call.accumulate = args->accumulate;
+        call.wgrad_fp32 = (args->dw1.dtype == COMET_DTYPE_FP32) | (args->dw2.dtype == COMET_DTYPE_FP32) << 1;
+        call.layer_id = l->id;
+        call.save = args->save == COMET_SAVE_ACTIVATIONS ? COMET_SAVE_ACTIVATIONS : COMET_SAVE_RECOMPUTE;
+        call.saved = args->save == COMET_SAVE_ACTIVATIONS ? args->saved.data : NULL;
+        c.store_gu = call.save != COMET_SAVE_ACTIVATIONS; /* recompute gu and h */
+        c.w1 = args->w1.data, c.w2 = args->w2.data;
+        stream = args->stream;
+    } else if (args && args->struct_size == sizeof(comet_backward_args_t)) {
+        stream = args->stream;
+    }
+    CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    comet_protocol_t proto = L->base;
+    proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0, proto.chunk_cols = 0;
+    proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
+    proto.chosen_by = own == COMET_SUCCESS && args->n_comm != 0 ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
+    c.gemm = NULL, c.n_comm = 0, c.push = 0, c.disable = 0;
+    c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0; /* the trace records forwards */
+    c.protocol = comet_cuda_protocol_word(&proto, 1);
+    const int e = comet_cuda_backward_launch(&c, &call, stream);
+    if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the backward");
+    L->last_stream = stream;
+    if (own == COMET_SUCCESS) l->protocol = proto, l->has_run = 1;
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);
     return COMET_SUCCESS;
 }
@@ -656,13 +732,14 @@ static comet_status_t cuda_layer_sync(comet_layer_t *l) {
                           l->rank);
     if (st == COMET_ERR_INVALID_ARGUMENT) /* this rank's arguments (forward said so), or: */
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "rank %d: invalid arguments, or the ranks ran different protocols (sequential or "
+                          "rank %d: invalid arguments (or saved state another layer or forward wrote), or the "
+                          "ranks ran different calls or protocols (a forward beside a backward; sequential or "
                           "overlapped, push or pull combine): n_comm and the tune file must agree on every rank; "
                           "nothing was written%s%s",
                           l->rank, L->gemm_error[0] ? "; this rank runs the SIMT tiles, its Hopper GEMM: " : "",
                           L->gemm_error);
     if (st != COMET_SUCCESS)
-        return comet_fail((comet_status_t)st, "rank %d: the last forward failed (%s)", l->rank,
+        return comet_fail((comet_status_t)st, "rank %d: the last call failed (%s)", l->rank,
                           comet_status_string((comet_status_t)st));
     return COMET_SUCCESS;
 }
@@ -678,6 +755,7 @@ const comet_backend_ops_t comet_cuda_ops = {
     .layer_create_failed = cuda_layer_create_failed,
     .layer_destroy = cuda_layer_destroy,
     .layer_forward = cuda_layer_forward,
+    .layer_backward = cuda_layer_backward,
     .layer_sync = cuda_layer_sync,
     .layer_memory = cuda_layer_memory,
     .layer_set_trace = cuda_layer_set_trace,

@@ -17,6 +17,9 @@
  *                                       of my token t's slot j computed by the rank
  *                                       with tp index tp of the slot's EP group,
  *                                       stored by that rank's GEMM1 epilogue
+ *   dy        (max_T, H) bf16           backward: staged dy, pulled by peers
+ *   dwr       (max_rows_padded) fp32    backward: each row's slice of <G, a>, read by
+ *                                       the home ranks of their tokens (d_topk_w)
  *
  * Flags are monotone epoch counters (never reset), written with
  * st.release.sys and read with ld.acquire.sys. One forward, epoch e (kept in
@@ -45,6 +48,11 @@
  *            push read from my recv[tp of q][t][j] (my own rows: my o); y = the
  *            partials summed in ascending rank order (fp32), stored bf16
  *   exit     done = e
+ * One backward (comet_cuda_backward_launch) runs the same protocol with
+ * the data steps of the backward (layer_chain.cu's backward_chain): dy is
+ * staged and pulled beside x (into o, which the backward's dX overwrites
+ * later), the combine sums the dX rows with weights 1 into dx, and the home
+ * ranks read every slot's <G, a> slices from dwr for d_topk_w.
  * Every wait times out (timeout_ns) with a message naming rank, role and
  * index, then traps: never a silent hang (GEMM0's readiness wait writes its
  * report into gemm_report, which comet_layer_sync turns into the error).
@@ -79,7 +87,7 @@ typedef struct {
 } comet_sym_flags_t;
 
 typedef struct {
-    size_t flags, x, topk_idx, topk_w, plan, o, recv, total; /* byte offsets, total size */
+    size_t flags, x, topk_idx, topk_w, plan, o, recv, dy, dwr, total; /* byte offsets, total size */
 } comet_sym_layout_t;
 
 /* One call's tensors (comet_layer_forward's arguments). They reach the
@@ -90,9 +98,19 @@ typedef struct {
     const comet_bf16_t *x;   /* (T, H) */
     const int32_t *topk_idx; /* (T, topk) */
     const float *topk_w;     /* (T, topk) */
-    comet_bf16_t *y;         /* (T, H) */
+    comet_bf16_t *y;         /* (T, H): y (forward), dx (backward) */
     int64_t num_tokens;
     uint32_t host_status;    /* comet_status_t of the host-side checks of this call */
+    int32_t pass;            /* 0 forward, 1 backward */
+    int32_t save;            /* comet_save_t: forward, writes saved; backward, reads it (ACTIVATIONS) */
+    int32_t accumulate;      /* backward: dw1, dw2 added to (fp32) */
+    int32_t wgrad_fp32;      /* backward: dw1, dw2 are fp32 (else bf16) */
+    int32_t pad_;
+    uint64_t layer_id;       /* comet_layer_t's id: the saved state's header names it */
+    unsigned char *saved;    /* saved state (src/core/saved.h), or NULL */
+    const comet_bf16_t *dy;  /* backward: (T, H) */
+    float *d_topk_w;         /* backward: (T, topk) */
+    void *dw1, *dw2;         /* backward: (E_local, w1_rows, H), (E_local, H, F_local), bf16 or fp32 */
 } comet_cuda_call_t;
 
 /* Private device state of one rank's layer. */
@@ -121,7 +139,12 @@ typedef struct {
     void *plan_scratch;            /* private, comet_cuda_plan_scratch_bytes(d) */
     comet_bf16_t *a;               /* (max_rows_padded, H) gathered token rows */
     comet_bf16_t *h;               /* (max_rows_padded, F_local) activations */
-    comet_bf16_t *o;               /* in sym (lay.o): (max_rows_padded, H) expert outputs */
+    comet_bf16_t *o;               /* in sym (lay.o): (max_rows_padded, H) expert outputs; backward: the
+                                    * gathered dy rows, then bf16(w dy), then the dX rows */
+    /* training (allocated by the first call that needs them, else NULL) */
+    comet_bf16_t *dh;              /* (max_rows_padded, w1_rows): gu where GEMM0 stores it, then dH */
+    float *dwp;                    /* (max_rows_padded, ceil(F_local / 64)): <G, a> per row and column tile */
+    int store_gu;                  /* GEMM0 also stores gu (bf16) into dh */
     /* this call's protocol and weights (its tensors: comet_cuda_call_t) */
     const comet_bf16_t *w1;        /* (E_local, w1_rows, H) */
     const comet_bf16_t *w2;        /* (E_local, H, F_local) */
@@ -160,8 +183,8 @@ typedef struct {
  * (a rank whose Hopper GEMM could not be prepared runs the SIMT tiles and,
  * sequential with the pull combine, meets its peers' rows as they do). The
  * one encoding of comet_protocol_t for the device. */
-static inline uint64_t comet_cuda_protocol_word(const comet_protocol_t *p) {
-    return 1u + (uint64_t)p->mode + 4u * (uint64_t)p->combine;
+static inline uint64_t comet_cuda_protocol_word(const comet_protocol_t *p, int pass) {
+    return 1u + (uint64_t)p->mode + 4u * (uint64_t)p->combine + 16u * (uint64_t)pass;
 }
 
 /* Enqueue one whole forward (every step above) of the call's tensors on
@@ -170,6 +193,10 @@ static inline uint64_t comet_cuda_protocol_word(const comet_protocol_t *p) {
  * only the protocol steps run: the failure is published, every rank skips
  * its data steps and writes nothing. */
 int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream);
+/* Enqueue one whole backward of call (call->pass 1) on stream: the
+ * forward's protocol steps with the backward's data steps (the sequential
+ * chain). Same return and failure behaviour as the forward's launch. */
+int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream);
 /* k_enter, the chain's first kernel and the only one that takes the call's
  * tensors (its parameters: the context, then the call). */
 const void *comet_cuda_enter_kernel(void);

@@ -18,9 +18,10 @@
  *   layer/dispatch.cuh   k_dispatch, k_dispatch_ov (row counts, block_ready)
  *   layer/simt_gemm.cuh  k_gemm0, k_gemm1 (the SIMT fallback)
  *   layer/combine.cuh    signal + combine: k_final, k_final_flat
+ *   layer/backward.cuh   the backward's steps and the training forward's save
  *   layer/exit.cuh       k_exit, k_mark
  * Here itself: the host side (warm-up, launch_gemm, comet_cuda_forward_launch,
- * forward_chain). Not here: the plan builder (plan_kernel.cu), the Hopper
+ * forward_chain, comet_cuda_backward_launch, backward_chain). Not here: the plan builder (plan_kernel.cu), the Hopper
  * GEMM (gemm.cu), the buffers and the replay (backend.c, replay.c).
  */
 #include <cuda_runtime.h>
@@ -35,6 +36,7 @@
 #include "gemm.h"
 #include "plan_kernel.h"
 #include "vec8.h"
+#include "../core/saved.h"
 #include "../trace/trace.h"
 #include "comet.h"
 
@@ -43,6 +45,7 @@
 #include "layer/dispatch.cuh"
 #include "layer/simt_gemm.cuh"
 #include "layer/combine.cuh"
+#include "layer/backward.cuh"
 #include "layer/exit.cuh"
 
 /* ---------------------------------------------------------------------------
@@ -60,7 +63,9 @@ extern "C" int comet_cuda_layer_warm(void) {
                          (const void *)k_final,
                          (const void *)k_final_flat, (const void *)k_exit,
                          (const void *)k_dispatch_ov,
-                         (const void *)k_mark};
+                         (const void *)k_mark, (const void *)k_bwd_g, (const void *)k_dw_rows,
+                         (const void *)k_scale_dy, (const void *)k_wgrad, (const void *)k_bwd_dx,
+                         (const void *)k_dtopkw, (const void *)k_save, (const void *)k_save_header};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
         cudaFuncAttributes a;
         cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
@@ -82,6 +87,13 @@ static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_ho
 }
 
 static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
+static int backward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
+
+/* The sequential SIMT GEMM0 (h, and gu where c.store_gu asks for it). */
+static void simt_gemm0(const comet_cuda_ctx_t *c, cudaStream_t stream) {
+    const unsigned blocks_y = (unsigned)(c->d.max_blocks < 65535 ? c->d.max_blocks : 65535);
+    k_gemm0<<<dim3((unsigned)((c->d.ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(*c);
+}
 
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
@@ -91,6 +103,26 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
     const int e = forward_chain(&c, stream);
+    if (e != cudaSuccess) return e;
+    if (c.store_gu) { /* training: gu and h into the caller's saved state */
+        /* the Hopper GEMM0 stores no gu: the SIMT GEMM0 gives both (as the backward's recompute does) */
+        if (c.gemm) simt_gemm0(&c, stream);
+        k_save<<<grid, 256, 0, stream>>>(c);
+        k_save_header<<<1, 1, 0, stream>>>(c);
+    }
+    k_exit<<<1, 1, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call,
+                                          void *stream_ptr) {
+    cudaStream_t stream = (cudaStream_t)stream_ptr;
+    const comet_cuda_ctx_t c = *ctx;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    k_enter<<<1, 1, 0, stream>>>(c, *call);
+    k_stage<<<grid, 256, 0, stream>>>(c);
+    k_plan<<<1, 32, 0, stream>>>(c);
+    const int e = backward_chain(&c, stream);
     if (e != cudaSuccess) return e;
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
@@ -105,11 +137,10 @@ static cudaError_t plan_mark(void *arg, int step, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+/* Every rank's routing copied here, then my plan built from it. */
+static int plan_steps(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     const comet_cuda_ctx_t c = *ctx;
-    const comet_dims_t *d = &c.d;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
-    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0, -1);
     k_gather_routing<<<grid, 256, 0, stream>>>(c);
     if (c.tr_events) {
@@ -120,10 +151,20 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     in.token_count = c.state->token_count; /* device addresses inside the state */
     in.topk_idx = (const int32_t *const *)c.state->route_idx;
     in.topk_w = (const float *const *)c.state->route_w;
-    cudaError_t pe = comet_cuda_plan_build(d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
+    cudaError_t pe = comet_cuda_plan_build(&c.d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
                                            c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
     if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 2);
+    return cudaSuccess;
+}
+
+static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+    const comet_cuda_ctx_t c = *ctx;
+    const comet_dims_t *d = &c.d;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
+    const int pe = plan_steps(&c, stream);
+    if (pe != cudaSuccess) return pe;
     if (c.gemm && c.n_comm > 0) { /* overlapped: n_comm pulling CTAs, then their SMs join GEMM0 */
         comet_gemm_hooks_t hooks;
         memset(&hooks, 0, sizeof hooks);
@@ -164,7 +205,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     } else { /* sequential, SIMT tiles */
         k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
-        k_gemm0<<<dim3((unsigned)((d->ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
+        simt_gemm0(&c, stream);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1, -1);
         if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0, -1);
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
@@ -174,5 +215,36 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
     else
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    return (int)cudaGetLastError();
+}
+
+/* The backward's data steps (cuda_layer.h; comet.h's steps in brackets), the
+ * sequential chain on the SIMT tiles: x and dy rows pulled (dy into o);
+ * gu and h recomputed unless saved [1]; G, dH and the rows' <G, a> [2, 4];
+ * <G, a> per row into dwr [3]; bf16(w dy) in o; dW2 [7]; dX into o [5];
+ * signal and combine with weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. */
+static int backward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+    const comet_cuda_ctx_t c = *ctx;
+    const comet_dims_t *d = &c.d;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
+    const int pe = plan_steps(&c, stream);
+    if (pe != cudaSuccess) return pe;
+    k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+    if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
+    k_bwd_g<<<dim3((unsigned)bwd_g_tiles(d), blocks_y), 256, 0, stream>>>(c);
+    k_dw_rows<<<grid, 256, 0, stream>>>(c);
+    k_scale_dy<<<grid, 256, 0, stream>>>(c);
+    const unsigned el = (unsigned)d->experts_local;
+    const unsigned th = (unsigned)((d->hidden + TILE - 1) / TILE), tf = (unsigned)((d->ffn_local + TILE - 1) / TILE);
+    const unsigned t1 = (unsigned)((d->w1_rows + TILE - 1) / TILE);
+    k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
+    k_bwd_dx<<<dim3(th, blocks_y), 256, 0, stream>>>(c);
+    if (final_flat(&c))
+        k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
+    else
+        k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
+    k_dtopkw<<<grid, 256, 0, stream>>>(c);
+    k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);
     return (int)cudaGetLastError();
 }

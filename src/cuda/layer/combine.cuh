@@ -1,7 +1,9 @@
 /*
  * layer/combine.cuh - the combine: the signal (my o complete, announced to
  * every rank), then y of every local token from the o rows of every
- * contributing rank (pulled, or pushed here by GEMM1): the combine's sources
+ * contributing rank (pulled, or pushed here by GEMM1; the backward's dx the
+ * same way from the dX rows, with every weight 1: fmaf(1, o, acc) is the
+ * plain fp32 sum include/comet.h's backward step 6 asks for): the combine's sources
  * and lanes, the top-k reduce (reduce_batch, rank_partial) summed in
  * ascending rank order, the flat combine (flat_entry, flat_token) where a
  * token's entries fit a warp, and the kernels k_final and k_final_flat
@@ -46,6 +48,7 @@ typedef struct {
     int pushed[COMET_CUDA_MAX_RANKS];               /* with push, q != me: rows at recv[tp of q][t][j] */
     const int32_t *idx;                       /* my staged topk_idx */
     const float *wts;                         /* my staged topk_w */
+    int unit;                                 /* backward: every weight 1 (dx: the dX rows summed) */
 } combine_src_t;
 
 __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t *src) {
@@ -59,6 +62,7 @@ __device__ static void combine_src_init(const comet_cuda_ctx_t *c, combine_src_t
     if (threadIdx.x == 0) {
         src->idx = (const int32_t *)(c->sym + c->lay.topk_idx);
         src->wts = (const float *)(c->sym + c->lay.topk_w);
+        src->unit = c->state->call.pass == 1;
     }
     __syncthreads();
 }
@@ -82,7 +86,7 @@ __device__ static inline combine_lane_t combine_lane_local(const comet_cuda_ctx_
     const int64_t j = lane / tp;
     if (j < k && lane < k * tp) {
         x.g = (int32_t)(src->idx[t * k + j] / c->d.experts_local);
-        x.w = src->wts[t * k + j];
+        x.w = src->unit ? 1.0f : src->wts[t * k + j];
     }
     if (lane < k) x.grp = p->home_groups[t * k + lane];
     x.ng = p->home_group_count[t];
@@ -153,7 +157,7 @@ __device__ static void rank_partial(const comet_cuda_ctx_t *c, const combine_src
                 if (j < k) r[u] = rr, wj[u] = ww;
             } else if (j < k) {
                 gj = (int32_t)(src->idx[x->t * k + j] / c->d.experts_local);
-                wj[u] = src->wts[x->t * k + j];
+                wj[u] = src->unit ? 1.0f : src->wts[x->t * k + j];
                 if (gj == g) r[u] = slot_row(c, src, q, tpi, x->t, j);
             }
             if (j >= k || gj != g) r[u] = -1;

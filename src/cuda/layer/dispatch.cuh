@@ -1,7 +1,7 @@
 /*
  * layer/dispatch.cuh - the dispatch: pull my experts' token rows from every
  * rank's stage, by token (each token read once, stored into every row of its
- * slots here). The sequential k_dispatch, and the overlapped mode's
+ * slots here; the backward's dy rows the same way). The sequential k_dispatch, and the overlapped mode's
  * k_dispatch_ov (GEMM0 its programmatic dependent), which counts the rows it
  * stores into their blocks (block_rows) and releases block_ready for GEMM0.
  *
@@ -46,9 +46,11 @@ __device__ static void dispatch_items(const comet_cuda_ctx_t *c, const comet_pla
 }
 
 /* Items [i0, i0 + nr) of the send lists by the whole CTA: each token's
- * source and slot rows into shared memory. */
+ * source (its row of the stage at byte offset field of the home rank's
+ * symmetric buffer: x, or the backward's dy) and slot rows into shared
+ * memory. */
 __device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_plan_t *p, dispatch_smem_t *sm,
-                                       int32_t i0, int nr) {
+                                       size_t field, int32_t i0, int nr) {
     const int w = c->d.world_size, r = c->d.rank;
     const int64_t topk = c->d.topk, slots = c->d.max_tokens * topk;
     const size_t row_bytes = (size_t)c->d.hidden * 2;
@@ -58,7 +60,7 @@ __device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_pl
         while (sm->first[q + 1] <= i0 + k) q++;
         const int s = comet_rank_of_stage(r, q, w);
         const int32_t t = p->send_tokens[(int64_t)s * c->d.max_tokens + (i0 + k - sm->first[q])];
-        sm->src[k] = c->peers[s] + c->lay.x + (size_t)t * row_bytes;
+        sm->src[k] = c->peers[s] + field + (size_t)t * row_bytes;
         sm->rows[k] = p->row_of_slot + s * slots + t * topk;
     }
     __syncthreads();
@@ -73,7 +75,7 @@ __device__ static void dispatch_lookup(const comet_cuda_ctx_t *c, const comet_pl
  * at each store): 16 CTAs store 1.7x more (894 against 534 GB/s, 4 rows a
  * token, near those SMs' 957 GB/s store ceiling), 132 CTAs 1.6x. Loop trip
  * counts depend on the warp only (the shuffles). */
-__device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_smem_t *sm, int nr) {
+__device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_smem_t *sm, comet_bf16_t *dst, int nr) {
     const int64_t topk = c->d.topk;
     const size_t row_bytes = (size_t)c->d.hidden * 2;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -81,7 +83,7 @@ __device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_s
         for (int k = warp; k < nr; k += warps)
             for (int64_t j = 0; j < topk; j++) {
                 const int32_t row = sm->rows[k][j];
-                if (row >= 0) copy_bytes((char *)c->a + row * row_bytes, sm->src[k], row_bytes, lane, 32);
+                if (row >= 0) copy_bytes((char *)dst + row * row_bytes, sm->src[k], row_bytes, lane, 32);
             }
         return;
     }
@@ -107,8 +109,8 @@ __device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_s
             for (int64_t j = 0; j < topk; j++) {
                 const int32_t d0 = j < 32 ? __shfl_sync(0xffffffffu, m0, (int)j) : r0[j];
                 const int32_t d1 = j < 32 ? __shfl_sync(0xffffffffu, m1, (int)j) : two ? r1[j] : -1;
-                uint4 *p0 = (uint4 *)((char *)c->a + (size_t)(d0 < 0 ? 0 : d0) * row_bytes); /* used where >= 0 */
-                uint4 *p1 = (uint4 *)((char *)c->a + (size_t)(d1 < 0 ? 0 : d1) * row_bytes);
+                uint4 *p0 = (uint4 *)((char *)dst + (size_t)(d0 < 0 ? 0 : d0) * row_bytes); /* used where >= 0 */
+                uint4 *p1 = (uint4 *)((char *)dst + (size_t)(d1 < 0 ? 0 : d1) * row_bytes);
 #pragma unroll
                 for (int u = 0; u < PULL_UNROLL; u++) {
                     const uint32_t i = b0 + 32 * u + (uint32_t)lane;
@@ -121,7 +123,25 @@ __device__ static void dispatch_copy(const comet_cuda_ctx_t *c, const dispatch_s
     }
 }
 
-/* Sequential dispatch: CTAs take PULL_ROWS tokens at a time. */
+/* Sequential dispatch of the stage at byte offset field into dst: CTAs take
+ * PULL_ROWS tokens at a time. */
+__device__ static void dispatch_seq(const comet_cuda_ctx_t &c, const comet_plan_t *p, dispatch_smem_t *sm, size_t field,
+                                    comet_bf16_t *dst) {
+    const int32_t items = sm->first[c.d.world_size];
+    for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
+        const uint64_t t0 = TRACE_T0;
+        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
+        dispatch_lookup(&c, p, sm, field, i0, nr);
+        dispatch_copy(&c, sm, dst, nr);
+        if (c.tr_events) {
+            __syncthreads();
+            if (threadIdx.x == 0)
+                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
+        }
+    }
+}
+
+/* Sequential dispatch: x's rows into a; the backward's dy rows into o too. */
 __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c) {
     __shared__ dispatch_smem_t sm;
     if (c.state->skip) return;
@@ -129,18 +149,8 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch(comet_cuda_ctx_t c
     comet_plan_carve(&c.d, c.plan_ws, &p);
     if (threadIdx.x == 0) dispatch_items(&c, &p, &sm);
     __syncthreads();
-    const int32_t items = sm.first[c.d.world_size];
-    for (int32_t i0 = blockIdx.x * PULL_ROWS; i0 < items; i0 += gridDim.x * PULL_ROWS) {
-        const uint64_t t0 = TRACE_T0;
-        const int nr = items - i0 < PULL_ROWS ? items - i0 : PULL_ROWS;
-        dispatch_lookup(&c, &p, &sm, i0, nr);
-        dispatch_copy(&c, &sm, nr);
-        if (c.tr_events) {
-            __syncthreads();
-            if (threadIdx.x == 0)
-                trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, i0 / PULL_ROWS, -1, t0);
-        }
-    }
+    dispatch_seq(c, &p, &sm, c.lay.x, c.a);
+    if (c.state->call.pass == 1) dispatch_seq(c, &p, &sm, c.lay.dy, c.o);
 }
 
 /* ---------------------------------------------------------------------------
@@ -205,8 +215,8 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         for (int32_t i0 = ((int32_t)blockIdx.x - n_comm) * per; i0 < items; i0 += nl * per) {
             const uint64_t t0 = TRACE_T0;
             const int nr = items - i0 < per ? items - i0 : per;
-            dispatch_lookup(&c, &p, &sm, i0, nr);
-            if (copy) dispatch_copy(&c, &sm, nr);
+            dispatch_lookup(&c, &p, &sm, c.lay.x, i0, nr);
+            if (copy) dispatch_copy(&c, &sm, c.a, nr);
             dispatch_count(&c, &p, &sm, nr, e);
             if (c.tr_events) {
                 __syncthreads();
@@ -253,7 +263,7 @@ __global__ void __launch_bounds__(COMM_THREADS, 1) k_dispatch_ov(comet_cuda_ctx_
         const uint64_t t1 = TRACE_T0;
         if (c.tr_events && threadIdx.x == 0)
             trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, pass, 2, t0);
-        if (copy) dispatch_copy(&c, &sm, nr);
+        if (copy) dispatch_copy(&c, &sm, c.a, nr);
         if (c.tr_events) {
             __syncthreads();
             if (threadIdx.x == 0) trace_rec(&c, COMM_LANE, COMET_TRACE_COMM, COMM_WORKER, COMET_TRACE_PULL, pass, 3, t1);

@@ -1,8 +1,9 @@
 /*
  * layer/stage.cuh - the chain's steps before the plan is built: k_enter (the
  * call's tensors into the state, the next epoch, wait until every rank is done
- * with the last), k_stage (x and the routing into my symmetric stage, the
- * device routing check), k_plan (publish my entry, wait for every rank's,
+ * with the last), k_stage (x and the routing, and the backward's dy, into my
+ * symmetric stage; the device routing check and the backward's check of its
+ * saved state's header), k_plan (publish my entry, wait for every rank's,
  * decide whether the epoch runs) and k_gather_routing (every rank's staged
  * routing copied local for the plan builder; the overlapped dispatch's row
  * counts zeroed).
@@ -38,6 +39,12 @@ __global__ void k_stage(comet_cuda_ctx_t c) {
     copy_wide(c.sym + c.lay.x, a.x, (size_t)(t * c.d.hidden) * 2, tid, nth);
     copy_wide(c.sym + c.lay.topk_idx, a.topk_idx, (size_t)(t * k) * 4, tid, nth);
     copy_wide(c.sym + c.lay.topk_w, a.topk_w, (size_t)(t * k) * 4, tid, nth);
+    if (a.pass == 1) copy_wide(c.sym + c.lay.dy, a.dy, (size_t)(t * c.d.hidden) * 2, tid, nth);
+    if (a.pass == 1 && a.save == COMET_SAVE_ACTIVATIONS && tid == 0) { /* the saved state's header */
+        const comet_saved_header_t *hd = (const comet_saved_header_t *)a.saved;
+        if (hd->magic != COMET_SAVED_MAGIC || hd->layer_id != a.layer_id || hd->tokens != t)
+            atomicMax(&c.state->own_status, 1u /* COMET_ERR_INVALID_ARGUMENT */);
+    }
     for (size_t i = tid; i < (size_t)t; i += nth) { /* the routing check of include/comet.h */
         const int32_t *row = a.topk_idx + i * k;
         int bad = 0;
