@@ -50,7 +50,7 @@ static size_t esize(int fp32) { return fp32 ? 4 : 2; }
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
-    if (bytes) cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
+    if (h && bytes) cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
     return d;
 }
 

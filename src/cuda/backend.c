@@ -733,7 +733,7 @@ static comet_status_t cuda_layer_sync(comet_layer_t *l) {
     if (st == COMET_ERR_INVALID_ARGUMENT) /* this rank's arguments (forward said so), or: */
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "rank %d: invalid arguments (or saved state another layer or forward wrote), or the "
-                          "ranks ran different calls or protocols (a forward beside a backward; sequential or "
+                          "ranks ran different protocols (a forward beside a backward; sequential or "
                           "overlapped, push or pull combine): n_comm and the tune file must agree on every rank; "
                           "nothing was written%s%s",
                           l->rank, L->gemm_error[0] ? "; this rank runs the SIMT tiles, its Hopper GEMM: " : "",

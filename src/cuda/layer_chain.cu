@@ -95,8 +95,14 @@ static void simt_gemm0(const comet_cuda_ctx_t *c, cudaStream_t stream) {
     k_gemm0<<<dim3((unsigned)((c->d.ffn_local + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(*c);
 }
 
+/* A launch's errors are read with cudaGetLastError after the chain: an
+ * error the caller's own earlier call left there (not sticky) is not the
+ * chain's, and returning early on it would leave the epoch half entered. */
+static void drop_earlier_error(void) { (void)cudaGetLastError(); }
+
 extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
+    drop_earlier_error();
     const comet_cuda_ctx_t c = *ctx;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
     k_enter<<<1, 1, 0, stream>>>(c, *call);
@@ -117,6 +123,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
 extern "C" int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call,
                                           void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
+    drop_earlier_error();
     const comet_cuda_ctx_t c = *ctx;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
     k_enter<<<1, 1, 0, stream>>>(c, *call);
