@@ -42,24 +42,29 @@ from HF Mixtral / Qwen-MoE experts, fused or Megatron weights through
 comet.convert; its forward is this op (one rank: TP = EP = 1).
 """
 
+import contextlib
+import dataclasses
+import itertools
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import comet
 
-__all__ = ["moe_experts", "clear_cache", "synchronize", "MoEExperts"]
+__all__ = ["moe_experts", "clear_cache", "synchronize", "MoEExperts", "world_from_group", "patch_model"]
 
 _ACTIVATIONS = ("silu_gated", "gelu")
+_SAVES = ("activations", "recompute", "none")
 
 
 # ---------------------------------------------------------------------------
-# Checks (the eager op and its fake share them, so compile-time tracing fails
-# with the same messages).
+# Checks (the eager ops and their fakes share them, so compile-time tracing
+# fails with the same messages).
 # ---------------------------------------------------------------------------
-def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> None:
+def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str,
+           ep: int = 1) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError('moe_experts: activation %r is not "silu_gated" or "gelu"' % (activation,))
     named = (("x", x, torch.bfloat16, 2), ("topk_idx", topk_idx, torch.int32, 2), ("topk_w", topk_w, torch.float32, 2),
@@ -89,26 +94,42 @@ def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, 
                          % ("2F" if activation == "silu_gated" else "F", H, activation, F, tuple(w1.shape)))
     if tuple(w2.shape) != (E, H, F):
         raise ValueError("moe_experts: w2 must be (E=%s, H=%s, F), got %s" % (E, H, tuple(w2.shape)))
-    if not 1 <= topk_idx.shape[1] <= E:
-        raise ValueError("moe_experts: topk %s is outside [1, E=%s]" % (topk_idx.shape[1], E))
+    if not 1 <= topk_idx.shape[1] <= E * ep:
+        raise ValueError("moe_experts: topk %s is outside [1, E=%s]" % (topk_idx.shape[1], E * ep))
+
+
+def _check_save(save: str) -> None:
+    if save not in _SAVES:
+        raise ValueError('moe_experts: save %r is not "activations", "recompute" or "none"' % (save,))
 
 
 # ---------------------------------------------------------------------------
-# The layers behind the op, kept out of the graph.
+# The layers behind the ops, kept out of the graph: the op's `layer`
+# argument is 0 for this process's one-rank layers (cached per device, shape
+# and token bound) or the id of a layer over a torch.distributed group
+# (MoEExperts with world=).
 # ---------------------------------------------------------------------------
 class _Entry:
-    """One cached layer: its world, the T it is sized for, and the lock that
-    keeps its calls on one thread at a time."""
+    """One layer, and the lock that keeps its calls on one thread at a time."""
 
-    def __init__(self):
+    def __init__(self, layer: comet.Layer):
         self.lock = threading.Lock()
-        self.layer = None
-        self.max_tokens = 0
+        self.layer = layer
+        self.saved_bytes = layer.saved_bytes("activations")
 
 
 _cache_lock = threading.Lock()
 _worlds: Dict[Tuple[str, int], comet.World] = {}
-_layers: Dict[tuple, _Entry] = {}
+_cached: Dict[tuple, _Entry] = {}
+_registered: Dict[int, _Entry] = {}
+_next_id = itertools.count(1)
+
+
+def _device(t: Tensor) -> torch.device:
+    """t's device with its index (CUDA: the current device when unnamed)."""
+    if t.device.type == "cuda" and t.device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
 
 
 def _world(device: torch.device) -> comet.World:
@@ -117,184 +138,215 @@ def _world(device: torch.device) -> comet.World:
     if world is None:
         if device.type == "cpu":
             world = comet.World(1, "cpu")
-        else:  # UNTESTED: a one-rank world on this device (comet_world_create_nccl with its own id)
-            with torch.cuda.device(device):
+        else:
+            if comet.device_count() == 0:
+                raise RuntimeError("moe_experts: CUDA tensors need a build of comet with the CUDA backend and a GPU it "
+                                   "sees; this libcomet.so sees none (%s)" % comet.build_info().get(
+                                       "reason", "comet.build_info()"))
+            with torch.cuda.device(device):  # UNTESTED: a one-rank world on this device
                 world = comet.World.from_unique_id(0, 1, comet.get_unique_id(), device.index)
         _worlds[key] = world
     return world
 
 
-def _entry(device: torch.device, H: int, F: int, E: int, topk: int, activation: str) -> _Entry:
-    key = (str(device), H, F, E, topk, activation)
+def _max_tokens(T: int) -> int:
+    """The token bound of the one-rank layer that runs T tokens: the next
+    power of two, at least 128 (a handful of layers for any mix of T)."""
+    return max(128, 1 << (T - 1).bit_length())
+
+
+def _one_rank(device: torch.device, H: int, F: int, E: int, topk: int, activation: str, T: int) -> _Entry:
+    key = (str(device), H, F, E, topk, activation, _max_tokens(T))
     with _cache_lock:
-        entry = _layers.get(key)
+        entry = _cached.get(key)
         if entry is None:
-            entry = _layers[key] = _Entry()
+            cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=key[-1],
+                                    activation=activation)
+            entry = _cached[key] = _Entry(_world(device).layer(0, cfg))
         return entry
+
+
+def _registered_entry(layer: int) -> _Entry:
+    entry = _registered.get(layer)
+    if entry is None:
+        raise ValueError("moe_experts: layer %d is not a live comet.torch layer (closed, or from another process)"
+                         % layer)
+    return entry
+
+
+def _entry(layer: int, x: Tensor, topk_idx: Tensor, w1: Tensor, w2: Tensor, activation: str) -> _Entry:
+    if layer:
+        return _registered_entry(layer)
+    return _one_rank(_device(x), x.shape[1], w2.shape[2], w1.shape[0], topk_idx.shape[1], activation, x.shape[0])
+
+
+def _ep(layer: int) -> int:
+    return _registered_entry(layer).layer.config.ep if layer else 1
 
 
 def _desc(t: Tensor, dtype: comet.DType) -> comet.TensorDesc:
     return comet.TensorDesc(t.data_ptr(), dtype, tuple(t.shape))
 
 
-def _run(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
-    _check(x, topk_idx, topk_w, w1, w2, activation)
-    T, H = x.shape
-    E, _, _ = w1.shape
-    F, topk = w2.shape[2], topk_idx.shape[1]
-    y = torch.empty_like(x)
-    if T == 0:
-        return y
-    device = x.device
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    entry = _entry(device, H, F, E, topk, activation)
-    with entry.lock:
-        if T > entry.max_tokens:  # (re)create, sized for the next power of two
-            max_tokens = max(128, 1 << (T - 1).bit_length())
-            cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=max_tokens,
-                                    activation=activation)
-            with _cache_lock:
-                world = _world(device)
-            if entry.layer is not None:
-                entry.layer.close()
-                entry.layer, entry.max_tokens = None, 0
-            entry.layer = world.layer(0, cfg)
-            entry.max_tokens = max_tokens
-        args = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
-                _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(y, comet.DType.BF16))
-        if device.type == "cpu":
-            entry.layer.forward(*args)
-        else:  # UNTESTED: the CUDA backend, asynchronous on the current stream
-            with torch.cuda.device(device):
-                entry.layer.forward(*args, stream=torch.cuda.current_stream(device).cuda_stream)
-    return y
+def _stream(device: torch.device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
 def clear_cache() -> None:
-    """Close every cached layer and world (their memory is freed). Not while
-    an op runs on another thread."""
+    """Close every cached one-rank layer and world (their memory is freed).
+    Not while an op runs on another thread, nor between a training forward
+    and its backward (the backward refuses state saved by a closed layer)."""
     with _cache_lock:
-        entries = list(_layers.values())
-        _layers.clear()
+        entries = list(_cached.values())
+        _cached.clear()
         worlds = list(_worlds.values())
         _worlds.clear()
     for entry in entries:
         with entry.lock:
-            if entry.layer is not None:
-                entry.layer.close()
-                entry.layer = None
+            entry.layer.close()
     for world in worlds:
         world.close()
 
 
 def synchronize(device=None) -> None:
-    """Wait for the last forward of every cached layer on `device` (None: all)
-    and raise what comet found (CUDA: comet.InvalidRouting for expert ids out
-    of range or repeated in a row). On CPU tensors every error is raised by the
-    op itself; this returns at once. UNTESTED on CUDA."""
+    """Wait for the last forward or backward of every layer on `device`
+    (None: all) and raise what comet found (CUDA: comet.InvalidRouting for
+    expert ids out of range or repeated in a row). On CPU tensors every error
+    is raised by the op itself; this returns at once. UNTESTED on CUDA."""
     device = None if device is None else str(torch.device(device))
     with _cache_lock:
-        entries = [(k, e) for k, e in _layers.items() if device is None or k[0] == device]
-    for _, entry in entries:
+        entries = [e for k, e in _cached.items() if device is None or k[0] == device]
+        entries += list(_registered.values()) if device is None or device.startswith("cuda") else []
+    for entry in entries:
         with entry.lock:
-            if entry.layer is not None:
-                try:
-                    entry.layer.sync()
-                except comet.InvalidArgument as e:  # no forward yet on this layer
-                    if "no forward" not in e.message:
-                        raise
+            try:
+                entry.layer.sync()
+            except comet.InvalidArgument as e:  # no forward yet on this layer
+                if "no forward" not in e.message:
+                    raise
 
 
 # ---------------------------------------------------------------------------
-# The op.
+# The ops.
 # ---------------------------------------------------------------------------
+def _run(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str, save: str,
+         layer: int) -> Tuple[Tensor, Tensor]:
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
+    y = torch.empty_like(x)
+    if x.shape[0] == 0 and not layer:  # one rank, no tokens: no layer needed
+        return y, x.new_empty((0,), dtype=torch.uint8)
+    entry = _entry(layer, x, topk_idx, w1, w2, activation)
+    saved = x.new_empty((entry.saved_bytes if save == "activations" else 0,), dtype=torch.uint8)
+    device = _device(x)
+    with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        entry.layer.forward(_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32),
+                            _desc(topk_w, comet.DType.FP32), _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16),
+                            _desc(y, comet.DType.BF16), stream=_stream(device), save=save,
+                            saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None)
+    return y, saved
+
+
 @torch.library.custom_op("comet::moe_experts", mutates_args=())
-def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
-    return _run(x, topk_idx, topk_w, w1, w2, activation)
+def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str, save: str,
+                 layer: int) -> Tuple[Tensor, Tensor]:
+    """(y, saved): y (T, H) bf16, the layer of x; saved (n) uint8, the state
+    this forward keeps for its backward (save "activations": n =
+    comet_layer_saved_bytes; "recompute", "none": n = 0). layer: 0 runs a
+    one-rank layer of this process, else a MoEExperts layer's id."""
+    return _run(x, topk_idx, topk_w, w1, w2, activation, save, layer)
 
 
 @_moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation):
-    _check(x, topk_idx, topk_w, w1, w2, activation)
-    return torch.empty_like(x)  # (T, H) bf16
+def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
+    T = x.shape[0]
+    if save != "activations" or (not layer and isinstance(T, int) and T == 0):
+        n = 0
+    elif layer or isinstance(T, int):  # the layer the eager op will run says how many bytes it saves
+        n = _entry(layer, x, topk_idx, w1, w2, activation).saved_bytes
+    else:  # T symbolic: the one-rank layer's token bound, hence the size, is known only when it runs
+        n = torch.library.get_ctx().new_dynamic_size()
+    return torch.empty_like(x), x.new_empty((n,), dtype=torch.uint8)
 
 
-_CUDA_BACKWARD = ("comet.torch.moe_experts: the CUDA backward is not there yet (comet's backward runs on CPU tensors "
-                  "only, through its specification, comet_reference_backward); move the layer to the CPU for "
-                  "training, or run the CUDA forward under torch.no_grad() or with detached inputs")
-
-
-def _backward_out_check(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                        activation: str) -> None:
-    _check(x, topk_idx, topk_w, w1, w2, activation)
+def _backward_check(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, saved: Tensor,
+                    activation: str, save: str, layer: int) -> None:
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
     if dy.dtype != torch.bfloat16 or tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
         raise ValueError("moe_experts_backward: dy must be bf16 %s on %s like x, got %s %s on %s"
                          % (tuple(x.shape), x.device, dy.dtype, tuple(dy.shape), dy.device))
     if not dy.is_contiguous():
         raise ValueError("moe_experts_backward: dy must be contiguous: call .contiguous()")
+    if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.device != x.device:
+        raise ValueError("moe_experts_backward: saved must be the 1-d uint8 tensor moe_experts returned on %s, got "
+                         "%s %s on %s" % (x.device, saved.dtype, tuple(saved.shape), saved.device))
 
 
-def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                  activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
-    if x.device.type != "cpu":
-        raise NotImplementedError(_CUDA_BACKWARD)
-    T, H = x.shape
-    E = w1.shape[0]
-    F, topk = w2.shape[2], topk_idx.shape[1]
-    dx = torch.empty_like(x)
-    d_topk_w = torch.empty_like(topk_w)
-    dw1 = torch.empty_like(w1)
-    dw2 = torch.empty_like(w2)
-    if T == 0:  # no rows: every gradient is zero
+def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, saved: Tensor,
+                  activation: str, save: str, layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _backward_check(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
+    dx, d_topk_w = torch.empty_like(x), torch.empty_like(topk_w)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    if x.shape[0] == 0 and not layer:  # one rank, no rows: every gradient is zero
         return dx, d_topk_w, dw1.zero_(), dw2.zero_()
-    # W = 1: comet's engine and its specification compute the same bits by construction (include/comet.h)
-    cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=T, activation=activation)
-    comet.reference_backward(cfg, [{
-        "x": _desc(x, comet.DType.BF16), "topk_idx": _desc(topk_idx, comet.DType.INT32),
-        "topk_w": _desc(topk_w, comet.DType.FP32), "w1": _desc(w1, comet.DType.BF16),
-        "w2": _desc(w2, comet.DType.BF16), "dy": _desc(dy, comet.DType.BF16), "dx": _desc(dx, comet.DType.BF16),
-        "d_topk_w": _desc(d_topk_w, comet.DType.FP32), "dw1": _desc(dw1, comet.DType.BF16),
-        "dw2": _desc(dw2, comet.DType.BF16)}])
+    entry = _entry(layer, x, topk_idx, w1, w2, activation)
+    device = _device(x)
+    ins = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
+           _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(dy, comet.DType.BF16))
+    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(dw1, comet.DType.BF16),
+            _desc(dw2, comet.DType.BF16))
+    with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        try:
+            entry.layer.backward(*ins, *outs, save=save,
+                                 saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
+                                 stream=_stream(device))
+        except comet.Unsupported:
+            if device.type != "cpu":
+                raise
+            # This build's CPU engine has no backward yet: one rank's backward is its specification,
+            # comet_reference_backward, which the engine's backward matches bit for bit (include/comet.h).
+            cfg = dataclasses.replace(entry.layer.config, max_tokens_per_rank=max(1, x.shape[0]))
+            comet.reference_backward(cfg, [dict(zip(comet.api._BACKWARD_FIELDS, ins + outs))])
     return dx, d_topk_w, dw1, dw2
 
 
 @torch.library.custom_op("comet::moe_experts_backward", mutates_args=())
 def _moe_experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                          activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy, one rank
-    (W = 1): dx (T, H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in
-    w1's and w2's shapes. CPU tensors only (CUDA: NotImplementedError)."""
-    return _run_backward(dy, x, topk_idx, topk_w, w1, w2, activation)
+                          saved: Tensor, activation: str, save: str, layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy: dx (T,
+    H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in w1's and w2's
+    shapes. saved, save: what moe_experts returned and was given."""
+    return _run_backward(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
 
 
 @_moe_experts_backward.register_fake
-def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, activation):
-    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
+def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer):
+    _backward_check(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
     return torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w1), torch.empty_like(w2)
 
 
-def _backward(ctx, grad):
-    x, topk_idx, topk_w, w1, w2 = ctx.saved_tensors
-    if x.device.type != "cpu":
-        raise NotImplementedError(_CUDA_BACKWARD)
-    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(grad.to(torch.bfloat16).contiguous(), x, topk_idx,
-                                                                  topk_w, w1, w2, ctx.activation)
-    return dx, None, d_topk_w, dw1, dw2, None
-
-
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w1, w2, activation = inputs
-    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2)
-    ctx.activation = activation
+    x, topk_idx, topk_w, w1, w2, activation, save, layer = inputs
+    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, output[1])
+    ctx.activation, ctx.save, ctx.layer = activation, save, layer
+
+
+def _backward(ctx, grad, _grad_saved):
+    x, topk_idx, topk_w, w1, w2, saved = ctx.saved_tensors
+    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(
+        grad.to(torch.bfloat16).contiguous(), x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save,
+        ctx.layer)
+    return dx, None, d_topk_w, dw1, dw2, None, None, None
 
 
 _moe_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, *,
-                activation: str = "silu_gated") -> Tensor:
+                activation: str = "silu_gated", save: str = "activations") -> Tensor:
     """The MoE experts of one layer, every expert in this process:
 
         y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t])
@@ -315,6 +367,12 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
             (E, F, H) for "gelu" (h = gelu(x w1^T), erf form).
         w2: (E, H, F) bfloat16.
         activation: "silu_gated" or "gelu".
+        save: what a forward that autograd records keeps for its backward:
+            "activations" (every routed row's gu and h, a uint8 tensor of
+            comet_layer_saved_bytes from torch's allocator) or "recompute"
+            (nothing: the backward reruns GEMM0). Either gives the same
+            gradients, bit for bit. A forward autograd does not record
+            (torch.no_grad(), no input requiring grad) saves nothing.
 
     Returns:
         y: (T, H) bfloat16, on x's device.
@@ -324,17 +382,27 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
     not), w1 and w2 must be contiguous. Raises TypeError or ValueError for a
     wrong dtype, shape or device, and comet.InvalidRouting (a ValueError,
     carrying comet's message) for an expert id out of range or repeated in a
-    row (CUDA: reported by synchronize()). Differentiable in x, topk_w, w1 and
-    w2 for CPU tensors (comet_reference_backward, exact per comet.h's
-    backward contract); CUDA tensors' backward raises NotImplementedError.
+    row (CUDA: reported by synchronize()). Differentiable in x, topk_w, w1
+    and w2: the backward is comet_layer_backward on the same layer (CUDA: on
+    the current stream); a CPU engine without a backward runs its
+    specification, comet_reference_backward (the same bits, slower).
     """
+    return _call(x, topk_idx, topk_w, w1, w2, activation, save, 0)
+
+
+def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+    if save not in ("activations", "recompute"):
+        raise ValueError('moe_experts: save %r is not "activations" or "recompute"' % (save,))
     if not isinstance(x, Tensor):
         raise TypeError("moe_experts: x must be a torch.Tensor, got %s" % type(x).__name__)
     if topk_idx.dtype == torch.int64:
         topk_idx = topk_idx.to(torch.int32)
     if topk_w.dtype in (torch.bfloat16, torch.float16):
         topk_w = topk_w.to(torch.float32)
-    return _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2))
+    y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
+                        save if recorded else "none", layer)
+    return y
 
 
 # ---------------------------------------------------------------------------

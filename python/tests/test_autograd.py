@@ -149,7 +149,8 @@ def test_grads_equal_comet_reference_backward_bitwise(activation):
     for name, g, e in zip(("dx", "d_topk_w", "dw1", "dw2"), got, want):
         assert bits_equal(g, e), name
     # and the backward op itself, called directly
-    ops = torch.ops.comet.moe_experts_backward(dy, x, idx, w, w1, w2, activation)
+    ops = torch.ops.comet.moe_experts_backward(dy, x, idx, w, w1, w2, torch.empty(0, dtype=torch.uint8), activation,
+                                               "recompute", 0)
     for name, g, e in zip(("dx", "d_topk_w", "dw1", "dw2"), ops, want):
         assert bits_equal(g, e), name
 
@@ -182,11 +183,13 @@ def test_opcheck_both_ops():
     x, idx, w, w1, w2, r = problem(T=9, seed=7)
     xl, wl, w1l, w2l = (leaf(t) for t in (x, w, w1, w2))
     # the forward with inputs that require grad: schema, fake, and the registered autograd
-    torch.library.opcheck(torch.ops.comet.moe_experts.default, (xl, idx, wl, w1l, w2l, "silu_gated"),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    torch.library.opcheck(torch.ops.comet.moe_experts_backward.default,
-                          (r.bfloat16(), x, idx, w, w1, w2, "silu_gated"),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for save in ("activations", "recompute"):
+        torch.library.opcheck(torch.ops.comet.moe_experts.default, (xl, idx, wl, w1l, w2l, "silu_gated", save, 0),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        saved = torch.ops.comet.moe_experts(x, idx, w, w1, w2, "silu_gated", save, 0)[1]
+        torch.library.opcheck(torch.ops.comet.moe_experts_backward.default,
+                              (r.bfloat16(), x, idx, w, w1, w2, saved, "silu_gated", save, 0),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _compiled_or_skip(fn):
