@@ -406,6 +406,77 @@ def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer):
 
 
 # ---------------------------------------------------------------------------
+# Worlds over a torch.distributed group.
+# ---------------------------------------------------------------------------
+def _broadcast_id(group, make_id) -> bytes:
+    """Rank 0 of `group` calls make_id() (128 bytes) and broadcasts them over
+    the group; every rank returns them. A failure of make_id on rank 0
+    reaches every rank (a flag byte travels with the id), so none waits in
+    the broadcast. The buffer is a CPU tensor where the group's backend has
+    one for CPU (gloo), else a CUDA tensor on the current device (nccl)."""
+    import torch.distributed as dist
+
+    n = comet._capi.COMET_UNIQUE_ID_BYTES
+    backend = str(dist.get_backend(group))
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(n + 1, dtype=torch.uint8)
+    failure = None
+    if dist.get_rank(group) == 0:
+        try:
+            uid = make_id()
+            buf[1:] = torch.frombuffer(bytearray(uid), dtype=torch.uint8)
+            buf[0] = 1
+        except Exception as e:  # noqa: BLE001 - raised below, after the peers heard of it
+            failure = e
+    buf = buf.to(device)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(buf, src=src, group=group)
+    buf = buf.cpu()
+    if failure is not None:
+        raise failure
+    if int(buf[0]) != 1:
+        raise RuntimeError("world_from_group: rank 0 of the group could not make comet's unique id (its error "
+                           "says why)")
+    return bytes(buf[1:].tolist())
+
+
+def world_from_group(group=None, *, timeout_ms: int = 0, tune_file: Optional[str] = None,
+                     graph_replay: int = 0) -> comet.World:
+    """A comet world over the ranks of a torch.distributed process group
+    (None: the default group), one GPU each: rank 0 of the group makes the
+    unique id (comet.get_unique_id), the group broadcasts its bytes, and
+    every rank creates its world on its current CUDA device
+    (comet_world_create_nccl_opts(rank in group, group size, id,
+    torch.cuda.current_device())). Collective over the group; only its ranks
+    take part, so a sub-group (the EP group of a DP x EP mesh, say) works.
+    The world's rank is the rank in the group.
+
+    Set the device first (torch.cuda.set_device). The world runs comet's
+    CUDA backend: a process without a GPU, or a CPU-only build of comet,
+    gets a RuntimeError saying so (before any communication). Options as
+    comet.World (0 / None: the environment's or the default). Close the
+    world (world.close(), on every rank) after its layers."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("world_from_group: torch.distributed is not initialized (torch.distributed."
+                           "init_process_group first)")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("world_from_group: this process is not a member of the group")
+    if not torch.cuda.is_available() or comet.device_count() == 0:
+        why = ("torch sees no GPU" if not torch.cuda.is_available() else
+               "this libcomet.so has no CUDA backend or sees no GPU (%s)"
+               % comet.build_info().get("reason", "comet.build_info()"))
+        raise RuntimeError("world_from_group: a comet world over processes runs comet's CUDA backend, one GPU per "
+                           "rank (comet_world_create_nccl), and %s. On CPU tensors use comet.torch.moe_experts or "
+                           "MoEExperts without a world (a one-rank CPU world in this process)" % why)
+    uid = _broadcast_id(group, comet.get_unique_id)
+    return comet.World.from_unique_id(rank, size, uid, torch.cuda.current_device(), timeout_ms=timeout_ms,
+                                      tune_file=tune_file, graph_replay=graph_replay)
+
+
+# ---------------------------------------------------------------------------
 # The module.
 # ---------------------------------------------------------------------------
 class MoEExperts(torch.nn.Module):
@@ -413,9 +484,8 @@ class MoEExperts(torch.nn.Module):
     (comet's layout, include/comet.h; rank = ep * TP + tp holds experts
     [ep*E_local, (ep+1)*E_local) and the ffn slice tp).
 
-    Parameters (created with requires_grad=False; on CPU tensors they may be
-    trained: module.requires_grad_() and moe_experts' backward gives w1.grad
-    and w2.grad, bf16; on CUDA the backward is not there yet):
+    Parameters (created with requires_grad=False; module.requires_grad_()
+    trains them: the backward gives w1.grad and w2.grad, bf16):
         w1: (E_local, 2*F_local, H) bfloat16 for activation="silu_gated"
             (rows [0, F_local) the gate slice, [F_local, 2*F_local) the up
             slice); (E_local, F_local, H) bfloat16 for "gelu".
@@ -423,7 +493,7 @@ class MoEExperts(torch.nn.Module):
     with E_local = num_experts / ep and F_local = ffn / tp.
 
     Attributes: num_experts (E), ffn (F, unsliced), hidden (H), tp, ep, rank,
-    activation.
+    activation, save, world (None: this process holds every expert).
 
     Build it from a framework's weights with from_hf_mixtral,
     from_hf_qwen2_moe (= from_hf_qwen3_moe), from_fused or from_megatron
@@ -431,26 +501,35 @@ class MoEExperts(torch.nn.Module):
     with comet.convert.to_hf_mixtral(modules, tp=, ep=) etc., which take the
     W modules (one a rank).
 
-    forward(x, topk_idx, topk_w) runs comet.torch.moe_experts, so only a
-    module holding every expert and the whole ffn (tp = ep = 1) runs it; a
-    rank of a larger world holds its weights for a comet.Layer's forward
-    (comet.World: every rank's collective call), and its forward raises
-    NotImplementedError. Its arguments and result match transformers 5's
+    forward(x, topk_idx, topk_w) runs comet.torch.moe_experts. Without a
+    world the module holds every expert and the whole ffn (tp = ep = 1) and
+    runs a one-rank layer on x's device; with world= (world_from_group: the
+    TP x EP ranks of a process group, one GPU each) it runs its layer of
+    that world, created here (collective: every rank builds its module in
+    the same order), for this rank's tokens: T <= max_tokens_per_rank, the
+    expert ids global. Its arguments and result match transformers 5's
     fused experts modules (MixtralExperts etc.: forward(hidden_states,
     top_k_index, top_k_weights)).
     """
 
     def __init__(self, w1: Tensor, w2: Tensor, *, activation: str = "silu_gated", tp: int = 1, ep: int = 1,
-                 rank: int = 0):
+                 rank: int = 0, save: str = "activations", world: Optional[comet.World] = None,
+                 topk: Optional[int] = None, max_tokens_per_rank: Optional[int] = None):
         """w1, w2: this rank's weights, bfloat16 (shapes in the class
         docstring; made contiguous); activation: "silu_gated" or "gelu";
-        tp, ep, rank: the world and this rank."""
+        tp, ep, rank: the world and this rank; save: "activations" or
+        "recompute" (moe_experts); world: a comet.World over processes
+        (world_from_group) of tp * ep ranks whose rank `rank` this process
+        holds, with topk and max_tokens_per_rank (the bound on every rank's
+        T) for its layer."""
         super().__init__()
         from comet.convert import rank_coords
 
         rank_coords(rank, tp, ep, fn="MoEExperts")
         if activation not in _ACTIVATIONS:
             raise ValueError('MoEExperts: activation %r is not "silu_gated" or "gelu"' % (activation,))
+        if save not in ("activations", "recompute"):
+            raise ValueError('MoEExperts: save %r is not "activations" or "recompute"' % (save,))
         for name, t in (("w1", w1), ("w2", w2)):
             if not isinstance(t, Tensor):
                 raise TypeError("MoEExperts: %s must be a torch.Tensor, got %s" % (name, type(t).__name__))
@@ -467,54 +546,80 @@ class MoEExperts(torch.nn.Module):
                              % (tuple(w1.shape), tuple(w2.shape), "2*F_local" if gated else "F_local", activation))
         self.w1 = torch.nn.Parameter(w1.detach().contiguous(), requires_grad=False)
         self.w2 = torch.nn.Parameter(w2.detach().contiguous(), requires_grad=False)
-        self.activation = activation
+        self.activation, self.save = activation, save
         self.tp, self.ep, self.rank = tp, ep, rank
         self.num_experts, self.ffn, self.hidden = El * ep, Fl * tp, H
+        self.world, self._layer = world, 0
+        if world is not None:
+            if world.size != tp * ep or world.local_rank != rank:
+                raise ValueError("MoEExperts: the world has %d ranks and this process holds rank %d of it; the "
+                                 "module is rank %d of TP=%d x EP=%d" % (world.size, world.local_rank, rank, tp, ep))
+            if topk is None or max_tokens_per_rank is None:
+                raise ValueError("MoEExperts: a module with a world needs topk and max_tokens_per_rank (its layer's "
+                                 "config, equal on every rank)")
+            cfg = comet.LayerConfig(hidden=H, ffn=self.ffn, num_experts=self.num_experts, topk=topk,
+                                    max_tokens_per_rank=max_tokens_per_rank, activation=activation, tp=tp, ep=ep)
+            entry = _Entry(world.layer(rank, cfg))
+            with _cache_lock:
+                self._layer = next(_next_id)
+                _registered[self._layer] = entry
+
+    def close(self) -> None:
+        """Collective (a module with a world, on every rank): destroy its
+        comet layer. Without a world a no-op. Closing twice is a no-op."""
+        if self._layer:
+            with _cache_lock:
+                entry = _registered.pop(self._layer)
+            self._layer = 0
+            with entry.lock:
+                entry.layer.close()
 
     @classmethod
-    def from_hf_mixtral(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+    def from_hf_mixtral(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0, **options) -> "MoEExperts":
         """From HF Mixtral's `block_sparse_moe.experts` (E modules with w1 =
         gate (F, H), w3 = up (F, H), w2 = down (H, F)), the block, or a fused
         experts module (gate_up_proj (E, 2F, H), down_proj (E, H, F)): this
-        rank's slice, bf16 (comet.convert.from_hf_mixtral)."""
+        rank's slice, bf16 (comet.convert.from_hf_mixtral). options: the
+        constructor's save, world, topk, max_tokens_per_rank."""
         from comet import convert
 
         w1, w2 = convert.from_hf_mixtral(experts, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     @classmethod
-    def from_hf_qwen2_moe(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+    def from_hf_qwen2_moe(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0, **options) -> "MoEExperts":
         """From HF Qwen2-MoE's or Qwen3-MoE's `mlp.experts` (E modules with
         gate_proj (F, H), up_proj (F, H), down_proj (H, F)), the block (its
         shared expert is not included), or a fused experts module: this
-        rank's slice, bf16 (comet.convert.from_hf_qwen_moe)."""
+        rank's slice, bf16 (comet.convert.from_hf_qwen_moe). options: the
+        constructor's save, world, topk, max_tokens_per_rank."""
         from comet import convert
 
         w1, w2 = convert.from_hf_qwen_moe(experts, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     from_hf_qwen3_moe = from_hf_qwen2_moe
 
     @classmethod
     def from_fused(cls, gate_up: Tensor, down: Tensor, *, order: str = "gate_first", tp: int = 1, ep: int = 1,
-                   rank: int = 0) -> "MoEExperts":
+                   rank: int = 0, **options) -> "MoEExperts":
         """From fused experts: gate_up (E, 2F, H) (order "gate_first" or
         "interleaved"), down (E, H, F) (comet.convert.from_fused)."""
         from comet import convert
 
         w1, w2 = convert.from_fused(gate_up, down, order=order, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     @classmethod
     def from_megatron(cls, fc1: Tensor, fc2: Tensor, *, gated: bool = True, tp: int = 1, ep: int = 1,
-                      rank: int = 0) -> "MoEExperts":
+                      rank: int = 0, **options) -> "MoEExperts":
         """From Megatron-Core's unsliced grouped experts: fc1 (E, 2F, H)
         [gate; up] (gated) or (E, F, H) (gated=False: GELU), fc2 (E, H, F)
         (comet.convert.from_megatron)."""
         from comet import convert
 
         w1, w2 = convert.from_megatron(fc1, fc2, gated=gated, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, activation="silu_gated" if gated else "gelu", tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, activation="silu_gated" if gated else "gelu", tp=tp, ep=ep, rank=rank, **options)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         """y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t]) (comet.torch.moe_experts).
@@ -529,14 +634,16 @@ class MoEExperts(torch.nn.Module):
         Returns:
             y: (..., H) in x's dtype and on x's device.
         """
-        if self.tp != 1 or self.ep != 1:
+        if (self.tp != 1 or self.ep != 1) and self.world is None:
             raise NotImplementedError(
-                "MoEExperts: this module holds rank %d of a TP=%d x EP=%d world (experts %d..%d, ffn slice %d of %d): "
-                "its forward runs every expert in this process (TP = EP = 1); run a %d-rank comet.Layer "
-                "(comet.World) with these w1, w2" % (self.rank, self.tp, self.ep,
-                                                    self.rank // self.tp * (self.num_experts // self.ep),
-                                                    (self.rank // self.tp + 1) * (self.num_experts // self.ep) - 1,
-                                                    self.rank % self.tp, self.tp, self.tp * self.ep))
+                "MoEExperts: this module holds rank %d of a TP=%d x EP=%d world (experts %d..%d, ffn slice %d of %d) "
+                "and has no comet world: build it with world=comet.torch.world_from_group(group) (one GPU a rank), "
+                "or run a %d-rank comet.Layer with these w1, w2" % (
+                    self.rank, self.tp, self.ep, self.rank // self.tp * (self.num_experts // self.ep),
+                    (self.rank // self.tp + 1) * (self.num_experts // self.ep) - 1, self.rank % self.tp, self.tp,
+                    self.tp * self.ep))
+        if self.world is not None and not self._layer:
+            raise ValueError("MoEExperts: the module's comet layer is closed")
         if not isinstance(x, Tensor):
             raise TypeError("MoEExperts: x must be a torch.Tensor, got %s" % type(x).__name__)
         if x.dim() < 1 or x.shape[-1] != self.hidden:
@@ -547,10 +654,71 @@ class MoEExperts(torch.nn.Module):
                              % (tuple(topk_idx.shape), tuple(topk_w.shape), ", ".join(map(str, lead)) or "",
                                 tuple(x.shape)))
         k = topk_idx.shape[-1]
-        y = moe_experts(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
-                        topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, activation=self.activation)
+        y = _call(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
+                  topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, self.activation, self.save, self._layer)
         return y.to(x.dtype).reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d" % (
-            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank)
+        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d, save=%s" % (
+            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank, self.save)
+
+
+# ---------------------------------------------------------------------------
+# HF transformers models.
+# ---------------------------------------------------------------------------
+_HF_BLOCKS = {"MixtralSparseMoeBlock": "from_hf_mixtral", "Qwen2MoeSparseMoeBlock": "from_hf_qwen2_moe",
+              "Qwen3MoeSparseMoeBlock": "from_hf_qwen3_moe"}
+
+
+def patch_model(model: torch.nn.Module, group=None, *, save: str = "activations",
+                max_tokens_per_rank: Optional[int] = None) -> torch.nn.Module:
+    """Run the experts of an HF transformers Mixtral, Qwen2-MoE or Qwen3-MoE
+    model with comet, in place: each sparse MoE block's `experts` (the fused
+    experts module of transformers 5: gate_up_proj, down_proj) becomes a
+    MoEExperts with the same weights (comet.convert), trainable where they
+    were; the router (`gate`) and a shared expert stay torch. Returns model.
+
+        model = AutoModelForCausalLM.from_pretrained(...)
+        comet.torch.patch_model(model)
+
+    group None: this process holds every expert and runs comet on the
+    model's device (CPU: comet's CPU engine, one rank). A torch.distributed
+    group: expert parallelism over it (world_from_group, one GPU a rank):
+    rank r of G keeps experts [r*E/G, (r+1)*E/G) and runs its own tokens,
+    each at most max_tokens_per_rank (batch x sequence, required then);
+    the other weights stay replicated. save: "activations" or "recompute"
+    (moe_experts).
+
+    The patched model's state_dict names the experts' weights
+    `experts.w1` and `experts.w2` (comet's layout); comet.convert's
+    to_hf_mixtral / to_hf_qwen_moe give HF's back. The computation follows
+    comet.h's rounding points (bf16 with fp32 accumulation): a model in
+    another dtype gets its experts' input rounded to bf16 and their output
+    converted back."""
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _HF_BLOCKS]
+    if not blocks:
+        raise ValueError("patch_model: %s has no sparse MoE block comet knows (%s)"
+                         % (type(model).__name__, ", ".join(sorted(_HF_BLOCKS))))
+    world, rank, size = None, 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        if max_tokens_per_rank is None:
+            raise ValueError("patch_model: with a group, max_tokens_per_rank (the bound on every rank's batch x "
+                             "sequence tokens) sizes comet's layers")
+        world = world_from_group(group)
+        rank, size = world.local_rank, dist.get_world_size(group)
+    for name, block in blocks:
+        experts = block.experts
+        if isinstance(experts, MoEExperts):
+            continue
+        if not hasattr(experts, "gate_up_proj"):
+            raise ValueError("patch_model: %s.experts is a %s, not a fused experts module (gate_up_proj, down_proj): "
+                             "patch_model needs transformers >= 5" % (name, type(experts).__name__))
+        trainable = experts.gate_up_proj.requires_grad
+        options = dict(save=save)
+        if world is not None:
+            options.update(world=world, topk=block.gate.top_k, max_tokens_per_rank=max_tokens_per_rank)
+        new = getattr(MoEExperts, _HF_BLOCKS[type(block).__name__])(experts, ep=size, rank=rank, **options)
+        block.experts = new.requires_grad_(trainable)
+    return model
