@@ -2,44 +2,47 @@
 
     y = comet.torch.moe_experts(x, topk_idx, topk_w, w1, w2, activation="silu_gated")
 
-is `torch.ops.comet.moe_experts`, a torch.library custom op with a fake
-(meta) implementation, so it runs eagerly and under torch.compile
-(fullgraph=True included). This process holds every expert: the op runs a
+runs `torch.ops.comet.moe_experts`, a torch.library custom op with a fake
+(meta) implementation and a registered autograd, so it runs eagerly, under
+torch.compile (fullgraph=True, dynamic shapes included), activation
+checkpointing and autograd. The process holds every expert: the op runs a
 one-rank comet world (W = 1, TP = EP = 1) on the tensors' device.
 
-- CPU tensors run comet's CPU engine (python/tests/test_torch.py, where torch
-  is installed: bitwise against comet.reference_forward and against a
-  pure-torch implementation of comet.h's semantics).
-- CUDA tensors run comet's CUDA backend on the tensors' device and the current
-  stream, in a build with the CUDA backend (`pip install .` where nvcc and
-  torch's NCCL are found). NOT YET RUN: written to the C API's contract;
-  python/tests/test_torch.py's CUDA tests run where torch and comet see a GPU
-  (they skip elsewhere, CI included). The forward is asynchronous; routing
-  content (expert ids in range, distinct per row) is checked on the device
-  and reported by comet.torch.synchronize().
+- CPU tensors run comet's CPU engine (python/tests/test_torch.py: bitwise
+  against comet.reference_forward and a pure-torch implementation of
+  comet.h's semantics).
+- CUDA tensors run comet's CUDA backend on the tensors' device and the
+  current stream, in a build with the CUDA backend (`pip install .` where
+  nvcc and torch's NCCL are found). NOT YET RUN here: written to the C
+  API's contract; the CUDA tests run where torch and comet see a GPU. The
+  forward is asynchronous; routing content (expert ids in range, distinct
+  per row) is checked on the device and reported by synchronize().
 
-The worlds and layers live in a cache kept out of the graph, one layer per
-(device, H, F, E, topk, activation), sized for the largest T seen (rounded up
-to a power of two); clear_cache() frees them.
+Training. The op returns (y, saved): with save="activations" (the default)
+a forward that autograd records keeps its saved state (every routed row's
+gu and h, comet_layer_saved_bytes) in a uint8 tensor from torch's
+allocator, one per forward, so any number of micro-batches may be in
+flight; save="recompute" keeps nothing and the backward reruns GEMM0. The
+backward, the op `torch.ops.comet.moe_experts_backward`, calls
+comet_layer_backward on the forward's layer (CUDA: on the current stream)
+and returns dx (bf16), d_topk_w (fp32), dw1 and dw2 (bf16, the weights'
+layouts; no gradient for topk_idx). Where the CPU engine has no backward
+yet (comet.Unsupported), CPU tensors run the backward's specification,
+comet_reference_backward (one rank: the same bits, plain loops).
+python/tests/test_autograd.py and test_training.py test it.
 
-Autograd. CPU tensors: forward and backward. The backward is the backward's
-specification, exact per include/comet.h ("Backward (training)"): the op's
-registered autograd saves x, topk_idx, topk_w, w1, w2 and calls the custom op
-`torch.ops.comet.moe_experts_backward(dy, x, topk_idx, topk_w, w1, w2,
-activation)` (a fake too, so torch.compile traces it), which runs
-comet_reference_backward in a one-rank world (W = 1, where the multi-rank
-engine's backward and the reference compute the same bits by construction).
-It returns gradients for x (bf16), topk_w (fp32; the caller's dtype after
-moe_experts' conversion), w1 and w2 (bf16, the weights' layouts), none for
-topk_idx (python/tests/test_autograd.py: within a few bf16 ulps of float64
-autograd, bitwise against comet.reference_backward, torch.compile). It runs
-in the calling thread with plain loops: a specification, not fast. CUDA
-tensors: forward only; their backward raises NotImplementedError ("the CUDA
-backward is not there yet").
+Layers live out of the graph. The one-rank layers are cached per (device,
+H, F, E, topk, activation, token bound), the bound being T rounded up to a
+power of two (at least 128); each stays until clear_cache(), so the saved
+state of a forward stays valid for its backward. A MoEExperts built with
+world= (world_from_group: the ranks of a torch.distributed group, one GPU
+each) owns a layer of that world instead, and the op names it by an id.
 
 comet.torch.MoEExperts is an nn.Module holding one rank's w1 and w2, built
 from HF Mixtral / Qwen-MoE experts, fused or Megatron weights through
-comet.convert; its forward is this op (one rank: TP = EP = 1).
+comet.convert; its forward is this op. patch_model(model) puts it into an
+HF transformers Mixtral / Qwen2-MoE / Qwen3-MoE model in place of each
+sparse MoE block's experts.
 """
 
 import contextlib
