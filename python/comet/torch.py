@@ -318,7 +318,8 @@ def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: T
 
 @torch.library.custom_op("comet::moe_experts_backward", mutates_args=())
 def _moe_experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                          saved: Tensor, activation: str, save: str, layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                          saved: Tensor, activation: str, save: str,
+                          layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy: dx (T,
     H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in w1's and w2's
     shapes. saved, save: what moe_experts returned and was given."""
