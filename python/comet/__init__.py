@@ -35,6 +35,7 @@ from .api import (
     Memory,
     Mode,
     Protocol,
+    Save,
     TensorDesc,
     Trace,
     World,

@@ -61,6 +61,18 @@ class DType(enum.IntEnum):
     FP16 = 1  # reserved: no backend supports it yet
     FP32 = 2
     INT32 = 3
+    UINT8 = 4  # bytes: the state a training forward saves for its backward
+
+
+class Save(enum.IntEnum):
+    """comet_save_t: what a training forward keeps for its backward. "none"
+    (inference), "activations" (the forward writes every row's gu and h
+    into the caller's `saved` buffer, Layer.saved_bytes long; the backward
+    reads them) or "recompute" (nothing kept: the backward reruns GEMM0)."""
+
+    NONE = 0
+    ACTIVATIONS = 1
+    RECOMPUTE = 2
 
 
 class Backend(enum.IntEnum):
@@ -154,12 +166,13 @@ class TensorDesc:
         return t
 
 
-_NUMPY_DTYPES = {"uint16": DType.BF16, "float16": DType.FP16, "float32": DType.FP32, "int32": DType.INT32}
+_NUMPY_DTYPES = {"uint16": DType.BF16, "float16": DType.FP16, "float32": DType.FP32, "int32": DType.INT32,
+                 "uint8": DType.UINT8}
 
 
 def as_tensor(obj, name="tensor") -> TensorDesc:
     """A TensorDesc for `obj`: a TensorDesc, or a C-contiguous numpy array of
-    uint16 (bf16 bits), float32, int32 or float16."""
+    uint16 (bf16 bits), float32, int32, float16 or uint8."""
     if isinstance(obj, TensorDesc):
         return obj
     if type(obj).__module__ == "numpy" and hasattr(obj, "__array_interface__"):
@@ -397,6 +410,14 @@ class World:
 # ---------------------------------------------------------------------------
 # Layers.
 # ---------------------------------------------------------------------------
+def _stream(stream):
+    """A cudaStream_t address (None for the default stream) from an address
+    or an object with .cuda_stream (torch.cuda.Stream)."""
+    if stream is not None:
+        stream = getattr(stream, "cuda_stream", stream)
+    return stream or None
+
+
 class Layer:
     """One rank's MoE layer (comet_layer_create). Made by World.layer;
     forward and close are collective."""
@@ -422,7 +443,7 @@ class Layer:
         return self._handle
 
     def forward(self, x, topk_idx, topk_w, w1, w2, y, *, stream=None, n_comm: int = 0, chunk_cols: int = 0,
-                disable: int = 0):
+                disable: int = 0, save="none", saved=None):
         """Collective: y = the layer of x (comet_layer_forward). Returns y.
 
         x (T, H) bf16: this rank's tokens; topk_idx (T, topk) int32: global
@@ -432,17 +453,53 @@ class Layer:
         TensorDesc or a numpy array (bf16 as uint16 bits).
         stream: a cudaStream_t address or an object with .cuda_stream (CUDA;
         ignored by the CPU backend). n_comm, chunk_cols, disable: as
-        comet_forward_args_t (0: the tuner's choice). CPU: synchronous;
-        CUDA: asynchronous on `stream` (sync() reports routing errors)."""
+        comet_forward_args_t (0: the tuner's choice). save (Save or "none",
+        "activations", "recompute"): what this forward keeps for a backward;
+        "activations" writes it into saved, a (n) uint8 buffer of n >=
+        saved_bytes("activations"), handed to the backward of the same
+        micro-batch. CPU: synchronous; CUDA: asynchronous on `stream` (sync()
+        reports routing errors)."""
         a = _capi.comet_forward_args_t.init()
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w), ("w1", w1), ("w2", w2), ("y", y)):
             setattr(a, name, as_tensor(t, name).to_c())
-        if stream is not None:
-            stream = getattr(stream, "cuda_stream", stream)
-        a.stream = stream or None
+        a.stream = _stream(stream)
         a.n_comm, a.chunk_cols, a.disable = int(n_comm), int(chunk_cols), int(disable)
+        a.save = int(_enum(Save, save, "save"))
+        if saved is not None:
+            a.saved = as_tensor(saved, "saved").to_c()
         check(_capi.comet_layer_forward(self._live(), ctypes.byref(a)), "comet_layer_forward")
         return y
+
+    def saved_bytes(self, save="activations") -> int:
+        """Bytes of saved state one forward with `save` writes
+        (comet_layer_saved_bytes): the worst case of the config; 0 for
+        "none" and "recompute"."""
+        n = ctypes.c_size_t()
+        check(_capi.comet_layer_saved_bytes(self._live(), int(_enum(Save, save, "save")), ctypes.byref(n)),
+              "comet_layer_saved_bytes")
+        return n.value
+
+    def backward(self, x, topk_idx, topk_w, w1, w2, dy, dx, d_topk_w, dw1, dw2, *, save="recompute", saved=None,
+                 accumulate: bool = False, stream=None, n_comm: int = 0) -> None:
+        """Collective: the layer's backward for this rank's tokens
+        (comet_layer_backward): writes dx (T, H) bf16, d_topk_w (T, topk)
+        fp32, dw1 and dw2 (w1's and w2's shapes, bf16 or fp32; with
+        accumulate=True both fp32 and added to). x, topk_idx, topk_w, w1, w2
+        as the forward's; dy (T, H) bf16. save: the forward's mode
+        ("activations" reads that forward's `saved`; "recompute" or "none"
+        reruns GEMM0). stream, n_comm: as forward. Backends without a
+        backward raise Unsupported."""
+        a = _capi.comet_backward_args_t.init()
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w), ("w1", w1), ("w2", w2), ("dy", dy),
+                        ("dx", dx), ("d_topk_w", d_topk_w), ("dw1", dw1), ("dw2", dw2)):
+            setattr(a, name, as_tensor(t, name).to_c())
+        a.accumulate = int(bool(accumulate))
+        a.save = int(_enum(Save, save, "save"))
+        if saved is not None:
+            a.saved = as_tensor(saved, "saved").to_c()
+        a.stream = _stream(stream)
+        a.n_comm = int(n_comm)
+        check(_capi.comet_layer_backward(self._live(), ctypes.byref(a)), "comet_layer_backward")
 
     def sync(self) -> None:
         """comet_layer_sync: wait for this rank's last forward (CUDA) and raise

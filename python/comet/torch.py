@@ -2,64 +2,72 @@
 
     y = comet.torch.moe_experts(x, topk_idx, topk_w, w1, w2, activation="silu_gated")
 
-is `torch.ops.comet.moe_experts`, a torch.library custom op with a fake
-(meta) implementation, so it runs eagerly and under torch.compile
-(fullgraph=True included). This process holds every expert: the op runs a
+runs `torch.ops.comet.moe_experts`, a torch.library custom op with a fake
+(meta) implementation and a registered autograd, so it runs eagerly, under
+torch.compile (fullgraph=True, dynamic shapes included), activation
+checkpointing and autograd. The process holds every expert: the op runs a
 one-rank comet world (W = 1, TP = EP = 1) on the tensors' device.
 
-- CPU tensors run comet's CPU engine (python/tests/test_torch.py, where torch
-  is installed: bitwise against comet.reference_forward and against a
-  pure-torch implementation of comet.h's semantics).
-- CUDA tensors run comet's CUDA backend on the tensors' device and the current
-  stream, in a build with the CUDA backend (`pip install .` where nvcc and
-  torch's NCCL are found). NOT YET RUN: written to the C API's contract;
-  python/tests/test_torch.py's CUDA tests run where torch and comet see a GPU
-  (they skip elsewhere, CI included). The forward is asynchronous; routing
-  content (expert ids in range, distinct per row) is checked on the device
-  and reported by comet.torch.synchronize().
+- CPU tensors run comet's CPU engine (python/tests/test_torch.py: bitwise
+  against comet.reference_forward and a pure-torch implementation of
+  comet.h's semantics).
+- CUDA tensors run comet's CUDA backend on the tensors' device and the
+  current stream, in a build with the CUDA backend (`pip install .` where
+  nvcc and torch's NCCL are found). NOT YET RUN here: written to the C
+  API's contract; the CUDA tests run where torch and comet see a GPU. The
+  forward is asynchronous; routing content (expert ids in range, distinct
+  per row) is checked on the device and reported by synchronize().
 
-The worlds and layers live in a cache kept out of the graph, one layer per
-(device, H, F, E, topk, activation), sized for the largest T seen (rounded up
-to a power of two); clear_cache() frees them.
+Training. The op returns (y, saved): with save="activations" (the default)
+a forward that autograd records keeps its saved state (every routed row's
+gu and h, comet_layer_saved_bytes) in a uint8 tensor from torch's
+allocator, one per forward, so any number of micro-batches may be in
+flight; save="recompute" keeps nothing and the backward reruns GEMM0. The
+backward, the op `torch.ops.comet.moe_experts_backward`, calls
+comet_layer_backward on the forward's layer (CUDA: on the current stream)
+and returns dx (bf16), d_topk_w (fp32), dw1 and dw2 (bf16, the weights'
+layouts; no gradient for topk_idx). Where the CPU engine has no backward
+yet (comet.Unsupported), CPU tensors run the backward's specification,
+comet_reference_backward (one rank: the same bits, plain loops).
+python/tests/test_autograd.py and test_training.py test it.
 
-Autograd. CPU tensors: forward and backward. The backward is the backward's
-specification, exact per include/comet.h ("Backward (training)"): the op's
-registered autograd saves x, topk_idx, topk_w, w1, w2 and calls the custom op
-`torch.ops.comet.moe_experts_backward(dy, x, topk_idx, topk_w, w1, w2,
-activation)` (a fake too, so torch.compile traces it), which runs
-comet_reference_backward in a one-rank world (W = 1, where the multi-rank
-engine's backward and the reference compute the same bits by construction).
-It returns gradients for x (bf16), topk_w (fp32; the caller's dtype after
-moe_experts' conversion), w1 and w2 (bf16, the weights' layouts), none for
-topk_idx (python/tests/test_autograd.py: within a few bf16 ulps of float64
-autograd, bitwise against comet.reference_backward, torch.compile). It runs
-in the calling thread with plain loops: a specification, not fast. CUDA
-tensors: forward only; their backward raises NotImplementedError ("the CUDA
-backward is not there yet").
+Layers live out of the graph. The one-rank layers are cached per (device,
+H, F, E, topk, activation, token bound), the bound being T rounded up to a
+power of two (at least 128); each stays until clear_cache(), so the saved
+state of a forward stays valid for its backward. A MoEExperts built with
+world= (world_from_group: the ranks of a torch.distributed group, one GPU
+each) owns a layer of that world instead, and the op names it by an id.
 
 comet.torch.MoEExperts is an nn.Module holding one rank's w1 and w2, built
 from HF Mixtral / Qwen-MoE experts, fused or Megatron weights through
-comet.convert; its forward is this op (one rank: TP = EP = 1).
+comet.convert; its forward is this op. patch_model(model) puts it into an
+HF transformers Mixtral / Qwen2-MoE / Qwen3-MoE model in place of each
+sparse MoE block's experts.
 """
 
+import contextlib
+import dataclasses
+import itertools
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import comet
 
-__all__ = ["moe_experts", "clear_cache", "synchronize", "MoEExperts"]
+__all__ = ["moe_experts", "clear_cache", "synchronize", "MoEExperts", "world_from_group", "patch_model"]
 
 _ACTIVATIONS = ("silu_gated", "gelu")
+_SAVES = ("activations", "recompute", "none")
 
 
 # ---------------------------------------------------------------------------
-# Checks (the eager op and its fake share them, so compile-time tracing fails
-# with the same messages).
+# Checks (the eager ops and their fakes share them, so compile-time tracing
+# fails with the same messages).
 # ---------------------------------------------------------------------------
-def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> None:
+def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str,
+           ep: int = 1) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError('moe_experts: activation %r is not "silu_gated" or "gelu"' % (activation,))
     named = (("x", x, torch.bfloat16, 2), ("topk_idx", topk_idx, torch.int32, 2), ("topk_w", topk_w, torch.float32, 2),
@@ -89,26 +97,42 @@ def _check(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, 
                          % ("2F" if activation == "silu_gated" else "F", H, activation, F, tuple(w1.shape)))
     if tuple(w2.shape) != (E, H, F):
         raise ValueError("moe_experts: w2 must be (E=%s, H=%s, F), got %s" % (E, H, tuple(w2.shape)))
-    if not 1 <= topk_idx.shape[1] <= E:
-        raise ValueError("moe_experts: topk %s is outside [1, E=%s]" % (topk_idx.shape[1], E))
+    if not 1 <= topk_idx.shape[1] <= E * ep:
+        raise ValueError("moe_experts: topk %s is outside [1, E=%s]" % (topk_idx.shape[1], E * ep))
+
+
+def _check_save(save: str) -> None:
+    if save not in _SAVES:
+        raise ValueError('moe_experts: save %r is not "activations", "recompute" or "none"' % (save,))
 
 
 # ---------------------------------------------------------------------------
-# The layers behind the op, kept out of the graph.
+# The layers behind the ops, kept out of the graph: the op's `layer`
+# argument is 0 for this process's one-rank layers (cached per device, shape
+# and token bound) or the id of a layer over a torch.distributed group
+# (MoEExperts with world=).
 # ---------------------------------------------------------------------------
 class _Entry:
-    """One cached layer: its world, the T it is sized for, and the lock that
-    keeps its calls on one thread at a time."""
+    """One layer, and the lock that keeps its calls on one thread at a time."""
 
-    def __init__(self):
+    def __init__(self, layer: comet.Layer):
         self.lock = threading.Lock()
-        self.layer = None
-        self.max_tokens = 0
+        self.layer = layer
+        self.saved_bytes = layer.saved_bytes("activations")
 
 
 _cache_lock = threading.Lock()
 _worlds: Dict[Tuple[str, int], comet.World] = {}
-_layers: Dict[tuple, _Entry] = {}
+_cached: Dict[tuple, _Entry] = {}
+_registered: Dict[int, _Entry] = {}
+_next_id = itertools.count(1)
+
+
+def _device(t: Tensor) -> torch.device:
+    """t's device with its index (CUDA: the current device when unnamed)."""
+    if t.device.type == "cuda" and t.device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
 
 
 def _world(device: torch.device) -> comet.World:
@@ -117,184 +141,216 @@ def _world(device: torch.device) -> comet.World:
     if world is None:
         if device.type == "cpu":
             world = comet.World(1, "cpu")
-        else:  # UNTESTED: a one-rank world on this device (comet_world_create_nccl with its own id)
-            with torch.cuda.device(device):
+        else:
+            if comet.device_count() == 0:
+                raise RuntimeError("moe_experts: CUDA tensors need a build of comet with the CUDA backend and a GPU it "
+                                   "sees; this libcomet.so sees none (%s)" % comet.build_info().get(
+                                       "reason", "comet.build_info()"))
+            with torch.cuda.device(device):  # UNTESTED: a one-rank world on this device
                 world = comet.World.from_unique_id(0, 1, comet.get_unique_id(), device.index)
         _worlds[key] = world
     return world
 
 
-def _entry(device: torch.device, H: int, F: int, E: int, topk: int, activation: str) -> _Entry:
-    key = (str(device), H, F, E, topk, activation)
+def _max_tokens(T: int) -> int:
+    """The token bound of the one-rank layer that runs T tokens: the next
+    power of two, at least 128 (a handful of layers for any mix of T)."""
+    return max(128, 1 << (T - 1).bit_length())
+
+
+def _one_rank(device: torch.device, H: int, F: int, E: int, topk: int, activation: str, T: int) -> _Entry:
+    key = (str(device), H, F, E, topk, activation, _max_tokens(T))
     with _cache_lock:
-        entry = _layers.get(key)
+        entry = _cached.get(key)
         if entry is None:
-            entry = _layers[key] = _Entry()
+            cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=key[-1],
+                                    activation=activation)
+            entry = _cached[key] = _Entry(_world(device).layer(0, cfg))
         return entry
+
+
+def _registered_entry(layer: int) -> _Entry:
+    entry = _registered.get(layer)
+    if entry is None:
+        raise ValueError("moe_experts: layer %d is not a live comet.torch layer (closed, or from another process)"
+                         % layer)
+    return entry
+
+
+def _entry(layer: int, x: Tensor, topk_idx: Tensor, w1: Tensor, w2: Tensor, activation: str) -> _Entry:
+    if layer:
+        return _registered_entry(layer)
+    return _one_rank(_device(x), x.shape[1], w2.shape[2], w1.shape[0], topk_idx.shape[1], activation, x.shape[0])
+
+
+def _ep(layer: int) -> int:
+    return _registered_entry(layer).layer.config.ep if layer else 1
 
 
 def _desc(t: Tensor, dtype: comet.DType) -> comet.TensorDesc:
     return comet.TensorDesc(t.data_ptr(), dtype, tuple(t.shape))
 
 
-def _run(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
-    _check(x, topk_idx, topk_w, w1, w2, activation)
-    T, H = x.shape
-    E, _, _ = w1.shape
-    F, topk = w2.shape[2], topk_idx.shape[1]
-    y = torch.empty_like(x)
-    if T == 0:
-        return y
-    device = x.device
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    entry = _entry(device, H, F, E, topk, activation)
-    with entry.lock:
-        if T > entry.max_tokens:  # (re)create, sized for the next power of two
-            max_tokens = max(128, 1 << (T - 1).bit_length())
-            cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=max_tokens,
-                                    activation=activation)
-            with _cache_lock:
-                world = _world(device)
-            if entry.layer is not None:
-                entry.layer.close()
-                entry.layer, entry.max_tokens = None, 0
-            entry.layer = world.layer(0, cfg)
-            entry.max_tokens = max_tokens
-        args = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
-                _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(y, comet.DType.BF16))
-        if device.type == "cpu":
-            entry.layer.forward(*args)
-        else:  # UNTESTED: the CUDA backend, asynchronous on the current stream
-            with torch.cuda.device(device):
-                entry.layer.forward(*args, stream=torch.cuda.current_stream(device).cuda_stream)
-    return y
+def _stream(device: torch.device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
 def clear_cache() -> None:
-    """Close every cached layer and world (their memory is freed). Not while
-    an op runs on another thread."""
+    """Close every cached one-rank layer and world (their memory is freed).
+    Not while an op runs on another thread, nor between a training forward
+    and its backward (the backward refuses state saved by a closed layer)."""
     with _cache_lock:
-        entries = list(_layers.values())
-        _layers.clear()
+        entries = list(_cached.values())
+        _cached.clear()
         worlds = list(_worlds.values())
         _worlds.clear()
     for entry in entries:
         with entry.lock:
-            if entry.layer is not None:
-                entry.layer.close()
-                entry.layer = None
+            entry.layer.close()
     for world in worlds:
         world.close()
 
 
 def synchronize(device=None) -> None:
-    """Wait for the last forward of every cached layer on `device` (None: all)
-    and raise what comet found (CUDA: comet.InvalidRouting for expert ids out
-    of range or repeated in a row). On CPU tensors every error is raised by the
-    op itself; this returns at once. UNTESTED on CUDA."""
+    """Wait for the last forward or backward of every layer on `device`
+    (None: all) and raise what comet found (CUDA: comet.InvalidRouting for
+    expert ids out of range or repeated in a row). On CPU tensors every error
+    is raised by the op itself; this returns at once. UNTESTED on CUDA."""
     device = None if device is None else str(torch.device(device))
     with _cache_lock:
-        entries = [(k, e) for k, e in _layers.items() if device is None or k[0] == device]
-    for _, entry in entries:
+        entries = [e for k, e in _cached.items() if device is None or k[0] == device]
+        entries += list(_registered.values()) if device is None or device.startswith("cuda") else []
+    for entry in entries:
         with entry.lock:
-            if entry.layer is not None:
-                try:
-                    entry.layer.sync()
-                except comet.InvalidArgument as e:  # no forward yet on this layer
-                    if "no forward" not in e.message:
-                        raise
+            try:
+                entry.layer.sync()
+            except comet.InvalidArgument as e:  # no forward yet on this layer
+                if "no forward" not in e.message:
+                    raise
 
 
 # ---------------------------------------------------------------------------
-# The op.
+# The ops.
 # ---------------------------------------------------------------------------
+def _run(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str, save: str,
+         layer: int) -> Tuple[Tensor, Tensor]:
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
+    y = torch.empty_like(x)
+    if x.shape[0] == 0 and not layer:  # one rank, no tokens: no layer needed
+        return y, x.new_empty((0,), dtype=torch.uint8)
+    entry = _entry(layer, x, topk_idx, w1, w2, activation)
+    saved = x.new_empty((entry.saved_bytes if save == "activations" else 0,), dtype=torch.uint8)
+    device = _device(x)
+    with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        entry.layer.forward(_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32),
+                            _desc(topk_w, comet.DType.FP32), _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16),
+                            _desc(y, comet.DType.BF16), stream=_stream(device), save=save,
+                            saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None)
+    return y, saved
+
+
 @torch.library.custom_op("comet::moe_experts", mutates_args=())
-def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
-    return _run(x, topk_idx, topk_w, w1, w2, activation)
+def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str, save: str,
+                 layer: int) -> Tuple[Tensor, Tensor]:
+    """(y, saved): y (T, H) bf16, the layer of x; saved (n) uint8, the state
+    this forward keeps for its backward (save "activations": n =
+    comet_layer_saved_bytes; "recompute", "none": n = 0). layer: 0 runs a
+    one-rank layer of this process, else a MoEExperts layer's id."""
+    return _run(x, topk_idx, topk_w, w1, w2, activation, save, layer)
 
 
 @_moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation):
-    _check(x, topk_idx, topk_w, w1, w2, activation)
-    return torch.empty_like(x)  # (T, H) bf16
+def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
+    T = x.shape[0]
+    if save != "activations" or (not layer and isinstance(T, int) and T == 0):
+        n = 0
+    elif layer or isinstance(T, int):  # the layer the eager op will run says how many bytes it saves
+        n = _entry(layer, x, topk_idx, w1, w2, activation).saved_bytes
+    else:  # T symbolic: the one-rank layer's token bound, hence the size, is known only when it runs
+        n = torch.library.get_ctx().new_dynamic_size()
+    return torch.empty_like(x), x.new_empty((n,), dtype=torch.uint8)
 
 
-_CUDA_BACKWARD = ("comet.torch.moe_experts: the CUDA backward is not there yet (comet's backward runs on CPU tensors "
-                  "only, through its specification, comet_reference_backward); move the layer to the CPU for "
-                  "training, or run the CUDA forward under torch.no_grad() or with detached inputs")
-
-
-def _backward_out_check(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                        activation: str) -> None:
-    _check(x, topk_idx, topk_w, w1, w2, activation)
+def _backward_check(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, saved: Tensor,
+                    activation: str, save: str, layer: int) -> None:
+    _check_save(save)
+    _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
     if dy.dtype != torch.bfloat16 or tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
         raise ValueError("moe_experts_backward: dy must be bf16 %s on %s like x, got %s %s on %s"
                          % (tuple(x.shape), x.device, dy.dtype, tuple(dy.shape), dy.device))
     if not dy.is_contiguous():
         raise ValueError("moe_experts_backward: dy must be contiguous: call .contiguous()")
+    if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.device != x.device:
+        raise ValueError("moe_experts_backward: saved must be the 1-d uint8 tensor moe_experts returned on %s, got "
+                         "%s %s on %s" % (x.device, saved.dtype, tuple(saved.shape), saved.device))
 
 
-def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                  activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
-    if x.device.type != "cpu":
-        raise NotImplementedError(_CUDA_BACKWARD)
-    T, H = x.shape
-    E = w1.shape[0]
-    F, topk = w2.shape[2], topk_idx.shape[1]
-    dx = torch.empty_like(x)
-    d_topk_w = torch.empty_like(topk_w)
-    dw1 = torch.empty_like(w1)
-    dw2 = torch.empty_like(w2)
-    if T == 0:  # no rows: every gradient is zero
+def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, saved: Tensor,
+                  activation: str, save: str, layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _backward_check(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
+    dx, d_topk_w = torch.empty_like(x), torch.empty_like(topk_w)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    if x.shape[0] == 0 and not layer:  # one rank, no rows: every gradient is zero
         return dx, d_topk_w, dw1.zero_(), dw2.zero_()
-    # W = 1: comet's engine and its specification compute the same bits by construction (include/comet.h)
-    cfg = comet.LayerConfig(hidden=H, ffn=F, num_experts=E, topk=topk, max_tokens_per_rank=T, activation=activation)
-    comet.reference_backward(cfg, [{
-        "x": _desc(x, comet.DType.BF16), "topk_idx": _desc(topk_idx, comet.DType.INT32),
-        "topk_w": _desc(topk_w, comet.DType.FP32), "w1": _desc(w1, comet.DType.BF16),
-        "w2": _desc(w2, comet.DType.BF16), "dy": _desc(dy, comet.DType.BF16), "dx": _desc(dx, comet.DType.BF16),
-        "d_topk_w": _desc(d_topk_w, comet.DType.FP32), "dw1": _desc(dw1, comet.DType.BF16),
-        "dw2": _desc(dw2, comet.DType.BF16)}])
+    entry = _entry(layer, x, topk_idx, w1, w2, activation)
+    device = _device(x)
+    ins = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
+           _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(dy, comet.DType.BF16))
+    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(dw1, comet.DType.BF16),
+            _desc(dw2, comet.DType.BF16))
+    with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        try:
+            entry.layer.backward(*ins, *outs, save=save,
+                                 saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
+                                 stream=_stream(device))
+        except comet.Unsupported:
+            if device.type != "cpu":
+                raise
+            # This build's CPU engine has no backward yet: one rank's backward is its specification,
+            # comet_reference_backward, which the engine's backward matches bit for bit (include/comet.h).
+            cfg = dataclasses.replace(entry.layer.config, max_tokens_per_rank=max(1, x.shape[0]))
+            comet.reference_backward(cfg, [dict(zip(comet.api._BACKWARD_FIELDS, ins + outs))])
     return dx, d_topk_w, dw1, dw2
 
 
 @torch.library.custom_op("comet::moe_experts_backward", mutates_args=())
 def _moe_experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
-                          activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy, one rank
-    (W = 1): dx (T, H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in
-    w1's and w2's shapes. CPU tensors only (CUDA: NotImplementedError)."""
-    return _run_backward(dy, x, topk_idx, topk_w, w1, w2, activation)
+                          saved: Tensor, activation: str, save: str,
+                          layer: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_w, dw1, dw2) of comet.h's backward for dy = dL/dy: dx (T,
+    H) bf16, d_topk_w (T, topk) fp32, dw1 and dw2 bf16 in w1's and w2's
+    shapes. saved, save: what moe_experts returned and was given."""
+    return _run_backward(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
 
 
 @_moe_experts_backward.register_fake
-def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, activation):
-    _backward_out_check(dy, x, topk_idx, topk_w, w1, w2, activation)
+def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer):
+    _backward_check(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
     return torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w1), torch.empty_like(w2)
 
 
-def _backward(ctx, grad):
-    x, topk_idx, topk_w, w1, w2 = ctx.saved_tensors
-    if x.device.type != "cpu":
-        raise NotImplementedError(_CUDA_BACKWARD)
-    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(grad.to(torch.bfloat16).contiguous(), x, topk_idx,
-                                                                  topk_w, w1, w2, ctx.activation)
-    return dx, None, d_topk_w, dw1, dw2, None
-
-
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w1, w2, activation = inputs
-    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2)
-    ctx.activation = activation
+    x, topk_idx, topk_w, w1, w2, activation, save, layer = inputs
+    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, output[1])
+    ctx.activation, ctx.save, ctx.layer = activation, save, layer
+
+
+def _backward(ctx, grad, _grad_saved):
+    x, topk_idx, topk_w, w1, w2, saved = ctx.saved_tensors
+    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(
+        grad.to(torch.bfloat16).contiguous(), x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save,
+        ctx.layer)
+    return dx, None, d_topk_w, dw1, dw2, None, None, None
 
 
 _moe_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, *,
-                activation: str = "silu_gated") -> Tensor:
+                activation: str = "silu_gated", save: str = "activations") -> Tensor:
     """The MoE experts of one layer, every expert in this process:
 
         y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t])
@@ -315,6 +371,12 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
             (E, F, H) for "gelu" (h = gelu(x w1^T), erf form).
         w2: (E, H, F) bfloat16.
         activation: "silu_gated" or "gelu".
+        save: what a forward that autograd records keeps for its backward:
+            "activations" (every routed row's gu and h, a uint8 tensor of
+            comet_layer_saved_bytes from torch's allocator) or "recompute"
+            (nothing: the backward reruns GEMM0). Either gives the same
+            gradients, bit for bit. A forward autograd does not record
+            (torch.no_grad(), no input requiring grad) saves nothing.
 
     Returns:
         y: (T, H) bfloat16, on x's device.
@@ -324,17 +386,98 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
     not), w1 and w2 must be contiguous. Raises TypeError or ValueError for a
     wrong dtype, shape or device, and comet.InvalidRouting (a ValueError,
     carrying comet's message) for an expert id out of range or repeated in a
-    row (CUDA: reported by synchronize()). Differentiable in x, topk_w, w1 and
-    w2 for CPU tensors (comet_reference_backward, exact per comet.h's
-    backward contract); CUDA tensors' backward raises NotImplementedError.
+    row (CUDA: reported by synchronize()). Differentiable in x, topk_w, w1
+    and w2: the backward is comet_layer_backward on the same layer (CUDA: on
+    the current stream); a CPU engine without a backward runs its
+    specification, comet_reference_backward (the same bits, slower).
     """
+    return _call(x, topk_idx, topk_w, w1, w2, activation, save, 0)
+
+
+def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+    if save not in ("activations", "recompute"):
+        raise ValueError('moe_experts: save %r is not "activations" or "recompute"' % (save,))
     if not isinstance(x, Tensor):
         raise TypeError("moe_experts: x must be a torch.Tensor, got %s" % type(x).__name__)
     if topk_idx.dtype == torch.int64:
         topk_idx = topk_idx.to(torch.int32)
     if topk_w.dtype in (torch.bfloat16, torch.float16):
         topk_w = topk_w.to(torch.float32)
-    return _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2))
+    y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
+                        save if recorded else "none", layer)
+    return y
+
+
+# ---------------------------------------------------------------------------
+# Worlds over a torch.distributed group.
+# ---------------------------------------------------------------------------
+def _broadcast_id(group, make_id) -> bytes:
+    """Rank 0 of `group` calls make_id() (128 bytes) and broadcasts them over
+    the group; every rank returns them. A failure of make_id on rank 0
+    reaches every rank (a flag byte travels with the id), so none waits in
+    the broadcast. The buffer is a CPU tensor where the group's backend has
+    one for CPU (gloo), else a CUDA tensor on the current device (nccl)."""
+    import torch.distributed as dist
+
+    n = comet._capi.COMET_UNIQUE_ID_BYTES
+    backend = str(dist.get_backend(group))
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(n + 1, dtype=torch.uint8)
+    failure = None
+    if dist.get_rank(group) == 0:
+        try:
+            uid = make_id()
+            buf[1:] = torch.frombuffer(bytearray(uid), dtype=torch.uint8)
+            buf[0] = 1
+        except Exception as e:  # noqa: BLE001 - raised below, after the peers heard of it
+            failure = e
+    buf = buf.to(device)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(buf, src=src, group=group)
+    buf = buf.cpu()
+    if failure is not None:
+        raise failure
+    if int(buf[0]) != 1:
+        raise RuntimeError("world_from_group: rank 0 of the group could not make comet's unique id (its error "
+                           "says why)")
+    return bytes(buf[1:].tolist())
+
+
+def world_from_group(group=None, *, timeout_ms: int = 0, tune_file: Optional[str] = None,
+                     graph_replay: int = 0) -> comet.World:
+    """A comet world over the ranks of a torch.distributed process group
+    (None: the default group), one GPU each: rank 0 of the group makes the
+    unique id (comet.get_unique_id), the group broadcasts its bytes, and
+    every rank creates its world on its current CUDA device
+    (comet_world_create_nccl_opts(rank in group, group size, id,
+    torch.cuda.current_device())). Collective over the group; only its ranks
+    take part, so a sub-group (the EP group of a DP x EP mesh, say) works.
+    The world's rank is the rank in the group.
+
+    Set the device first (torch.cuda.set_device). The world runs comet's
+    CUDA backend: a process without a GPU, or a CPU-only build of comet,
+    gets a RuntimeError saying so (before any communication). Options as
+    comet.World (0 / None: the environment's or the default). Close the
+    world (world.close(), on every rank) after its layers."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("world_from_group: torch.distributed is not initialized (torch.distributed."
+                           "init_process_group first)")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("world_from_group: this process is not a member of the group")
+    if not torch.cuda.is_available() or comet.device_count() == 0:
+        why = ("torch sees no GPU" if not torch.cuda.is_available() else
+               "this libcomet.so has no CUDA backend or sees no GPU (%s)"
+               % comet.build_info().get("reason", "comet.build_info()"))
+        raise RuntimeError("world_from_group: a comet world over processes runs comet's CUDA backend, one GPU per "
+                           "rank (comet_world_create_nccl), and %s. On CPU tensors use comet.torch.moe_experts or "
+                           "MoEExperts without a world (a one-rank CPU world in this process)" % why)
+    uid = _broadcast_id(group, comet.get_unique_id)
+    return comet.World.from_unique_id(rank, size, uid, torch.cuda.current_device(), timeout_ms=timeout_ms,
+                                      tune_file=tune_file, graph_replay=graph_replay)
 
 
 # ---------------------------------------------------------------------------
@@ -345,9 +488,8 @@ class MoEExperts(torch.nn.Module):
     (comet's layout, include/comet.h; rank = ep * TP + tp holds experts
     [ep*E_local, (ep+1)*E_local) and the ffn slice tp).
 
-    Parameters (created with requires_grad=False; on CPU tensors they may be
-    trained: module.requires_grad_() and moe_experts' backward gives w1.grad
-    and w2.grad, bf16; on CUDA the backward is not there yet):
+    Parameters (created with requires_grad=False; module.requires_grad_()
+    trains them: the backward gives w1.grad and w2.grad, bf16):
         w1: (E_local, 2*F_local, H) bfloat16 for activation="silu_gated"
             (rows [0, F_local) the gate slice, [F_local, 2*F_local) the up
             slice); (E_local, F_local, H) bfloat16 for "gelu".
@@ -355,7 +497,7 @@ class MoEExperts(torch.nn.Module):
     with E_local = num_experts / ep and F_local = ffn / tp.
 
     Attributes: num_experts (E), ffn (F, unsliced), hidden (H), tp, ep, rank,
-    activation.
+    activation, save, world (None: this process holds every expert).
 
     Build it from a framework's weights with from_hf_mixtral,
     from_hf_qwen2_moe (= from_hf_qwen3_moe), from_fused or from_megatron
@@ -363,26 +505,35 @@ class MoEExperts(torch.nn.Module):
     with comet.convert.to_hf_mixtral(modules, tp=, ep=) etc., which take the
     W modules (one a rank).
 
-    forward(x, topk_idx, topk_w) runs comet.torch.moe_experts, so only a
-    module holding every expert and the whole ffn (tp = ep = 1) runs it; a
-    rank of a larger world holds its weights for a comet.Layer's forward
-    (comet.World: every rank's collective call), and its forward raises
-    NotImplementedError. Its arguments and result match transformers 5's
+    forward(x, topk_idx, topk_w) runs comet.torch.moe_experts. Without a
+    world the module holds every expert and the whole ffn (tp = ep = 1) and
+    runs a one-rank layer on x's device; with world= (world_from_group: the
+    TP x EP ranks of a process group, one GPU each) it runs its layer of
+    that world, created here (collective: every rank builds its module in
+    the same order), for this rank's tokens: T <= max_tokens_per_rank, the
+    expert ids global. Its arguments and result match transformers 5's
     fused experts modules (MixtralExperts etc.: forward(hidden_states,
     top_k_index, top_k_weights)).
     """
 
     def __init__(self, w1: Tensor, w2: Tensor, *, activation: str = "silu_gated", tp: int = 1, ep: int = 1,
-                 rank: int = 0):
+                 rank: int = 0, save: str = "activations", world: Optional[comet.World] = None,
+                 topk: Optional[int] = None, max_tokens_per_rank: Optional[int] = None):
         """w1, w2: this rank's weights, bfloat16 (shapes in the class
         docstring; made contiguous); activation: "silu_gated" or "gelu";
-        tp, ep, rank: the world and this rank."""
+        tp, ep, rank: the world and this rank; save: "activations" or
+        "recompute" (moe_experts); world: a comet.World over processes
+        (world_from_group) of tp * ep ranks whose rank `rank` this process
+        holds, with topk and max_tokens_per_rank (the bound on every rank's
+        T) for its layer."""
         super().__init__()
         from comet.convert import rank_coords
 
         rank_coords(rank, tp, ep, fn="MoEExperts")
         if activation not in _ACTIVATIONS:
             raise ValueError('MoEExperts: activation %r is not "silu_gated" or "gelu"' % (activation,))
+        if save not in ("activations", "recompute"):
+            raise ValueError('MoEExperts: save %r is not "activations" or "recompute"' % (save,))
         for name, t in (("w1", w1), ("w2", w2)):
             if not isinstance(t, Tensor):
                 raise TypeError("MoEExperts: %s must be a torch.Tensor, got %s" % (name, type(t).__name__))
@@ -399,54 +550,80 @@ class MoEExperts(torch.nn.Module):
                              % (tuple(w1.shape), tuple(w2.shape), "2*F_local" if gated else "F_local", activation))
         self.w1 = torch.nn.Parameter(w1.detach().contiguous(), requires_grad=False)
         self.w2 = torch.nn.Parameter(w2.detach().contiguous(), requires_grad=False)
-        self.activation = activation
+        self.activation, self.save = activation, save
         self.tp, self.ep, self.rank = tp, ep, rank
         self.num_experts, self.ffn, self.hidden = El * ep, Fl * tp, H
+        self.world, self._layer = world, 0
+        if world is not None:
+            if world.size != tp * ep or world.local_rank != rank:
+                raise ValueError("MoEExperts: the world has %d ranks and this process holds rank %d of it; the "
+                                 "module is rank %d of TP=%d x EP=%d" % (world.size, world.local_rank, rank, tp, ep))
+            if topk is None or max_tokens_per_rank is None:
+                raise ValueError("MoEExperts: a module with a world needs topk and max_tokens_per_rank (its layer's "
+                                 "config, equal on every rank)")
+            cfg = comet.LayerConfig(hidden=H, ffn=self.ffn, num_experts=self.num_experts, topk=topk,
+                                    max_tokens_per_rank=max_tokens_per_rank, activation=activation, tp=tp, ep=ep)
+            entry = _Entry(world.layer(rank, cfg))
+            with _cache_lock:
+                self._layer = next(_next_id)
+                _registered[self._layer] = entry
+
+    def close(self) -> None:
+        """Collective (a module with a world, on every rank): destroy its
+        comet layer. Without a world a no-op. Closing twice is a no-op."""
+        if self._layer:
+            with _cache_lock:
+                entry = _registered.pop(self._layer)
+            self._layer = 0
+            with entry.lock:
+                entry.layer.close()
 
     @classmethod
-    def from_hf_mixtral(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+    def from_hf_mixtral(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0, **options) -> "MoEExperts":
         """From HF Mixtral's `block_sparse_moe.experts` (E modules with w1 =
         gate (F, H), w3 = up (F, H), w2 = down (H, F)), the block, or a fused
         experts module (gate_up_proj (E, 2F, H), down_proj (E, H, F)): this
-        rank's slice, bf16 (comet.convert.from_hf_mixtral)."""
+        rank's slice, bf16 (comet.convert.from_hf_mixtral). options: the
+        constructor's save, world, topk, max_tokens_per_rank."""
         from comet import convert
 
         w1, w2 = convert.from_hf_mixtral(experts, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     @classmethod
-    def from_hf_qwen2_moe(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0) -> "MoEExperts":
+    def from_hf_qwen2_moe(cls, experts, *, tp: int = 1, ep: int = 1, rank: int = 0, **options) -> "MoEExperts":
         """From HF Qwen2-MoE's or Qwen3-MoE's `mlp.experts` (E modules with
         gate_proj (F, H), up_proj (F, H), down_proj (H, F)), the block (its
         shared expert is not included), or a fused experts module: this
-        rank's slice, bf16 (comet.convert.from_hf_qwen_moe)."""
+        rank's slice, bf16 (comet.convert.from_hf_qwen_moe). options: the
+        constructor's save, world, topk, max_tokens_per_rank."""
         from comet import convert
 
         w1, w2 = convert.from_hf_qwen_moe(experts, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     from_hf_qwen3_moe = from_hf_qwen2_moe
 
     @classmethod
     def from_fused(cls, gate_up: Tensor, down: Tensor, *, order: str = "gate_first", tp: int = 1, ep: int = 1,
-                   rank: int = 0) -> "MoEExperts":
+                   rank: int = 0, **options) -> "MoEExperts":
         """From fused experts: gate_up (E, 2F, H) (order "gate_first" or
         "interleaved"), down (E, H, F) (comet.convert.from_fused)."""
         from comet import convert
 
         w1, w2 = convert.from_fused(gate_up, down, order=order, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, tp=tp, ep=ep, rank=rank, **options)
 
     @classmethod
     def from_megatron(cls, fc1: Tensor, fc2: Tensor, *, gated: bool = True, tp: int = 1, ep: int = 1,
-                      rank: int = 0) -> "MoEExperts":
+                      rank: int = 0, **options) -> "MoEExperts":
         """From Megatron-Core's unsliced grouped experts: fc1 (E, 2F, H)
         [gate; up] (gated) or (E, F, H) (gated=False: GELU), fc2 (E, H, F)
         (comet.convert.from_megatron)."""
         from comet import convert
 
         w1, w2 = convert.from_megatron(fc1, fc2, gated=gated, tp=tp, ep=ep, rank=rank)
-        return cls(w1, w2, activation="silu_gated" if gated else "gelu", tp=tp, ep=ep, rank=rank)
+        return cls(w1, w2, activation="silu_gated" if gated else "gelu", tp=tp, ep=ep, rank=rank, **options)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         """y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t]) (comet.torch.moe_experts).
@@ -461,14 +638,16 @@ class MoEExperts(torch.nn.Module):
         Returns:
             y: (..., H) in x's dtype and on x's device.
         """
-        if self.tp != 1 or self.ep != 1:
+        if (self.tp != 1 or self.ep != 1) and self.world is None:
             raise NotImplementedError(
-                "MoEExperts: this module holds rank %d of a TP=%d x EP=%d world (experts %d..%d, ffn slice %d of %d): "
-                "its forward runs every expert in this process (TP = EP = 1); run a %d-rank comet.Layer "
-                "(comet.World) with these w1, w2" % (self.rank, self.tp, self.ep,
-                                                    self.rank // self.tp * (self.num_experts // self.ep),
-                                                    (self.rank // self.tp + 1) * (self.num_experts // self.ep) - 1,
-                                                    self.rank % self.tp, self.tp, self.tp * self.ep))
+                "MoEExperts: this module holds rank %d of a TP=%d x EP=%d world (experts %d..%d, ffn slice %d of %d) "
+                "and has no comet world: build it with world=comet.torch.world_from_group(group) (one GPU a rank), "
+                "or run a %d-rank comet.Layer with these w1, w2" % (
+                    self.rank, self.tp, self.ep, self.rank // self.tp * (self.num_experts // self.ep),
+                    (self.rank // self.tp + 1) * (self.num_experts // self.ep) - 1, self.rank % self.tp, self.tp,
+                    self.tp * self.ep))
+        if self.world is not None and not self._layer:
+            raise ValueError("MoEExperts: the module's comet layer is closed")
         if not isinstance(x, Tensor):
             raise TypeError("MoEExperts: x must be a torch.Tensor, got %s" % type(x).__name__)
         if x.dim() < 1 or x.shape[-1] != self.hidden:
@@ -479,10 +658,71 @@ class MoEExperts(torch.nn.Module):
                              % (tuple(topk_idx.shape), tuple(topk_w.shape), ", ".join(map(str, lead)) or "",
                                 tuple(x.shape)))
         k = topk_idx.shape[-1]
-        y = moe_experts(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
-                        topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, activation=self.activation)
+        y = _call(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
+                  topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, self.activation, self.save, self._layer)
         return y.to(x.dtype).reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d" % (
-            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank)
+        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d, save=%s" % (
+            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank, self.save)
+
+
+# ---------------------------------------------------------------------------
+# HF transformers models.
+# ---------------------------------------------------------------------------
+_HF_BLOCKS = {"MixtralSparseMoeBlock": "from_hf_mixtral", "Qwen2MoeSparseMoeBlock": "from_hf_qwen2_moe",
+              "Qwen3MoeSparseMoeBlock": "from_hf_qwen3_moe"}
+
+
+def patch_model(model: torch.nn.Module, group=None, *, save: str = "activations",
+                max_tokens_per_rank: Optional[int] = None) -> torch.nn.Module:
+    """Run the experts of an HF transformers Mixtral, Qwen2-MoE or Qwen3-MoE
+    model with comet, in place: each sparse MoE block's `experts` (the fused
+    experts module of transformers 5: gate_up_proj, down_proj) becomes a
+    MoEExperts with the same weights (comet.convert), trainable where they
+    were; the router (`gate`) and a shared expert stay torch. Returns model.
+
+        model = AutoModelForCausalLM.from_pretrained(...)
+        comet.torch.patch_model(model)
+
+    group None: this process holds every expert and runs comet on the
+    model's device (CPU: comet's CPU engine, one rank). A torch.distributed
+    group: expert parallelism over it (world_from_group, one GPU a rank):
+    rank r of G keeps experts [r*E/G, (r+1)*E/G) and runs its own tokens,
+    each at most max_tokens_per_rank (batch x sequence, required then);
+    the other weights stay replicated. save: "activations" or "recompute"
+    (moe_experts).
+
+    The patched model's state_dict names the experts' weights
+    `experts.w1` and `experts.w2` (comet's layout); comet.convert's
+    to_hf_mixtral / to_hf_qwen_moe give HF's back. The computation follows
+    comet.h's rounding points (bf16 with fp32 accumulation): a model in
+    another dtype gets its experts' input rounded to bf16 and their output
+    converted back."""
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _HF_BLOCKS]
+    if not blocks:
+        raise ValueError("patch_model: %s has no sparse MoE block comet knows (%s)"
+                         % (type(model).__name__, ", ".join(sorted(_HF_BLOCKS))))
+    world, rank, size = None, 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        if max_tokens_per_rank is None:
+            raise ValueError("patch_model: with a group, max_tokens_per_rank (the bound on every rank's batch x "
+                             "sequence tokens) sizes comet's layers")
+        world = world_from_group(group)
+        rank, size = world.local_rank, dist.get_world_size(group)
+    for name, block in blocks:
+        experts = block.experts
+        if isinstance(experts, MoEExperts):
+            continue
+        if not hasattr(experts, "gate_up_proj"):
+            raise ValueError("patch_model: %s.experts is a %s, not a fused experts module (gate_up_proj, down_proj): "
+                             "patch_model needs transformers >= 5" % (name, type(experts).__name__))
+        trainable = experts.gate_up_proj.requires_grad
+        options = dict(save=save)
+        if world is not None:
+            options.update(world=world, topk=block.gate.top_k, max_tokens_per_rank=max_tokens_per_rank)
+        new = getattr(MoEExperts, _HF_BLOCKS[type(block).__name__])(experts, ep=size, rank=rank, **options)
+        block.experts = new.requires_grad_(trainable)
+    return model

@@ -207,17 +207,19 @@ def test_routing_errors_carry_comets_message():
 
 def test_is_a_registered_op_with_a_fake():
     x, idx, w, w1, w2 = problem(T=9)
-    y = torch.ops.comet.moe_experts(x, idx, w, w1, w2, "silu_gated")
-    assert bits_equal(y, ct.moe_experts(x, idx, w, w1, w2))
+    y, saved = torch.ops.comet.moe_experts(x, idx, w, w1, w2, "silu_gated", "none", 0)
+    assert bits_equal(y, ct.moe_experts(x, idx, w, w1, w2)) and saved.shape == (0,)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (x, idx, w, w1, w2)]
-        out = torch.ops.comet.moe_experts(*fake, "silu_gated")
+        out, saved = torch.ops.comet.moe_experts(*fake, "silu_gated", "activations", 0)
         assert out.shape == (9, 60) and out.dtype == torch.bfloat16
+        assert saved.dtype == torch.uint8 and saved.shape[0] > 256  # a header, then gu and h of every row
     if hasattr(torch.library, "opcheck"):
-        torch.library.opcheck(torch.ops.comet.moe_experts.default, (x, idx, w, w1, w2, "silu_gated"),
-                              test_utils=("test_schema", "test_faketensor"))
+        for save in ("none", "activations", "recompute"):
+            torch.library.opcheck(torch.ops.comet.moe_experts.default, (x, idx, w, w1, w2, "silu_gated", save, 0),
+                                  test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph():
