@@ -13,6 +13,11 @@
  * with a gated last h tile of <= 64 columns also at full width (COMET_GEMM_NARROW=0), and every
  * case again with GEMM1's tail split forced on (COMET_GEMM_SPLIT=1: pieces of one k-slice and up),
  * with and without clusters; one case splits under the default rule (on 132 SMs).
+ * The training launches (check_backward, in the passes with and without clusters and the
+ * last-h-tile pass): GEMM0 storing gu (h's bits unchanged), G (dH, padding rows 0, dwp) and
+ * dX (push into a receive buffer, chunk_done) against the CPU, each step from the GPU's own
+ * input to it, the same bits again (G waiting for blocks released late in l0_order), skip;
+ * and an informational timing line per case (TFLOP/s of GEMM0, GEMM0 with gu, GEMM1, G, dX).
  * Also the device GELU against the exact one.
  * Not a speed test (bench/gemm_bench.cu). Without a GPU, or on one that is
  * not sm_90, it prints "skipped".
@@ -157,18 +162,29 @@ static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t
 
 static int split_cases; /* cases whose GEMM1 ran split tiles (comet_gemm_split_of) */
 
-/* GEMM0 (gemm1 = 0) or GEMM1 launched again with hooks hk (NULL: none) into its output d_out
+/* The four launches of gemm.h in one form (t: the training buffers, unused by GEMM0 and GEMM1). */
+typedef int (*launch_fn)(const comet_gemm_t *g, const comet_gemm_train_t *t, void *s, const comet_gemm_hooks_t *hk);
+static int launch_gemm0(const comet_gemm_t *g, const comet_gemm_train_t *t, void *s, const comet_gemm_hooks_t *hk) {
+    (void)t;
+    return comet_gemm0_launch(g, s, hk);
+}
+static int launch_gemm1(const comet_gemm_t *g, const comet_gemm_train_t *t, void *s, const comet_gemm_hooks_t *hk) {
+    (void)t;
+    return comet_gemm1_launch(g, s, hk);
+}
+
+/* A GEMM (launch, with t) launched again with hooks hk (NULL: none) into its output d_out
  * (poisoned first) writes want's bits; got receives them. With release, k_release_late on
  * stream rs sets release[0..n) to 3 in reverse while it runs (hk then waits for them: fewer CTAs,
  * so that k_release_late finds an SM). 0 after a failed CUDA call (recorded). */
-static int relaunch_same(const comet_gemm_t *g, int gemm1, const comet_gemm_hooks_t *hk, uint64_t *release, int n,
-                         cudaStream_t rs, void *d_out, const uint16_t *want, uint16_t *got, size_t bytes,
-                         const char *tag, const char *what) {
+static int relaunch_same(const comet_gemm_t *g, launch_fn launch, const comet_gemm_train_t *t,
+                         const comet_gemm_hooks_t *hk, uint64_t *release, int n, cudaStream_t rs, void *d_out,
+                         const uint16_t *want, uint16_t *got, size_t bytes, const char *tag, const char *what) {
     cudaError_t e = cudaMemset(d_out, 0xff, bytes);
     if (e == cudaSuccess && release) e = cudaMemset(release, 0, sizeof(uint64_t) * (size_t)n);
     if (e == cudaSuccess) e = cudaDeviceSynchronize(); /* rs does not wait for the legacy stream's memsets */
     if (e == cudaSuccess) {
-        CHECK((gemm1 ? comet_gemm1_launch(g, 0, hk) : comet_gemm0_launch(g, 0, hk)) == 0, "%s: %s: launch", tag, what);
+        CHECK(launch(g, t, 0, hk) == 0, "%s: %s: launch", tag, what);
         if (release) k_release_late<<<1, 1, 0, rs>>>(release, n, 3, 20000);
         e = cudaDeviceSynchronize();
     }
@@ -179,7 +195,251 @@ static int relaunch_same(const comet_gemm_t *g, int gemm1, const comet_gemm_hook
     return 1;
 }
 
-static void run_case(const gcase_t *c, uint64_t seed) {
+/* What the backward checks share with run_case. */
+typedef struct {
+    const gcase_t *c;
+    const comet_dims_t *d;
+    const comet_plan_t *pl;
+    const comet_gemm_args_t *ga; /* run_case's GEMM (prepared again here, with a push target) */
+    const uint16_t *a, *w1, *w2, *h; /* host: gathered rows, weights, the forward's h (GEMM0 without gu) */
+    uint16_t *d_h;                    /* device h (holds h's bits) */
+    uint64_t *d_ready, *d_epoch, *d_chunk;
+    cudaStream_t rs;
+    int sms, timing;
+    comet_rng_t *rng;
+} bwd_ctx_t;
+
+/* Milliseconds a launch takes (events, the mean of 10 after 2 warm-ups; NaN after a failure). */
+static float time_launch(const comet_gemm_t *g, launch_fn launch, const comet_gemm_train_t *t) {
+    cudaEvent_t e0, e1;
+    float ms = 0;
+    int bad = cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess;
+    for (int i = 0; i < 2; i++) bad |= launch(g, t, 0, NULL) != 0;
+    bad |= cudaEventRecord(e0, 0) != cudaSuccess;
+    for (int i = 0; i < 10; i++) bad |= launch(g, t, 0, NULL) != 0;
+    bad |= cudaEventRecord(e1, 0) != cudaSuccess || cudaEventSynchronize(e1) != cudaSuccess;
+    bad |= cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess;
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    CHECK(!bad, "timing: a CUDA call failed");
+    return bad ? NAN : ms / 10;
+}
+
+/* The training launches against the CPU (include/comet.h "Backward" steps 1, 2, 4, 5 as
+ * comet_cpu_backward_row computes them, each step from the GPU's own bf16 input to it, so each is
+ * checked alone): GEMM0 with gu (h bits unchanged, gu within two bf16 ulps of the CPU's rounded fp32
+ * sums), G (dH within two ulps of the activation backward of the CPU's fp32 G from the GPU's gu,
+ * padding rows of each block 0; dwp within 1e-4 of the row tile's sum of |G h|), dX (two ulps,
+ * padding rows untouched, each row also pushed into its home slot, chunk_done counts). Repeated
+ * launches, and G waiting for blocks released late in l0_order, give the same bits; skip writes
+ * nothing. */
+static void check_backward(const bwd_ctx_t *x) {
+    const gcase_t *c = x->c;
+    const comet_dims_t *d = x->d;
+    const comet_plan_t *pl = x->pl;
+    const int64_t H = d->hidden, F = d->ffn_local, W1 = d->w1_rows, MR = d->max_rows_padded;
+    const int64_t NT = comet_gemm_dwp_tiles(d), T = c->tokens, K = c->topk;
+    const int nb = pl->totals->num_blocks, gated = d->activation == 0;
+    /* dy: random rows per token, gathered by plan row (padding rows NaN) */
+    uint16_t *dy = (uint16_t *)malloc(2 * (size_t)(T * H)), *dyr = (uint16_t *)malloc(2 * (size_t)(MR * H));
+    for (int64_t i = 0; i < T * H; i++) dy[i] = rand_bf16(x->rng, 1.0f);
+    memset(dyr, 0xff, 2 * (size_t)(MR * H));
+    for (int64_t r = 0; r < pl->totals->num_rows_padded; r++)
+        if (pl->rows[r].src_rank >= 0) memcpy(dyr + r * H, dy + (int64_t)pl->rows[r].src_token * H, 2 * (size_t)H);
+    uint16_t *d_gu, *d_dy, *d_dh, *d_dx, *d_recv;
+    float *d_dwp;
+    const size_t b_gu = 2 * (size_t)(MR * W1), b_x = 2 * (size_t)(MR * H), b_dwp = sizeof(float) * (size_t)(MR * NT);
+    const size_t b_recv = 2 * (size_t)(T * K * H);
+    CUDA_OK(cudaMalloc(&d_gu, b_gu));
+    CUDA_OK(cudaMalloc(&d_dy, b_x));
+    CUDA_OK(cudaMalloc(&d_dh, b_gu));
+    CUDA_OK(cudaMalloc(&d_dx, b_x));
+    CUDA_OK(cudaMalloc(&d_recv, b_recv));
+    CUDA_OK(cudaMalloc(&d_dwp, b_dwp));
+    CUDA_OK(cudaMemcpy(d_dy, dyr, b_x, cudaMemcpyHostToDevice));
+    comet_gemm_train_t t;
+    memset(&t, 0, sizeof t); /* sched NULL: g's own counters */
+    t.gu = d_gu, t.dy = d_dy, t.dh = d_dh, t.dwp = d_dwp, t.dx = d_dx; /* h: args.h */
+    uint16_t *gu = (uint16_t *)malloc(b_gu), *dh = (uint16_t *)malloc(b_gu), *dx = (uint16_t *)malloc(b_x);
+    uint16_t *tmp = (uint16_t *)malloc(b_gu > b_x ? b_gu : b_x), *recv = (uint16_t *)malloc(b_recv);
+    float *dwp = (float *)malloc(b_dwp), *dwp2 = (float *)malloc(b_dwp);
+    comet_gemm_args_t ga = *x->ga;
+    ga.push[0] = d_recv; /* this rank's own tokens' slots (world of one) */
+    comet_gemm_t *gb = NULL;
+    char err[256];
+    CHECK(comet_gemm_prepare(&ga, &gb, err, sizeof err) == 0, "%s: prepare with a push target: %s", c->tag, err);
+    if (!gb) return;
+    const comet_gemm_t *g = gb;
+
+    /* GEMM0 storing gu: h's bits as without it */
+    CUDA_OK(cudaMemset(d_gu, 0xff, b_gu));
+    CHECK(relaunch_same(g, (launch_fn)comet_gemm0_train_launch, &t, NULL, NULL, 0, 0, x->d_h, x->h, tmp,
+                        2 * (size_t)(MR * F), c->tag, "GEMM0 storing gu: h against GEMM0's"),
+          "%s: GEMM0 with gu", c->tag);
+    CUDA_OK(cudaMemcpy(gu, d_gu, b_gu, cudaMemcpyDeviceToHost));
+
+    /* G, then dX with chunk counters and the push into a receive buffer of this rank's tokens */
+    CUDA_OK(cudaMemset(d_dh, 0xff, b_gu));
+    CUDA_OK(cudaMemset(d_dwp, 0xff, b_dwp));
+    CUDA_OK(cudaMemset(d_dx, 0xff, b_x));
+    CUDA_OK(cudaMemset(d_recv, 0xff, b_recv));
+    CUDA_OK(cudaMemset(x->d_chunk, 0, 64 * sizeof(uint64_t)));
+    CHECK(comet_gemm_g_launch(g, &t, 0, NULL) == 0, "%s: G launch", c->tag);
+    comet_gemm_hooks_t hk;
+    memset(&hk, 0, sizeof hk);
+    hk.chunk_done = x->d_chunk, hk.chunk_cols = c->chunk_cols, hk.push = 1;
+    CHECK(comet_gemm_dx_launch(g, &t, 0, &hk) == 0, "%s: dX launch", c->tag);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(dh, d_dh, b_gu, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dwp, d_dwp, b_dwp, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dx, d_dx, b_x, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(recv, d_recv, b_recv, cudaMemcpyDeviceToHost));
+    uint64_t chunk_cnt[64];
+    CUDA_OK(cudaMemcpy(chunk_cnt, x->d_chunk, sizeof chunk_cnt, cudaMemcpyDeviceToHost));
+    const int64_t cc = c->chunk_cols ? c->chunk_cols : H;
+    int bad_chunks = 0;
+    for (int ch = 0; ch < 64; ch++) {
+        const int64_t w = ch * cc >= H ? 0 : (ch + 1) * cc < H ? cc : H - ch * cc;
+        bad_chunks += chunk_cnt[ch] != (uint64_t)nb * (uint64_t)((w + 255) / 256);
+    }
+    CHECK(bad_chunks == 0, "%s: dX chunk_done counters wrong in %d chunks", c->tag, bad_chunks);
+
+    /* padding: gu and dx untouched outside valid rows, dH 0 in each block's padding rows */
+    int64_t pad_gu = 0, pad_dx = 0, pad_dh = 0, bad_push = 0;
+    for (int b = 0; b < nb; b++)
+        for (int64_t r = pl->blocks[b].row_start + pl->blocks[b].num_rows; r < pl->blocks[b].row_start + 128; r++) {
+            for (int64_t i = 0; i < W1; i++) pad_gu += gu[r * W1 + i] != 0xffff, pad_dh += dh[r * W1 + i] != 0;
+            for (int64_t i = 0; i < H; i++) pad_dx += dx[r * H + i] != 0xffff;
+        }
+    for (int b = 0; b < nb; b++)
+        for (int i = 0; i < pl->blocks[b].num_rows; i++) {
+            const int64_t r = pl->blocks[b].row_start + i;
+            const comet_plan_row_t pr = pl->rows[r];
+            bad_push += memcmp(recv + ((int64_t)pr.src_token * K + pr.slot) * H, dx + r * H, 2 * (size_t)H) != 0;
+        }
+    CHECK(pad_gu == 0 && pad_dx == 0 && pad_dh == 0 && bad_push == 0,
+          "%s: padding rows: %lld of gu, %lld of dx written, %lld of dH not 0; %lld pushed dX rows differ", c->tag,
+          (long long)pad_gu, (long long)pad_dx, (long long)pad_dh, (long long)bad_push);
+
+    /* values against the CPU on a sample of rows (every block's first and last) */
+    const int64_t nrows = pl->totals->num_rows;
+    const int all = nrows <= c->max_check_rows;
+    float *G = (float *)malloc(sizeof(float) * (size_t)F), *acc = (float *)malloc(sizeof(float) * (size_t)H);
+    uint16_t *ref = (uint16_t *)malloc(2 * (size_t)(W1 > H ? W1 : H));
+    int64_t checked = 0, bad_gu = 0, bad_dh = 0, bad_dwp = 0, bad_dx = 0;
+    double worst_dwp = 0;
+    for (int b = 0; b < nb; b++) {
+        const comet_plan_block_t blk = pl->blocks[b];
+        const uint16_t *w1e = x->w1 + (int64_t)blk.expert * W1 * H, *w2e = x->w2 + (int64_t)blk.expert * H * F;
+        for (int i = 0; i < blk.num_rows; i++) {
+            if (!(all || i == 0 || i == blk.num_rows - 1 || comet_rng_uniform(x->rng) < (double)c->max_check_rows / (double)nrows))
+                continue;
+            const int64_t r = blk.row_start + i;
+            const float w = pl->rows[r].weight;
+            /* step 1: gu */
+            for (int64_t n = 0; n < W1; n++) ref[n] = comet_f32_to_bf16(comet_cpu_dot(x->a + r * H, w1e + n * H, H));
+            float atol = row_atol(ref, W1);
+            for (int64_t n = 0; n < W1; n++) bad_gu += !close_bf16(gu[r * W1 + n], ref[n], atol);
+            /* steps 2 and 4: G in fp32 (c ascending), dH from the GPU's gu */
+            for (int64_t n = 0; n < F; n++) G[n] = 0.0f;
+            for (int64_t k = 0; k < H; k++) {
+                const float v = comet_bf16_to_f32(dyr[r * H + k]);
+                for (int64_t n = 0; n < F; n++) G[n] += v * comet_bf16_to_f32(w2e[k * F + n]);
+            }
+            for (int64_t n = 0; n < F; n++) {
+                const float g = comet_bf16_to_f32(gu[r * W1 + n]), dA = w * G[n];
+                if (gated) {
+                    float dg, du;
+                    comet_silu_gated_backward(g, comet_bf16_to_f32(gu[r * W1 + F + n]), dA, &dg, &du);
+                    ref[n] = comet_f32_to_bf16(dg), ref[F + n] = comet_f32_to_bf16(du);
+                } else {
+                    ref[n] = comet_f32_to_bf16(dA * comet_gelu_grad(g));
+                }
+            }
+            atol = row_atol(ref, W1);
+            for (int64_t n = 0; n < W1; n++) bad_dh += !close_bf16(dh[r * W1 + n], ref[n], atol);
+            /* step 3's partials: <G, h> over each 256-column tile */
+            for (int64_t q = 0; q < NT; q++) {
+                double sum = 0, mag = 0;
+                for (int64_t n = q * 256; n < F && n < (q + 1) * 256; n++) {
+                    const double v = (double)G[n] * comet_bf16_to_f32(x->h[r * F + n]);
+                    sum += v, mag += fabs(v);
+                }
+                const double err = fabs((double)dwp[r * NT + q] - sum);
+                if (!(err <= 1e-4 * mag + 1e-30)) bad_dwp++;
+                if (mag > 0 && err / mag > worst_dwp) worst_dwp = err / mag;
+            }
+            /* step 5: dX from the GPU's dH (k ascending) */
+            for (int64_t n = 0; n < H; n++) acc[n] = 0.0f;
+            for (int64_t k = 0; k < W1; k++) {
+                const float v = comet_bf16_to_f32(dh[r * W1 + k]);
+                for (int64_t n = 0; n < H; n++) acc[n] += v * comet_bf16_to_f32(w1e[k * H + n]);
+            }
+            for (int64_t n = 0; n < H; n++) ref[n] = comet_f32_to_bf16(acc[n]);
+            atol = row_atol(ref, H);
+            for (int64_t n = 0; n < H; n++) bad_dx += !close_bf16(dx[r * H + n], ref[n], atol);
+            checked++;
+        }
+    }
+    CHECK(bad_gu == 0 && bad_dh == 0 && bad_dwp == 0 && bad_dx == 0,
+          "%s: backward over tolerance: gu %lld, dH %lld, dwp %lld (worst relative %.3g), dX %lld (%lld rows checked)",
+          c->tag, (long long)bad_gu, (long long)bad_dh, (long long)bad_dwp, worst_dwp, (long long)bad_dx,
+          (long long)checked);
+    printf("%s: backward: %lld rows checked, gu/dH/dwp/dX bad %lld/%lld/%lld/%lld (dwp worst %.2g of sum |G h|), padding "
+           "ok %d, push ok %d\n", c->tag, (long long)checked, (long long)bad_gu, (long long)bad_dh, (long long)bad_dwp,
+           (long long)bad_dx, worst_dwp, pad_gu + pad_dx + pad_dh == 0, bad_push == 0);
+
+    /* the same bits again: G waiting for blocks released late, in l0_order, on fewer CTAs; dX plain */
+    memset(&hk, 0, sizeof hk);
+    hk.block_ready = x->d_ready, hk.epoch = x->d_epoch, hk.l0_order = 1, hk.num_ctas = x->sms - 8;
+    hk.timeout_ns = 5000000000ull;
+    relaunch_same(g, comet_gemm_g_launch, &t, &hk, x->d_ready, nb, x->rs, d_dh, dh, tmp, b_gu, c->tag,
+                  "G again, waiting for blocks released late (l0_order)");
+    CUDA_OK(cudaMemcpy(dwp2, d_dwp, b_dwp, cudaMemcpyDeviceToHost));
+    int64_t dwp_diff = 0;
+    for (int b = 0; b < nb; b++)
+        for (int i = 0; i < pl->blocks[b].num_rows; i++) {
+            const int64_t r = pl->blocks[b].row_start + i;
+            dwp_diff += memcmp(dwp + r * NT, dwp2 + r * NT, sizeof(float) * (size_t)NT) != 0;
+        }
+    CHECK(dwp_diff == 0, "%s: G again: dwp of %lld rows differ", c->tag, (long long)dwp_diff);
+    relaunch_same(g, comet_gemm_dx_launch, &t, NULL, NULL, 0, 0, d_dx, dx, tmp, b_x, c->tag, "dX again");
+
+    /* skip: neither writes */
+    uint32_t *d_skip;
+    CUDA_OK(cudaMalloc(&d_skip, 4));
+    CUDA_OK(cudaMemset(d_skip, 1, 4));
+    CUDA_OK(cudaMemset(d_dh, 0xff, b_gu));
+    CUDA_OK(cudaMemset(d_dx, 0xff, b_x));
+    memset(&hk, 0, sizeof hk);
+    hk.skip = d_skip;
+    CHECK(comet_gemm_g_launch(g, &t, 0, &hk) == 0 && comet_gemm_dx_launch(g, &t, 0, &hk) == 0, "%s: launch (skip)",
+          c->tag);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(dh, d_dh, b_gu, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dx, d_dx, b_x, cudaMemcpyDeviceToHost));
+    int64_t written = 0;
+    for (int64_t i = 0; i < MR * W1; i++) written += dh[i] != 0xffff;
+    for (int64_t i = 0; i < MR * H; i++) written += dx[i] != 0xffff;
+    CHECK(written == 0, "%s: skip set, yet %lld elements of dH and dX written", c->tag, (long long)written);
+    cudaFree(d_skip);
+
+    if (x->timing) { /* informational: TFLOP/s over the valid rows, this GPU */
+        const double m = (double)nrows, f0 = 2 * m * W1 * H, f1 = 2 * m * F * H;
+        const float t0 = time_launch(g, launch_gemm0, NULL), t0g = time_launch(g, (launch_fn)comet_gemm0_train_launch, &t);
+        const float t1 = time_launch(g, launch_gemm1, NULL), tg = time_launch(g, comet_gemm_g_launch, &t);
+        const float tx = time_launch(g, comet_gemm_dx_launch, &t);
+        printf("%s: timing (%lld rows): GEMM0 %.1f, +gu %.1f, GEMM1 %.1f, G %.1f, dX %.1f TFLOP/s (%.3f %.3f %.3f %.3f %.3f ms)\n",
+               c->tag, (long long)nrows, f0 / t0 / 1e9, f0 / t0g / 1e9, f1 / t1 / 1e9, f1 / tg / 1e9, f0 / tx / 1e9, t0,
+               t0g, t1, tg, tx);
+    }
+    comet_gemm_destroy(gb);
+    cudaFree(d_gu), cudaFree(d_dy), cudaFree(d_dh), cudaFree(d_dx), cudaFree(d_recv), cudaFree(d_dwp);
+    free(dy), free(dyr), free(gu), free(dh), free(dx), free(tmp), free(recv), free(dwp), free(dwp2), free(G), free(acc),
+        free(ref);
+}
+
+/* bwd: 0 the forward only; 1 also the training launches (check_backward); 2 those timed too */
+static void run_case(const gcase_t *c, uint64_t seed, int bwd) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = c->hidden, cfg.ffn = c->ffn, cfg.num_experts = c->experts, cfg.topk = c->topk;
     cfg.activation = (comet_activation_t)c->activation;
@@ -396,7 +656,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
      * both walk one order) writes the same bits, and a third in expert order waiting for blocks
      * released late in reverse: slower, never stuck */
     uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(MR * F));
-    if (!relaunch_same(g, 0, NULL, NULL, 0, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
+    if (!relaunch_same(g, launch_gemm0, NULL, NULL, NULL, 0, 0, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
                        "GEMM0 in expert order against l0_order's"))
         return;
     if (!nohooks) {
@@ -407,7 +667,7 @@ static void run_case(const gcase_t *c, uint64_t seed) {
         CUDA_OK(cudaHostGetDevicePointer(&rep_d, rep_h, 0));
         memset(rep_h, 0, 64);
         hk.timeout_report = rep_d;
-        const int ok = relaunch_same(g, 0, &hk, d_ready, nb, s2, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
+        const int ok = relaunch_same(g, launch_gemm0, NULL, &hk, d_ready, nb, s2, d_h, h, h2, 2 * (size_t)(MR * F), c->tag,
                                      "GEMM0 in expert order waiting for blocks released late");
         char msg[256];
         if (!ok && comet_gemm_timeout_message(rep_h, msg, sizeof msg)) printf("%s\n", msg);
@@ -415,10 +675,14 @@ static void run_case(const gcase_t *c, uint64_t seed) {
         if (!ok) return;
     }
     free(h2);
+    if (bwd) {
+        const bwd_ctx_t bx = {c, &d, &pl, &ga, a, w1, w2, h, d_h, d_ready, d_epoch, d_chunk, s2, sms, bwd == 2, &rng};
+        check_backward(&bx);
+    }
 
     /* a second GEMM1 (tile counters reset by the first) writes the same bits */
     uint16_t *o2 = (uint16_t *)malloc(2 * (size_t)(MR * H));
-    if (!relaunch_same(g, 1, NULL, NULL, 0, 0, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first"))
+    if (!relaunch_same(g, launch_gemm1, NULL, NULL, NULL, 0, 0, d_o, o, o2, 2 * (size_t)(MR * H), c->tag, "second GEMM1 against the first"))
         return;
 
     /* the device split what the rule says: GEMM1 prepared without the split (knobs.split_min 0)
@@ -572,7 +836,7 @@ int main(void) {
         else setenv("COMET_GEMM_CLUSTER", "0", 1);
         printf("test_gemm_gpu: the cases %s\n", pass[cl]);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-            if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i);
+            if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) run_case(&cases[i], 1000 + i, 1 + cl);
     }
     unsetenv("COMET_GEMM_CLUSTER");
     /* GEMM1's tail split with pieces of one k-slice and up (COMET_GEMM_SPLIT=1, read at prepare): most
@@ -587,7 +851,7 @@ int main(void) {
         int ran = 0;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             if (!small || cases[i].hidden * cases[i].ffn * cases[i].experts <= 16 * 1024 * 1024) {
-                run_case(&cases[i], 3000 + i);
+                run_case(&cases[i], 3000 + i, 0);
                 ran++;
             }
         CHECK(2 * split_cases >= ran, "COMET_GEMM_SPLIT=1: only %d of %d cases split GEMM1", split_cases, ran);
@@ -598,7 +862,7 @@ int main(void) {
     setenv("COMET_GEMM_NARROW", "0", 1);
     printf("test_gemm_gpu: the last-h-tile cases at full width (COMET_GEMM_NARROW=0)\n");
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (strstr(cases[i].tag, "last h tile")) run_case(&cases[i], 2000 + i);
+        if (strstr(cases[i].tag, "last h tile")) run_case(&cases[i], 2000 + i, 1);
     unsetenv("COMET_GEMM_NARROW");
 
     /* shape checks (need no GPU, run here anyway) */

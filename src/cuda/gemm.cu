@@ -1,11 +1,14 @@
 /*
  * gemm.cu - comet's Hopper (sm_90a) grouped GEMM for the MoE layer (API and
  * semantics in gemm.h): GEMM0 with the fused activation and GEMM1, driven by
- * the device-resident plan, with the hooks the layer's kernel chain uses.
+ * the device-resident plan, with the hooks the layer's kernel chain uses; and
+ * the backward's data-gradient GEMMs, G with the activation's backward in its
+ * epilogue and dX, which read the weights MN-major.
  *
  * Kernels (comet_gemm0_gated_kernel, comet_gemm0_gelu_kernel,
- * comet_gemm1_kernel, and the same three as 2-CTA clusters: one body, mode
- * and cluster literals in each): persistent CTAs of 384
+ * comet_gemm1_kernel, comet_gemm_g_gated_kernel, comet_gemm_g_gelu_kernel,
+ * comet_gemm_dx_kernel, and the same six as 2-CTA clusters: one body, mode,
+ * cluster and B-layout literals in each): persistent CTAs of 384
  * threads, one per SM (~225 KiB shared memory). Warpgroup 0 is the producer
  * (setmaxnreg 40, 48 in clusters; one thread issues TMA loads of 128B-swizzled 64-wide K
  * slices into a 4-stage ring of 48 KiB stages on mbarriers); warpgroups 1 and
@@ -36,6 +39,14 @@
  * GEMM1's tail split (gm_split, gm_split_piece): the tiles that would run
  * in a part-empty last wave run as pieces over K instead, summed in piece
  * order by the CTA that completes a tile.
+ * dX and G (tb): the same pipeline with B MN-major, W1 (E, w1_rows, H) and W2
+ * (E, H, F_local) as stored: a stage's B is four TMA boxes of 64 N columns x
+ * 64 K rows (3D maps, so K rows past an expert's read zero), wgmma with the
+ * transpose bit (gm_desc_mn). dX is GEMM1's walk with K = w1_rows (no tail
+ * split); G is GEMM0's walk over 256-column tiles of F_local, and its
+ * epilogue (gm_dact_tile) reads gu and h from global memory per element,
+ * stores dH through the staging buffer, padding rows as zeros, and the
+ * row partials of <G, h>.
  * Not here: the SIMT fallback (layer/simt_gemm.cuh) and the layer's other kernels
  * (layer_chain.cu and its rooms in layer/).
  */
@@ -91,11 +102,23 @@ static int gm_group_for(int64_t k) {
     return g;
 }
 
-enum { GM_MODE_GATED = 0, GM_MODE_GELU = 1, GM_MODE_GEMM1 = 2, GM_ACT_NARROW = 3 /* gm_act only: a GM_NARROW tile */ };
+/* GEMM0's two activations, GEMM1 (and dX, the same with B MN-major), and G with the gated or the GELU
+ * backward in its epilogue (gm_dact_pass; its tile walk is GEMM0's). */
+enum {
+    GM_MODE_GATED = 0,
+    GM_MODE_GELU = 1,
+    GM_MODE_GEMM1 = 2,
+    GM_ACT_NARROW = 3, /* gm_act only: a GM_NARROW tile */
+    GM_MODE_DGATED = 4,
+    GM_MODE_DGELU = 5
+};
+/* The four launches (gm_launch's `which`, the timeout report's role): GEMM0, GEMM1, G, dX. */
+enum { GM_GEMM0 = 0, GM_GEMM1 = 1, GM_G = 2, GM_DX = 3 };
 
 /* Everything but the tensor maps, passed by value. */
 typedef struct {
     int mode;
+    int role;       /* GM_GEMM0 .. GM_DX (the timeout report) */
     int k;          /* reduction length: H (GEMM0) or F_local (GEMM1) */
     int n;          /* output width and row stride: F_local or H */
     int b_rows;     /* rows of one expert in the stacked B: w1_rows or H */
@@ -126,6 +149,11 @@ typedef struct {
     int split_ref;   /* the split rule's count of workers: num_sms / 2, whatever this launch's grid */
     uint32_t *split_count; /* per split CTA tile: pieces stored (the last one sums them and resets it) */
     float *split_part;     /* [key][piece][consumer][128 accumulators][128 threads] fp32 partials */
+    comet_bf16_t *gu;      /* GEMM0: also store the pre-activation here (NULL: not); G: read from here */
+    const comet_bf16_t *hin; /* G: the forward's h */
+    float *dwp;            /* G: row partials of <G, h>, (max_rows_padded, dwp_tiles) */
+    int gu_ld;             /* row length of gu and dH: w1_rows */
+    int dwp_tiles;         /* comet_gemm_dwp_tiles */
 } gm_params_t;
 
 struct comet_gemm {
@@ -134,6 +162,8 @@ struct comet_gemm {
     CUtensorMap a1, b1, c1; /* GEMM1: h (box 128x64), w2 (box 256 rows), o store (64x64) */
     CUtensorMap b0h, b1h;   /* w1 (GELU) and w2 with 128-row boxes: the halves clusters multicast; gated w1
                              * with 64-row boxes: GM_NARROW's gate and up rows */
+    CUtensorMap b2, b3;     /* G's w2 and dX's w1, MN-major (gm_map_mn); the training launches' other maps
+                             * are encoded at each launch (comet_gemm_train_t) */
     int num_sms;
     int cluster_ctas;       /* unless knobs.cluster is 0 at prepare: most CTAs that run as 2-CTA clusters at
                              * once (even); 0: no clusters */
@@ -155,6 +185,26 @@ __device__ __forceinline__ void gm_tma_store(const CUtensorMap *map, const void 
                  "r"(c0), "r"(c1), "r"(gm_smem(src))
                  : "memory");
 }
+/* 3D forms (coordinates innermost first): gm_map_planes' stores, gm_map_mn's loads (one CTA, or
+ * multicast into both CTAs of the cluster, each one's barrier at the same offset). */
+__device__ __forceinline__ void gm_tma_store3(const CUtensorMap *map, const void *src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"((uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(gm_smem(src))
+                 : "memory");
+}
+__device__ __forceinline__ void gm_tma_load3(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar,
+                                             const int mc) {
+    if (mc)
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                     " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(gm_smem(dst)),
+                     "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(gm_smem(bar)), "h"((uint16_t)3)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(gm_smem(dst)),
+                     "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(gm_smem(bar))
+                     : "memory");
+}
 __device__ __forceinline__ void gm_named_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void gm_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void gm_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -171,6 +221,17 @@ __device__ __forceinline__ uint64_t gm_desc(const void *p) {
     uint64_t a = gm_smem(p), d = 0;
     d |= (a & 0x3FFFF) >> 4;
     d |= (uint64_t)1 << 16;
+    d |= (uint64_t)(1024 >> 4) << 32;
+    d |= (uint64_t)1 << 62;
+    return d;
+}
+/* MN-major (B with the transpose bit: dX, G), 128B-swizzled: the stage holds four TMA boxes of 64 N
+ * columns (128-byte rows) x 64 K rows, 8 KiB apart; within a box, 8-row atoms of 1024 bytes along K
+ * (SBO 1024), the next 64 N columns a box further (LBO 8192); +2048 bytes per k step of 16 rows. */
+__device__ __forceinline__ uint64_t gm_desc_mn(const void *p) {
+    uint64_t a = gm_smem(p), d = 0;
+    d |= (a & 0x3FFFF) >> 4;
+    d |= (uint64_t)(8192 >> 4) << 16;
     d |= (uint64_t)(1024 >> 4) << 32;
     d |= (uint64_t)1 << 62;
     return d;
@@ -193,16 +254,16 @@ __device__ __forceinline__ uint32_t gm_pack(float lo, float hi) {
     return r;
 }
 
-/* wgmma m64n256k16, bf16 x bf16 -> fp32, A and B K-major in shared memory
- * (128B-swizzled descriptors); scale_d == 0 overwrites d. */
-__device__ __forceinline__ void gm_wgmma_256(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+/* wgmma m64n256k16, bf16 x bf16 -> fp32, A K-major and B K-major (TB 0) or MN-major (TB 1, the
+ * transpose bit) in shared memory (128B-swizzled descriptors); scale_d == 0 overwrites d. */
+template <int TB> __device__ __forceinline__ void gm_wgmma_256(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
 }
 
 /* wgmma m64n128k16, the same operands: 64 accumulators. */
@@ -224,7 +285,7 @@ __device__ __forceinline__ void gm_timeout(const gm_params_t &p, int t, int b, u
     if (p.timeout_report) {
         volatile uint64_t *r = p.timeout_report;
         r[1] = (uint64_t)p.rank;
-        r[2] = p.mode == GM_MODE_GEMM1 ? 1 : 0;
+        r[2] = (uint64_t)p.role;
         r[3] = (uint64_t)t;
         r[4] = (uint64_t)b;
         r[5] = v;
@@ -429,11 +490,24 @@ __device__ __forceinline__ void gm_tma_load_mc(void *dst, const CUtensorMap *map
  * epilogue runs while no consumer issues wgmma, so its length is lost
  * tensor-core time (dev/NOTES.md). Same limits as comet_silu: -0 for very
  * negative g, g for large g, NaN for NaN and -inf. */
-__device__ __forceinline__ float gm_silu(float g) {
+__device__ __forceinline__ float gm_sigmoid(float g) {
     float e, r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504088896341f));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-    return g * r;
+    return r;
+}
+__device__ __forceinline__ float gm_silu(float g) { return g * gm_sigmoid(g); }
+
+/* G's epilogue: comet_gelu_grad (Phi(g) + g phi(g)) from the forward's GELU, Phi(g) =
+ * comet_gelu_fast(g) / g (0.5 at 0), phi on the SFU's ex2: within a few 1e-6 of the exact
+ * derivative (comet_gelu_fast's error), so dH in bf16 differs from the reference's by a rounding flip
+ * at most, rarely. */
+__device__ __forceinline__ float gm_gelu_grad(float g) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * g * -0.72134752044448170f)); /* exp(-g^2 / 2) */
+    const float phi = 0.39894228040143268f * e;
+    const float cdf = fabsf(g) > 1e-30f ? __fdividef(comet_gelu_fast(g), g) : 0.5f;
+    return cdf + g * phi;
 }
 
 /* Output value of accumulator element i (fp32): gated pairs gate column
@@ -485,10 +559,11 @@ __device__ __forceinline__ void gm_push_half(const gm_params_t &p, const unsigne
 /* Consumer warpgroup's 64 x (64*nbox) bf16 result (already activated) ->
  * global through the swizzled buffer + TMA store (and, GEMM1 with push, each
  * row to its home rank from the same buffer). Boxes starting at or past
- * col_lim (relative to col0) are skipped; the tensor map clips the rest. */
+ * col_lim (relative to col0) are skipped; the tensor map clips the rest.
+ * plane >= 0: map is gm_map_planes' (gu, dH), the columns those of that plane. */
 __device__ __forceinline__ void gm_store_tma(const uint32_t *pk, unsigned char *cbuf, const CUtensorMap *map, int row0,
                                              int col0, int nhalves, int col_lim, int tid, int c, const gm_params_t &p,
-                                             const int mode) {
+                                             const int mode, int plane) {
     const int lane = tid & 31, wi = tid >> 5, mi = lane >> 3;
     const int row = wi * 16 + (mi & 1) * 8 + (lane & 7); /* row (0..63) whose 16-byte chunk this lane addresses */
     const uint32_t cb = gm_smem(cbuf);
@@ -508,8 +583,12 @@ __device__ __forceinline__ void gm_store_tma(const uint32_t *pk, unsigned char *
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         gm_named_bar(2 + c, 128);
         if (tid == 0) {
-            gm_tma_store(map, cbuf, col0 + h * 128, row0);
-            if (h * 128 + 64 < col_lim) gm_tma_store(map, cbuf + 8192, col0 + h * 128 + 64, row0);
+            for (int q = 0; q < 2 && h * 128 + q * 64 < col_lim; q++) {
+                if (plane >= 0)
+                    gm_tma_store3(map, cbuf + q * 8192, col0 + h * 128 + q * 64, plane, row0);
+                else
+                    gm_tma_store(map, cbuf + q * 8192, col0 + h * 128 + q * 64, row0);
+            }
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
         /* the buffer is read here before the next half's barrier lets anyone overwrite it */
@@ -568,9 +647,10 @@ __device__ __forceinline__ void gm_produce_end(const gm_params_t &p, uint64_t *f
  * literal at each call; GM_NARROW): the gated tile's h columns 0..63 alone,
  * whose B stage holds 64 gate rows then 64 up rows: n128 into accumulators
  * 0..63 (gate in 0..31, up in 32..63; gm_act pairs them as GM_ACT_NARROW), half the
- * tensor work and two thirds of the bytes of the n256 path. */
+ * tensor work and two thirds of the bytes of the n256 path. tb (a literal): B
+ * MN-major (dX, G: gm_desc_mn, the transpose bit). */
 __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t *full, uint64_t *empty, int it, int nk,
-                                        int c, int cl, int lane, const int narrow) {
+                                        int c, int cl, int lane, const int narrow, const int tb) {
     for (int k = 0; k < nk; k++, it++) {
         const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
         if (k > 0) gm_mbar_wait(&full[s], ph);
@@ -582,8 +662,10 @@ __device__ __forceinline__ int gm_kloop(float *d, unsigned char *base, uint64_t 
             const int acc = (k > 0 || kk > 0) ? 1 : 0;
             if (narrow) {
                 gm_wgmma_128(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+            } else if (tb) {
+                gm_wgmma_256<1>(d, gm_desc(sa + kk * 32), gm_desc_mn(sb + kk * 2048), acc);
             } else {
-                gm_wgmma_256(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
+                gm_wgmma_256<0>(d, gm_desc(sa + kk * 32), gm_desc(sb + kk * 32), acc);
             }
         }
         gm_wgmma_commit();
@@ -651,6 +733,80 @@ __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float 
     return 1;
 }
 
+/* G's epilogue, one plane of dH for one half (128 columns, hf) of this consumer's 64 rows (row0..,
+ * the first `rows` valid) x 256 columns, from G in d (fp32) and include/comet.h backward step 4:
+ * dA = w G with the row's weight, then, from gu's bf16 values, plane 0 dg (gated SiLU: dA u s (1 +
+ * g (1 - s)), s = sigmoid(g), as comet_silu_gated_backward; GELU: dA gm_gelu_grad(g)) or plane 1
+ * du = dA g s, rounded into pk[0..31] (the half's gm_store_tma words); 0 in padding rows. Plane 0
+ * also adds this thread's products G h, column by column ascending, to acc[e] (its rows r + 8e). */
+__device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *d, uint32_t *pk, int row0, int rows,
+                                             int col0, int col_lim, int tid, const int mode, const int plane,
+                                             const int hf, float *acc) {
+    const int lane = tid & 31, wi = tid >> 5;
+    const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
+#pragma unroll
+    for (int e = 0; e < 2; e++) { /* accumulators 4j + 2e, 4j + 2e + 1: row r + 8e, columns cb + 8j, +1 */
+        const int valid = r + 8 * e < rows;
+        const int64_t row = row0 + r + 8 * e;
+        const float w = valid ? __ldg(&p.rows[row].weight) : 0.0f;
+        const comet_bf16_t *gp = p.gu + row * p.gu_ld + col0, *hp = p.hin + row * p.n + col0;
+#pragma unroll
+        for (int jj = 0; jj < 16; jj++) {
+            const int j = hf * 16 + jj, col = cb + j * 8, in = valid && col < col_lim;
+            const float G0 = d[4 * j + 2 * e], G1 = d[4 * j + 2 * e + 1], dA0 = w * G0, dA1 = w * G1;
+            const uint32_t g2 = in ? __ldg((const unsigned int *)(gp + col)) : 0u;
+            const float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+            float v0, v1;
+            if (mode == GM_MODE_DGELU) {
+                v0 = dA0 * gm_gelu_grad(g0), v1 = dA1 * gm_gelu_grad(g1);
+            } else {
+                const float s0 = gm_sigmoid(g0), s1 = gm_sigmoid(g1);
+                if (plane == 0) {
+                    const uint32_t u2 = in ? __ldg((const unsigned int *)(gp + p.up_off + col)) : 0u;
+                    const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+                    v0 = dA0 * u0 * s0 * (1.0f + g0 * (1.0f - s0));
+                    v1 = dA1 * u1 * s1 * (1.0f + g1 * (1.0f - s1));
+                } else {
+                    v0 = dA0 * g0 * s0, v1 = dA1 * g1 * s1;
+                }
+            }
+            pk[2 * jj + e] = valid ? gm_pack(v0, v1) : 0u;
+            if (plane == 0) {
+                const uint32_t h2 = in ? __ldg((const unsigned int *)(hp + col)) : 0u;
+                acc[e] += G0 * __uint_as_float(h2 << 16);
+                acc[e] += G1 * __uint_as_float(h2 & 0xffff0000u);
+            }
+        }
+    }
+}
+
+/* G's epilogue for one consumer (gm_dact_half): each plane half by half, 32 words of pk at a time
+ * (the whole tile's 64 spilled beside the loads), stored through the staging buffer (all 64 rows:
+ * padding rows get zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256],
+ * the four threads of a row adding their sums in a fixed tree. */
+__device__ __forceinline__ void gm_dact_tile(const gm_params_t &p, const float *d, unsigned char *cbuf,
+                                             const CUtensorMap *map, int row0, int rows, int col0, int col_lim, int tid,
+                                             int c, const int mode) {
+    uint32_t pk[32];
+    float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int plane = 0; plane < (mode == GM_MODE_DGATED ? 2 : 1); plane++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            if (hf * 128 >= col_lim) break;
+            gm_dact_half(p, d, pk, row0, rows, col0, col_lim, tid, mode, plane, hf, acc);
+            gm_store_tma(pk, cbuf, map, row0, col0 + hf * 128, 1, col_lim - hf * 128, tid, c, p, mode, plane);
+        }
+    const int lane = tid & 31, r = (tid >> 5) * 16 + (lane >> 2);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float v = acc[e];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (r + 8 * e < rows && (lane & 3) == 0) p.dwp[(int64_t)(row0 + r + 8 * e) * p.dwp_tiles + col0 / GM_BN] = v;
+    }
+}
+
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
  * so each holds only its own epilogue (one kernel with a run-time mode held
  * all three for each of the 128 accumulators: 257 KB of SASS, and the
@@ -662,9 +818,11 @@ __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float 
  * loads one 128-row half and multicasts it to both, so a stage is free only
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
  * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes (gated: 64-row boxes,
- * GM_NARROW's). */
+ * GM_NARROW's). tb = 1 (dX, G): B MN-major, tmb gm_map_mn's, four 64-column boxes a stage (a
+ * shared tile: two from each CTA). tmg: GEMM0's pre-activation store (p.gu). */
 __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
-                                        const CUtensorMap &tmc, const gm_params_t &p, const int mode, const int cl) {
+                                        const CUtensorMap &tmc, const CUtensorMap &tmg, const gm_params_t &p,
+                                        const int mode, const int cl, const int tb) {
     if (p.skip && *p.skip) return; /* both CTAs of a cluster read the same flag */
     extern __shared__ __align__(1024) unsigned char gm_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
@@ -738,7 +896,11 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     if (tl.b < 0) continue;
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
                     const CUtensorMap *gmap = narrow ? &tmbh : &tmb; /* gated: gate and up boxes */
-                    if (same) { /* my half of the shared B tile, into both CTAs (gated: gate or up rows) */
+                    if (tb) { /* K rows k.. of 64-column boxes, coordinates (column, K row, expert) */
+                        for (int q = same ? 2 * (int)rank : 0; q < (same ? 2 * (int)rank + 2 : 4); q++)
+                            gm_tma_load3(st + GM_A_BYTES + q * 8192, &tmb, tl.col0 + q * 64, k * GM_BK, blk.expert,
+                                         &full[s], same);
+                    } else if (same) { /* my half of the shared B tile, into both CTAs (gated: gate or up rows) */
                         const int hrow = mode == GM_MODE_GATED ? brow + (int)rank * p.up_off : brow + (int)rank * (GM_BN / 2);
                         gm_tma_load_mc(st + GM_A_BYTES + rank * (bbytes / 2), mode == GM_MODE_GATED ? gmap : &tmbh,
                                        k * GM_BK, hrow, &full[s]);
@@ -768,9 +930,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             if (tv < 0) break;
             const int nkt = mode == GM_MODE_GEMM1 ? stage_nk[it % GM_STAGES] : gm_nk(p); /* GEMM0: all of K */
             if (mode == GM_MODE_GATED && (tv & GM_NARROW))
-                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 1);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 1, 0);
             else
-                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 0);
+                it = gm_kloop(d, base, full, empty, it, nkt, c, cl, lane, 0, tb);
             GM_WGMMA_WAIT(0);
             gm_reg_fence(d);
             if (lane == 0) {
@@ -786,6 +948,12 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             /* epilogue: activation in fp32 (gm_act) and bf16 packing once, uniformly, into pk (d
              * itself is never written here: accumulator writes make ptxas serialise the wgmmas),
              * then the store path of this consumer's rows */
+            const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
+            unsigned char *cbuf = cbufs + c * GM_CBUF_BYTES;
+            if (mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) {
+                gm_dact_tile(p, d, cbuf, &tmc, row0, rows, tl.col0, col_lim, tid, c, mode);
+                continue;
+            }
             uint32_t pk[64];
             if (mode == GM_MODE_GEMM1 && tl.piece >= 0) { /* a split tile's piece: only its last CTA goes on */
                 if (!gm_split_piece(p, d, pk, tl, c, tid, split_last)) continue;
@@ -802,11 +970,33 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
 #pragma unroll
             for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i])); /* keep the packing out of the branches */
             const int ncols = mode == GM_MODE_GATED ? 128 : GM_BN;
-            const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
             if (rows >= 64)
-                gm_store_tma(pk, cbufs + c * GM_CBUF_BYTES, &tmc, row0, tl.col0, ncols / 128, col_lim, tid, c, p, mode);
+                gm_store_tma(pk, cbuf, &tmc, row0, tl.col0, ncols / 128, col_lim, tid, c, p, mode, -1);
             else if (rows > 0)
                 gm_store_regs(pk, p.c, p.n, row0, tl.col0, ncols, rows, col_lim, tid, p, mode);
+            if (mode != GM_MODE_GEMM1 && p.gu) {
+                /* the pre-activation too, bf16 (gm_map_planes: gated gate columns in plane 0 from
+                 * accumulators 0..63, up in plane 1 from 64..127; a GM_NARROW tile's in 0..31 and 32..63;
+                 * GELU g, 256 columns in plane 0), after h (its bits do not depend on this) */
+                if (mode == GM_MODE_GATED && (tv & GM_NARROW)) {
+#pragma unroll
+                    for (int i = 0; i < 64; i++)
+                        pk[i] = i < 16 ? gm_pack(d[2 * i], d[2 * i + 1]) : i >= 32 && i < 48 ? gm_pack(d[2 * i - 32], d[2 * i - 31]) : 0u;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 64; i++) pk[i] = gm_pack(d[2 * i], d[2 * i + 1]);
+                }
+#pragma unroll
+                for (int i = 0; i < 64; i++) asm volatile("" : "+r"(pk[i]));
+                if (rows >= 64) {
+                    gm_store_tma(pk, cbuf, &tmg, row0, tl.col0, ncols / 128, col_lim, tid, c, p, mode, 0);
+                    if (mode == GM_MODE_GATED) gm_store_tma(pk + 32, cbuf, &tmg, row0, tl.col0, 1, col_lim, tid, c, p, mode, 1);
+                } else if (rows > 0) {
+                    gm_store_regs(pk, p.gu, p.gu_ld, row0, tl.col0, ncols, rows, col_lim, tid, p, mode);
+                    if (mode == GM_MODE_GATED)
+                        gm_store_regs(pk + 32, p.gu + p.up_off, p.gu_ld, row0, tl.col0, 128, rows, col_lim, tid, p, mode);
+                }
+            }
             if (p.chunk_done) {
                 /* both consumers' stores of this tile are complete and visible, then one release add */
                 if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -829,26 +1019,36 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
     if (p.pdl && threadIdx.x == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-#define GM_KERNEL(name, mode, cl)                                                                             \
+#define GM_KERNEL(name, mode, cl, tb)                                                                         \
     __global__ void __launch_bounds__(384, 1)                                                                 \
         name(const __grid_constant__ CUtensorMap tma, const __grid_constant__ CUtensorMap tmb,               \
              const __grid_constant__ CUtensorMap tmbh, const __grid_constant__ CUtensorMap tmc,              \
-             const __grid_constant__ gm_params_t p) {                                                         \
-        gm_body(tma, tmb, tmbh, tmc, p, mode, cl);                                                            \
+             const __grid_constant__ CUtensorMap tmg, const __grid_constant__ gm_params_t p) {               \
+        gm_body(tma, tmb, tmbh, tmc, tmg, p, mode, cl, tb);                                                   \
     }
-GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0)
-GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0)
-GM_KERNEL(comet_gemm1_kernel, GM_MODE_GEMM1, 0)
-GM_KERNEL(comet_gemm0_gated_cl_kernel, GM_MODE_GATED, 1)
-GM_KERNEL(comet_gemm0_gelu_cl_kernel, GM_MODE_GELU, 1)
-GM_KERNEL(comet_gemm1_cl_kernel, GM_MODE_GEMM1, 1)
+GM_KERNEL(comet_gemm0_gated_kernel, GM_MODE_GATED, 0, 0)
+GM_KERNEL(comet_gemm0_gelu_kernel, GM_MODE_GELU, 0, 0)
+GM_KERNEL(comet_gemm1_kernel, GM_MODE_GEMM1, 0, 0)
+GM_KERNEL(comet_gemm_g_gated_kernel, GM_MODE_DGATED, 0, 1)
+GM_KERNEL(comet_gemm_g_gelu_kernel, GM_MODE_DGELU, 0, 1)
+GM_KERNEL(comet_gemm_dx_kernel, GM_MODE_GEMM1, 0, 1)
+GM_KERNEL(comet_gemm0_gated_cl_kernel, GM_MODE_GATED, 1, 0)
+GM_KERNEL(comet_gemm0_gelu_cl_kernel, GM_MODE_GELU, 1, 0)
+GM_KERNEL(comet_gemm1_cl_kernel, GM_MODE_GEMM1, 1, 0)
+GM_KERNEL(comet_gemm_g_gated_cl_kernel, GM_MODE_DGATED, 1, 1)
+GM_KERNEL(comet_gemm_g_gelu_cl_kernel, GM_MODE_DGELU, 1, 1)
+GM_KERNEL(comet_gemm_dx_cl_kernel, GM_MODE_GEMM1, 1, 1)
 #undef GM_KERNEL
 
-/* Every kernel above: the three plain ones, then the three cluster ones. */
-static const void *const gm_kernels[6] = {
-    (const void *)comet_gemm0_gated_kernel,    (const void *)comet_gemm0_gelu_kernel,
-    (const void *)comet_gemm1_kernel,          (const void *)comet_gemm0_gated_cl_kernel,
-    (const void *)comet_gemm0_gelu_cl_kernel, (const void *)comet_gemm1_cl_kernel};
+/* Every kernel above, [cluster][GM_K_*]. */
+enum { GM_K_GATED, GM_K_GELU, GM_K_GEMM1, GM_K_G_GATED, GM_K_G_GELU, GM_K_DX, GM_NKERNELS };
+typedef void (*gm_kernel_fn)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                             const CUtensorMap, const gm_params_t);
+static const gm_kernel_fn gm_kernels[2][GM_NKERNELS] = {
+    {comet_gemm0_gated_kernel, comet_gemm0_gelu_kernel, comet_gemm1_kernel, comet_gemm_g_gated_kernel,
+     comet_gemm_g_gelu_kernel, comet_gemm_dx_kernel},
+    {comet_gemm0_gated_cl_kernel, comet_gemm0_gelu_cl_kernel, comet_gemm1_cl_kernel, comet_gemm_g_gated_cl_kernel,
+     comet_gemm_g_gelu_cl_kernel, comet_gemm_dx_cl_kernel}};
 
 /* ---------------------------------------------------------------------------
  * Host side
@@ -884,6 +1084,39 @@ extern "C" size_t comet_gemm_split_bytes(const comet_dims_t *d, int min) {
     return GM_SPLIT_HEADER + (size_t)GM_SPLIT_PIECES * GM_BM * GM_BN * sizeof(float);
 }
 
+/* 3D bf16 map, 128B swizzle, out-of-bounds reads zero: dims innermost first, strides of dims 1 and 2
+ * in elements. */
+static int gm_map3(CUtensorMap *m, const void *ptr, const int64_t dims[3], const int64_t strides[2], const int box[3],
+                   int l2_promote) {
+    gm_encode_fn enc = gm_get_encode();
+    if (!enc) return -1;
+    cuuint64_t dm[3] = {(cuuint64_t)dims[0], (cuuint64_t)dims[1], (cuuint64_t)dims[2]};
+    cuuint64_t st[2] = {(cuuint64_t)strides[0] * 2, (cuuint64_t)strides[1] * 2};
+    cuuint32_t bx[3] = {(cuuint32_t)box[0], (cuuint32_t)box[1], (cuuint32_t)box[2]};
+    cuuint32_t es[3] = {1, 1, 1};
+    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr, dm, st, bx, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                     CU_TENSOR_MAP_SWIZZLE_128B,
+                     l2_promote ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+/* Stores into (rows, planes x F) rows split in planes of F columns (gu and dH: [g|u] gated, g GELU):
+ * (column, plane, row), box 64 columns x 1 plane x 64 rows, clipped at each plane's F. */
+static int gm_map_planes(CUtensorMap *m, const void *ptr, int64_t rows, int64_t f, int planes) {
+    const int64_t dims[3] = {f, planes, rows}, strides[2] = {f, planes * f};
+    const int box[3] = {64, 1, 64};
+    return gm_map3(m, ptr, dims, strides, box, 0);
+}
+/* A stacked weight (experts, k rows, n columns) read MN-major (the dgrad GEMMs' B): (column, K row,
+ * expert), box 64 columns x 64 K rows; K rows past an expert's read zero. */
+static int gm_map_mn(CUtensorMap *m, const void *ptr, int64_t experts, int64_t k, int64_t n) {
+    const int64_t dims[3] = {n, k, experts}, strides[2] = {n, k * n};
+    const int box[3] = {64, GM_BK, 1};
+    return gm_map3(m, ptr, dims, strides, box, 1);
+}
+
+extern "C" int64_t comet_gemm_dwp_tiles(const comet_dims_t *d) { return (d->ffn_local + GM_BN - 1) / GM_BN; }
+
 extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **out, char *err, size_t err_len) {
     *out = NULL;
     const comet_dims_t *d = &args->d;
@@ -914,6 +1147,8 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     bad |= gm_map(&g->c1, args->o, mr, hd, 64, 0);
     bad |= gm_map(&g->b0h, args->w1, el * d->w1_rows, hd, gated ? 64 : 128, 1);
     bad |= gm_map(&g->b1h, args->w2, el * hd, fl, 128, 1);
+    bad |= gm_map_mn(&g->b2, args->w2, el, hd, fl);
+    bad |= gm_map_mn(&g->b3, args->w1, el, d->w1_rows, hd);
     if (bad) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
@@ -927,11 +1162,12 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     g->narrow = kn->narrow;
     for (int i = 0; i < 2; i++) g->group[i] = kn->group[i] > 0 && kn->group[i] <= 4096 ? kn->group[i] : 0;
     cudaError_t e = cudaSuccess;
-    for (int i = 0; i < 6 && e == cudaSuccess; i++)
-        e = cudaFuncSetAttribute(gm_kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM_BYTES);
+    for (int i = 0; i < 2 * GM_NKERNELS && e == cudaSuccess; i++)
+        e = cudaFuncSetAttribute(gm_kernels[i / GM_NKERNELS][i % GM_NKERNELS], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 GM_SMEM_BYTES);
     if (e == cudaSuccess && kn->cluster) {
         int most = -1;
-        for (int i = 3; i < 6 && e == cudaSuccess; i++) { /* the cluster kernels */
+        for (int i = 0; i < GM_NKERNELS && e == cudaSuccess; i++) { /* the cluster kernels */
             cudaLaunchConfig_t lc;
             memset(&lc, 0, sizeof lc);
             cudaLaunchAttribute at;
@@ -940,7 +1176,7 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
             lc.gridDim = dim3((unsigned)(g->num_sms / 2 * 2)), lc.blockDim = dim3(384), lc.dynamicSmemBytes = GM_SMEM_BYTES;
             lc.attrs = &at, lc.numAttrs = 1;
             int n = 0;
-            e = cudaOccupancyMaxActiveClusters(&n, gm_kernels[i], &lc);
+            e = cudaOccupancyMaxActiveClusters(&n, (const void *)gm_kernels[1][i], &lc);
             most = most < 0 || n < most ? n : most;
         }
         g->cluster_ctas = e == cudaSuccess && most > 0 ? 2 * most : 0;
@@ -954,9 +1190,9 @@ extern "C" int comet_gemm_prepare(const comet_gemm_args_t *args, comet_gemm_t **
     const size_t split_bytes = comet_gemm_split_bytes(d, kn->split_min);
     g->split = args->split, g->own_split = args->split == NULL && args->sched == NULL && split_bytes > 0;
     g->split_min = split_bytes > 0 ? kn->split_min : 0;
-    if (g->own_sched) {
-        e = cudaMalloc((void **)&g->sched, 4 * sizeof(uint32_t));
-        if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 4 * sizeof(uint32_t));
+    if (g->own_sched) { /* GEMM0's and GEMM1's counters, then G's and dX's (comet_gemm_train_t.sched NULL) */
+        e = cudaMalloc((void **)&g->sched, 8 * sizeof(uint32_t));
+        if (e == cudaSuccess) e = cudaMemset(g->sched, 0, 8 * sizeof(uint32_t));
     }
     if (e == cudaSuccess && g->own_split) {
         e = cudaMalloc(&g->split, split_bytes);
@@ -992,18 +1228,40 @@ extern "C" void comet_gemm_destroy(comet_gemm_t *g) {
 
 extern "C" int comet_gemm_timeout_message(const uint64_t *report, char *buf, size_t len) {
     if (!report || report[0] != 1) return 0;
+    static const char *const role[4] = {"gemm0", "gemm1", "gemm G", "gemm dX"};
     snprintf(buf, len,
-             "comet: rank %llu gemm%llu producer cta %llu tile %llu: timed out waiting for block_ready[%llu] "
+             "comet: rank %llu %s producer cta %llu tile %llu: timed out waiting for block_ready[%llu] "
              "(%llu < epoch %llu)",
-             (unsigned long long)report[1], (unsigned long long)report[2], (unsigned long long)report[7],
+             (unsigned long long)report[1], report[2] < 4 ? role[report[2]] : "gemm ?", (unsigned long long)report[7],
              (unsigned long long)report[3], (unsigned long long)report[4], (unsigned long long)report[5],
              (unsigned long long)report[6]);
     return 1;
 }
 
-static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet_gemm_hooks_t *hooks) {
+/* One launch of `which` (GM_GEMM0 .. GM_DX; t: the training buffers, or NULL). GEMM1 and dX share
+ * the GEMM1 path (chunks, chunk_done, push; dX without the tail split), GEMM0 and G the GEMM0 walk
+ * (l0_order). */
+static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t *t, void *stream,
+                     const comet_gemm_hooks_t *hooks) {
     const comet_gemm_args_t *a = &g->args;
     const comet_dims_t *d = &a->d;
+    const int64_t mr = d->max_rows_padded, hd = d->hidden, fl = d->ffn_local;
+    const int gated = d->activation == 0, planes = gated ? 2 : 1;
+    uint32_t *sched_bwd = t && t->sched ? t->sched : g->own_sched ? g->sched + 4 : NULL;
+    /* the maps of the training buffers (A, C, gu store), encoded now */
+    CUtensorMap ta, tc, tg;
+    int bad = 0;
+    if (which == GM_GEMM0 && t) {
+        bad = !t->gu || gm_map_planes(&tg, t->gu, mr, fl, planes);
+    } else if (which == GM_G) {
+        bad = !t || !t->gu || !t->dy || !t->dh || !t->dwp || !(t->h || a->h) || !sched_bwd;
+        if (!bad) bad = gm_map(&ta, t->dy, mr, hd, 128, 1) || gm_map_planes(&tc, t->dh, mr, fl, planes);
+    } else if (which == GM_DX) {
+        bad = !t || !t->dh || !t->dx || !sched_bwd;
+        if (!bad) bad = gm_map(&ta, t->dh, mr, d->w1_rows, 128, 1) || gm_map(&tc, t->dx, mr, hd, 64, 0);
+    }
+    if (bad) return (int)cudaErrorInvalidValue;
+    const int l1 = which == GM_GEMM1 || which == GM_DX; /* the GEMM1 path */
     comet_gemm_hooks_t hk;
     memset(&hk, 0, sizeof(hk));
     if (hooks) hk = *hooks;
@@ -1011,46 +1269,54 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     comet_plan_carve(d, (void *)a->plan_ws, &plan);
     gm_params_t p;
     memset(&p, 0, sizeof(p));
+    p.role = which;
     p.rank = d->rank;
     p.totals = plan.totals;
     p.blocks = plan.blocks;
+    p.rows = plan.rows;
     p.block_ready = hk.block_ready;
     p.epoch = hk.epoch;
-    p.chunk_done = gemm1 ? hk.chunk_done : NULL;
+    p.chunk_done = l1 ? hk.chunk_done : NULL;
     p.skip = hk.skip;
-    if (gemm1 && hk.push) { /* rows to their home ranks too (args.push) */
+    if (l1 && hk.push) { /* rows to their home ranks too (args.push) */
         p.push_on = 1;
-        p.rows = plan.rows;
         p.push_tp_rows = (int64_t)d->tp_rank * d->max_tokens;
         p.push_topk = (int)d->topk;
         for (int q = 0; q < COMET_GEMM_MAX_PUSH; q++) p.push[q] = a->push[q];
     }
     p.timeout_ns = hk.timeout_ns;
     p.timeout_report = hk.timeout_report;
-    p.sched = g->sched + (gemm1 ? 2 : 0);
-    if (!gemm1) {
-        p.mode = d->activation == 0 ? GM_MODE_GATED : GM_MODE_GELU;
+    p.sched = which < GM_G ? g->sched + 2 * which : sched_bwd + 2 * (which - GM_G);
+    p.gu_ld = (int)d->w1_rows;
+    p.up_off = (int)d->ffn_local;
+    if (!l1) {
+        p.mode = which == GM_G ? (gated ? GM_MODE_DGATED : GM_MODE_DGELU) : gated ? GM_MODE_GATED : GM_MODE_GELU;
         p.k = (int)d->hidden;
         p.n = (int)d->ffn_local;
         p.b_rows = (int)d->w1_rows;
-        p.up_off = (int)d->ffn_local;
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
         p.order = hk.l0_order ? plan.l0_order : NULL;
-        p.c = a->h;
+        p.c = which == GM_G ? t->dh : a->h;
+        p.gu = t ? t->gu : NULL;
+        if (which == GM_G) {
+            p.hin = t->h ? t->h : a->h;
+            p.dwp = t->dwp;
+            p.dwp_tiles = (int)comet_gemm_dwp_tiles(d);
+        }
     } else {
         int cc = hk.chunk_cols ? hk.chunk_cols : (int)d->hidden;
         if (cc <= 0 || (cc % GM_BN && cc != (int)d->hidden)) return (int)cudaErrorInvalidValue;
         if (cc >= (int)d->hidden) cc = ((int)d->hidden + GM_BN - 1) / GM_BN * GM_BN; /* one chunk */
         p.mode = GM_MODE_GEMM1;
-        p.k = (int)d->ffn_local;
+        p.k = which == GM_DX ? (int)d->w1_rows : (int)d->ffn_local;
         p.n = (int)d->hidden;
         p.b_rows = (int)d->hidden;
         p.tile_cols = GM_BN;
         p.chunk_cols = cc;
         p.order = NULL;
-        p.c = a->o;
-        if (g->split && g->split_min) { /* the tail split (gm_split) */
+        p.c = which == GM_DX ? t->dx : a->o;
+        if (which == GM_GEMM1 && g->split && g->split_min) { /* the tail split (gm_split) */
             p.split_min = g->split_min;
             p.split_ref = gm_split_ref(g);
             p.split_count = (uint32_t *)g->split;
@@ -1060,7 +1326,7 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
     int grid = hk.num_ctas > 0 ? hk.num_ctas : g->num_sms;
     const int cl = g->cluster_ctas > 0 && grid >= 2; /* 2-CTA clusters: an even grid, at most what fits */
     if (cl) grid = (grid < g->cluster_ctas ? grid : g->cluster_ctas) / 2 * 2;
-    p.group = g->group[gemm1] ? g->group[gemm1] : gm_group_for(p.k);
+    p.group = g->group[l1] ? g->group[l1] : gm_group_for(p.k);
     p.narrow = g->narrow;
     if (cl) p.group = p.group / 2 > 1 ? p.group / 2 : 1; /* the walk's units are pairs of blocks there */
     p.pdl = hk.pdl;
@@ -1079,31 +1345,57 @@ static int gm_launch(const comet_gemm_t *g, int gemm1, void *stream, const comet
         attr[na].val.clusterDim.x = 2, attr[na].val.clusterDim.y = 1, attr[na++].val.clusterDim.z = 1;
     }
     cfg.attrs = attr, cfg.numAttrs = (unsigned)na;
-    cudaError_t e;
-    if (gemm1)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm1_cl_kernel : comet_gemm1_kernel, g->a1, g->b1, g->b1h, g->c1, p);
-    else if (p.mode == GM_MODE_GATED)
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gated_cl_kernel : comet_gemm0_gated_kernel, g->a0, g->b0, g->b0h,
-                               g->c0, p);
-    else
-        e = cudaLaunchKernelEx(&cfg, cl ? comet_gemm0_gelu_cl_kernel : comet_gemm0_gelu_kernel, g->a0, g->b0, g->b0h,
-                               g->c0, p);
-    return (int)e;
+    /* maps: A, B, B halves (GEMM0, GEMM1), C, gu store (GEMM0 with args.gu; the others ignore it) */
+    const CUtensorMap *m[5];
+    int kern;
+    if (which == GM_GEMM0) {
+        const CUtensorMap *mm[5] = {&g->a0, &g->b0, &g->b0h, &g->c0, t ? &tg : &g->c0};
+        memcpy(m, mm, sizeof m);
+        kern = gated ? GM_K_GATED : GM_K_GELU;
+    } else if (which == GM_GEMM1) {
+        const CUtensorMap *mm[5] = {&g->a1, &g->b1, &g->b1h, &g->c1, &g->c1};
+        memcpy(m, mm, sizeof m);
+        kern = GM_K_GEMM1;
+    } else if (which == GM_G) {
+        const CUtensorMap *mm[5] = {&ta, &g->b2, &g->b2, &tc, &tc};
+        memcpy(m, mm, sizeof m);
+        kern = gated ? GM_K_G_GATED : GM_K_G_GELU;
+    } else {
+        const CUtensorMap *mm[5] = {&ta, &g->b3, &g->b3, &tc, &tc};
+        memcpy(m, mm, sizeof m);
+        kern = GM_K_DX;
+    }
+    return (int)cudaLaunchKernelEx(&cfg, gm_kernels[cl][kern], *m[0], *m[1], *m[2], *m[3], *m[4], p);
 }
 
 extern "C" int comet_gemm_warm(void) {
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 2 * GM_NKERNELS; i++) {
         cudaFuncAttributes a;
-        cudaError_t e = cudaFuncGetAttributes(&a, gm_kernels[i]);
+        cudaError_t e = cudaFuncGetAttributes(&a, (const void *)gm_kernels[i / GM_NKERNELS][i % GM_NKERNELS]);
         if (e != cudaSuccess) return (int)e;
     }
     return 0;
 }
 
 extern "C" int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks) {
-    return gm_launch(g, 0, stream, hooks);
+    return gm_launch(g, GM_GEMM0, NULL, stream, hooks);
+}
+
+extern "C" int comet_gemm0_train_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                                        const comet_gemm_hooks_t *hooks) {
+    return t ? gm_launch(g, GM_GEMM0, t, stream, hooks) : (int)cudaErrorInvalidValue;
 }
 
 extern "C" int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks) {
-    return gm_launch(g, 1, stream, hooks);
+    return gm_launch(g, GM_GEMM1, NULL, stream, hooks);
+}
+
+extern "C" int comet_gemm_g_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                                   const comet_gemm_hooks_t *hooks) {
+    return gm_launch(g, GM_G, t, stream, hooks);
+}
+
+extern "C" int comet_gemm_dx_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                                    const comet_gemm_hooks_t *hooks) {
+    return gm_launch(g, GM_DX, t, stream, hooks);
 }

@@ -16,11 +16,29 @@
  *          major (all blocks of chunk 0, then chunk 1, ...); in a short
  *          walk whose last wave would run part empty, the last blocks'
  *          tiles split over K (comet_gemm_split_bytes).
+ * The backward's data-gradient GEMMs (include/comet.h "Backward", steps 2, 4, 5), both with B
+ * read MN-major (the weights as stored, through wgmma's transpose bit):
+ *   G:     for every plan row block (expert e), G[rows, n] = dy[rows] W2[e], n in [0, F_local),
+ *          fp32, never stored; the epilogue, with w = plan.rows[r].weight and dA = w G:
+ *          gated, (g, u) = gu[r, n], gu[r, F_local + n], s = sigmoid(g),
+ *          dH[r, n] = bf16(dA u s (1 + g (1 - s))), dH[r, F_local + n] = bf16(dA g s);
+ *          GELU, dH[r, n] = bf16(dA gelu'(g)); and dwp[r, n / 256] = the row's <G, h> over
+ *          the 256 columns of n's tile (fp32, a fixed order), which the layer sums over a
+ *          row's tiles in ascending order. Padding rows of a block get dH = 0 (and no dwp).
+ *          Tile walk of GEMM0 (l0_order too), tiles of 256 G columns.
+ *   dX:    dx[rows, c] = dH[rows] W1[e], c in [0, H), K = w1_rows; GEMM1's walk, chunks,
+ *          chunk_done and push (never the tail split).
+ * GEMM0 launched with a gu buffer (comet_gemm0_train_launch) also stores the pre-activation
+ * (the training forward's saved state, the backward's recompute); its h keeps the same bits.
  * Rounding points of include/comet.h: fp32 accumulation; activation in fp32
  * (comet_gelu_fast of src/core/numerics.h, within 1e-6 of the exact GELU for
  * g >= -2; SiLU with the SFU's ex2 and rcp, within ~2^-22 of comet_silu), h
  * and o stored bf16 (RNE).
- * Padding rows of a block (num_rows < tile_m) are never written.
+ * Padding rows of a block (num_rows < tile_m) are never written (G's dH excepted: zeros).
+ * G's activation backward is in fp32 with the SFU's sigmoid (ex2, rcp: ~2^-22 relative to
+ * comet_silu_gated_backward's expf and divide) and gelu' from comet_gelu_fast (a few 1e-6),
+ * so dH differs from comet_cpu_backward_row's by a bf16 rounding flip at most, rarely, besides
+ * G's summation order.
  *
  * What it is not: a general GEMM (only the two MoE shapes above), nor the
  * layer's kernel chain (layer_chain.cu uses the hooks below), nor a fallback: shapes that
@@ -72,6 +90,25 @@ typedef struct {
     comet_gemm_knobs_t knobs;  /* cluster, narrow, group, split (src/core/options.h) */
 } comet_gemm_args_t;
 
+/* The buffers of the training launches (comet_gemm0_train_launch, comet_gemm_g_launch,
+ * comet_gemm_dx_launch), given at each launch since a micro-batch's saved state lives in the
+ * caller's memory (their tensor maps are encoded on the host at the launch: no GPU call, fine
+ * inside a stream capture). Device pointers, 16-byte aligned; NULL where a launch does not use
+ * one (a launch missing one it needs returns cudaErrorInvalidValue). Rows are plan rows. */
+typedef struct {
+    comet_bf16_t *gu;       /* (max_rows_padded, w1_rows) pre-activation, [g|u] gated (gate at column n,
+                             * up at F_local + n), g GELU: GEMM0 stores it, G reads it */
+    const comet_bf16_t *h;  /* G: the forward's h (max_rows_padded, F_local); NULL: args.h */
+    const comet_bf16_t *dy; /* G's A: (max_rows_padded, H), dy's gathered rows */
+    comet_bf16_t *dh;       /* G's output and dX's A: (max_rows_padded, w1_rows), [dg|du] gated, dg GELU */
+    float *dwp;             /* G: (max_rows_padded, comet_gemm_dwp_tiles(&d)) fp32 partials of <G, h> */
+    comet_bf16_t *dx;       /* dX's output (max_rows_padded, H); with hooks.push also into args.push as
+                             * GEMM1's o rows */
+    uint32_t *sched;        /* device, 4 words zeroed once and the same at every launch (G's and dX's tile
+                             * counters, each launch leaves them 0), or NULL: g's own, which prepare
+                             * allocated when args.sched was NULL (else the launch refuses) */
+} comet_gemm_train_t;
+
 /* Optional hooks of one launch; a zeroed struct (or NULL) means none. */
 typedef struct {
     /* block_ready != NULL: before the first load of a tile of row block b (the
@@ -83,14 +120,14 @@ typedef struct {
      * (No printf in the kernel: any call makes ptxas serialise the wgmmas.) */
     const uint64_t *block_ready;
     const uint64_t *epoch;
-    /* GEMM0: walk the row blocks in the plan's l0_order (local rows first,
+    /* GEMM0 and G: walk the row blocks in the plan's l0_order (local rows first,
      * for a launch that waits on block_ready while they arrive) instead of
      * expert order. Expert order reads each expert's W1 about once: the stages of
      * l0_order split every expert's blocks, so its W1 tiles come from DRAM
      * again (Mixtral EP2, 4096 tokens a rank, H200: 3.85 -> 2.54 GB of DRAM
      * reads, +3.4% sustained, dev/NOTES.md). */
     int l0_order;
-    /* chunk_done != NULL (GEMM1): after a 128 x 256 tile of chunk c is stored
+    /* chunk_done != NULL (GEMM1, dX): after a 128 x 256 tile of chunk c is stored
      * and its TMA stores completed, red.release.gpu.add(chunk_done[c], 1): per
      * call chunk c gains num_blocks * ceil(width_c / 256). The forward's
      * chain uses no chunks (test_gemm_gpu checks the hook); it is there for a
@@ -105,9 +142,9 @@ typedef struct {
                                 * (griddepcontrol), on the SMs it leaves free; its results must come
                                 * through block_ready (the GEMM waits for it, griddepcontrol.wait,
                                 * only before exiting, so its completion implies the primary's) */
-    int push;                  /* GEMM1: also store each o row into args.push[its home rank] (generic
+    int push;                  /* GEMM1 and dX: also store each o row into args.push[its home rank] (generic
                                 * 16-byte stores from the epilogue's staging buffer; over NVLink for peers) */
-    int chunk_cols;            /* GEMM1 column-chunk width, multiple of 256; 0 = H (one chunk) */
+    int chunk_cols;            /* GEMM1 and dX column-chunk width, multiple of 256; 0 = H (one chunk) */
     uint64_t timeout_ns;
     /* 8 words of host-mapped memory (cudaHostAlloc(..., cudaHostAllocMapped),
      * device pointer here), zeroed by the caller; filled on a timeout and
@@ -123,6 +160,11 @@ typedef struct comet_gemm comet_gemm_t; /* prepared tensor maps + pointers (host
  * E_local * rows of the stacked weights below 2^31; fewer than 2^29 tiles
  * (max_rows_padded / 128 x max(H, F_local) / 128). Needs no GPU. */
 const char *comet_gemm_check(const comet_dims_t *d);
+
+/* Columns of G a dwp partial covers, and the partials a row has (ceil(F_local / 256)): row r's
+ * tile i at dwp[r * comet_gemm_dwp_tiles(d) + i]. */
+#define COMET_GEMM_DWP_COLS 256
+int64_t comet_gemm_dwp_tiles(const comet_dims_t *d);
 
 /* Bytes of comet_gemm_args_t.split for dims d and knobs.split_min: 0 when
  * GEMM1 never splits (K too short for two pieces, or split_min 0), else 16
@@ -169,6 +211,18 @@ int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hoo
  * kernel spins on a flag can deadlock). Returns a cudaError_t as int. */
 int comet_gemm_warm(void);
 int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
+/* GEMM0 that also stores the pre-activation into t->gu (h into args.h, the same bits as
+ * comet_gemm0_launch's); GEMM0's tile counters and hooks. */
+int comet_gemm0_train_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                             const comet_gemm_hooks_t *hooks);
+/* The backward's G (t: dy, gu, h, dh, dwp) and dX (t: dh, dx), as above; hooks as GEMM0's (G:
+ * block_ready, epoch, l0_order, skip, num_ctas, pdl, timeout) and GEMM1's (dX: the same but
+ * l0_order, plus chunk_done, push, chunk_cols). Their own tile counters (t->sched): G and dX
+ * may run beside GEMM0 and GEMM1 of the same g, not beside another G or dX. */
+int comet_gemm_g_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                        const comet_gemm_hooks_t *hooks);
+int comet_gemm_dx_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                         const comet_gemm_hooks_t *hooks);
 
 #ifdef __cplusplus
 }
