@@ -37,7 +37,8 @@ typedef struct {
     comet_cuda_state_t *state; /* the device state (cuda_layer.h) */
     comet_bf16_t *a;           /* (max_rows_padded, H) gathered token rows */
     comet_bf16_t *h;           /* (max_rows_padded, F_local) activations */
-    char *scratch;             /* 256 B zeroed: the barrier's float at 0, the GEMM's tile counters at word 16;
+    char *scratch;             /* 256 B zeroed: the barrier's float at 0, the GEMM's tile counters at word 16,
+                                * the training launches' (G, dX) at word 24;
                                 * then GEMM1's tail split workspace (gemm.h), if any */
     uint64_t *block_ready;     /* [max_blocks], then block_rows [max_blocks] uint32 (overlapped dispatch) */
     int32_t *routes;           /* every rank's routing copied here: W x (max_T, topk) int32, then fp32 */
@@ -424,6 +425,7 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
     c->state = L->buf.state;
     c->a = L->buf.a, c->h = L->buf.h;
     L->gemm_split = bytes[3] > 256 ? L->buf.scratch + 256 : NULL;
+    c->train_sched = (uint32_t *)L->buf.scratch + 24;
     c->block_ready = L->buf.block_ready;
     c->block_rows = (uint32_t *)(c->block_ready + d->max_blocks);
     c->plan_scratch = L->buf.plan_scratch;
@@ -520,6 +522,34 @@ static void cuda_layer_destroy(comet_layer_t *l) {
     l->backend_state = NULL;
 }
 
+/* The Hopper GEMM for the call's weights (c->w1, c->w2), or NULL: the SIMT
+ * tiles run (not sm_90, shapes it does not take, or its prepare failed).
+ * Tensor maps name the weights: made again (host only, no sync) when they
+ * move. */
+static void *prepare_gemm(comet_layer_t *l, cuda_layer_t *L, const comet_cuda_ctx_t *c) {
+    if (L->base.gemm != COMET_GEMM_HOPPER) return NULL;
+    if (!L->gemm || L->gemm_w1 != c->w1 || L->gemm_w2 != c->w2) {
+        /* the tile counters live in the layer's scratch, so preparing makes no
+         * CUDA call on a stream (a forward may be captured in a graph) */
+        comet_gemm_args_t ga = {l->dims, c->plan_ws, c->a, c->w1, c->h, c->w2, c->o, {NULL},
+                                (uint32_t *)L->buf.scratch + 16, L->gemm_split, l->knobs.gemm};
+        for (int q = 0; L->base.combine == COMET_COMBINE_PUSH && q < l->dims.world_size; q++) /* rank q's receive buffer */
+            if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c->peers[q] + c->lay.recv);
+        char err[256];
+        comet_gemm_destroy(L->gemm);
+        L->gemm = NULL;
+        /* on failure the SIMT tiles run: returning here would strand the peers; the reason
+         * is kept for comet_layer_sync's report */
+        L->gemm_error[0] = 0;
+        if (comet_gemm_prepare(&ga, &L->gemm, err, sizeof err) != 0) {
+            L->gemm = NULL;
+            snprintf(L->gemm_error, sizeof L->gemm_error, "%s", err);
+        }
+        L->gemm_w1 = c->w1, L->gemm_w2 = c->w2;
+    }
+    return L->gemm;
+}
+
 /* The training buffers (cuda_layer.h: dh, dwp), made by the first call
  * that needs them. */
 static comet_status_t ensure_training(comet_layer_t *l, cuda_layer_t *L) {
@@ -567,29 +597,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
      * peers learn of the failure instead of waiting for it. */
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
     comet_protocol_t proto = L->base;
-    if (own == COMET_SUCCESS && L->base.gemm == COMET_GEMM_HOPPER) {
-        /* tensor maps name the weights: made again (host only, no sync) when they move */
-        if (!L->gemm || L->gemm_w1 != c.w1 || L->gemm_w2 != c.w2) {
-            /* the tile counters live in the layer's scratch, so preparing makes no
-             * CUDA call on a stream (a forward may be captured in a graph) */
-            comet_gemm_args_t ga = {l->dims, c.plan_ws, c.a, c.w1, c.h, c.w2, c.o, {NULL}, (uint32_t *)L->buf.scratch + 16,
-                                    L->gemm_split, l->knobs.gemm};
-            for (int q = 0; L->base.combine == COMET_COMBINE_PUSH && q < l->dims.world_size; q++) /* rank q's receive buffer */
-                if (q != l->rank) ga.push[q] = (comet_bf16_t *)(c.peers[q] + c.lay.recv);
-            char err[256];
-            comet_gemm_destroy(L->gemm);
-            L->gemm = NULL;
-            /* on failure the SIMT tiles run: returning here would strand the peers; the reason
-             * is kept for comet_layer_sync's report */
-            L->gemm_error[0] = 0;
-            if (comet_gemm_prepare(&ga, &L->gemm, err, sizeof err) != 0) {
-                L->gemm = NULL;
-                snprintf(L->gemm_error, sizeof L->gemm_error, "%s", err);
-            }
-            L->gemm_w1 = c.w1, L->gemm_w2 = c.w2;
-        }
-        c.gemm = L->gemm;
-    }
+    if (own == COMET_SUCCESS) c.gemm = prepare_gemm(l, L, &c);
     /* without the Hopper GEMM (or where its prepare failed: returning would strand the peers) the
      * SIMT tiles run, and they pull */
     if (!c.gemm) proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
@@ -623,8 +631,8 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
     return COMET_SUCCESS;
 }
 
-/* The backward: the sequential chain on the SIMT tiles (layer_chain.cu's
- * backward_chain), the pull combine; launched directly, never replayed. */
+/* The backward: the sequential chain (layer_chain.cu's backward_chain) with
+ * the forward's GEMM kind and combine; launched directly, never replayed. */
 static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward_args_t *args) {
     cuda_layer_t *L = l->backend_state;
     int64_t t = 0;
@@ -657,10 +665,11 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
     }
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
     comet_protocol_t proto = L->base;
+    c.gemm = own == COMET_SUCCESS ? prepare_gemm(l, L, &c) : NULL;
+    if (!c.gemm) proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
     proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0, proto.chunk_cols = 0;
-    proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
     proto.chosen_by = own == COMET_SUCCESS && args->n_comm != 0 ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
-    c.gemm = NULL, c.n_comm = 0, c.push = 0, c.disable = 0;
+    c.n_comm = 0, c.push = proto.combine == COMET_COMBINE_PUSH, c.disable = 0;
     c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0; /* the trace records forwards */
     c.protocol = comet_cuda_protocol_word(&proto, 1);
     const int e = comet_cuda_backward_launch(&c, &call, stream);

@@ -143,8 +143,10 @@ typedef struct {
                                     * gathered dy rows, then bf16(w dy), then the dX rows */
     /* training (allocated by the first call that needs them, else NULL) */
     comet_bf16_t *dh;              /* (max_rows_padded, w1_rows): gu where GEMM0 stores it, then dH */
-    float *dwp;                    /* (max_rows_padded, ceil(F_local / 64)): <G, a> per row and column tile */
+    float *dwp;                    /* (max_rows_padded, ceil(F_local / 64)): <G, a> per row and column tile
+                                    * (64 columns a tile on the SIMT tiles, 256 on the Hopper GEMM) */
     int store_gu;                  /* GEMM0 also stores gu (bf16) into dh */
+    uint32_t *train_sched;         /* device, 4 words zeroed at create: the Hopper G's and dX's tile counters */
     /* this call's protocol and weights (its tensors: comet_cuda_call_t) */
     const comet_bf16_t *w1;        /* (E_local, w1_rows, H) */
     const comet_bf16_t *w2;        /* (E_local, H, F_local) */

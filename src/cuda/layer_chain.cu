@@ -76,18 +76,24 @@ extern "C" int comet_cuda_layer_warm(void) {
 
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
  * programmatically dependent on the kernel before it, hooks->pdl, must follow
- * that kernel directly: its begin mark goes before that kernel instead). */
+ * that kernel directly: its begin mark goes before that kernel instead).
+ * GEMM0 of a training call (c->store_gu) also stores gu into c->dh. */
 static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
     if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0, -1);
-    const int ge = which ? comet_gemm1_launch((const comet_gemm_t *)c->gemm, stream, hooks)
-                         : comet_gemm0_launch((const comet_gemm_t *)c->gemm, stream, hooks);
+    const comet_gemm_t *g = (const comet_gemm_t *)c->gemm;
+    comet_gemm_train_t t;
+    memset(&t, 0, sizeof t);
+    t.gu = c->dh, t.sched = c->train_sched;
+    const int ge = which        ? comet_gemm1_launch(g, stream, hooks)
+                   : c->store_gu ? comet_gemm0_train_launch(g, &t, stream, hooks)
+                                 : comet_gemm0_launch(g, stream, hooks);
     if (ge != cudaSuccess) return ge;
     if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1, -1);
     return cudaSuccess;
 }
 
 static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
-static int backward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream);
+static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, cudaStream_t stream);
 
 /* The sequential SIMT GEMM0 (h, and gu where c.store_gu asks for it). */
 static void simt_gemm0(const comet_cuda_ctx_t *c, cudaStream_t stream) {
@@ -110,9 +116,7 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
     k_plan<<<1, 32, 0, stream>>>(c);
     const int e = forward_chain(&c, stream);
     if (e != cudaSuccess) return e;
-    if (c.store_gu) { /* training: gu and h into the caller's saved state */
-        /* the Hopper GEMM0 stores no gu: the SIMT GEMM0 gives both (as the backward's recompute does) */
-        if (c.gemm) simt_gemm0(&c, stream);
+    if (c.store_gu) { /* training: gu (GEMM0 stored it in dh) and h into the caller's saved state */
         k_save<<<grid, 256, 0, stream>>>(c);
         k_save_header<<<1, 1, 0, stream>>>(c);
     }
@@ -129,7 +133,7 @@ extern "C" int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const com
     k_enter<<<1, 1, 0, stream>>>(c, *call);
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
-    const int e = backward_chain(&c, stream);
+    const int e = backward_chain(&c, call, stream);
     if (e != cudaSuccess) return e;
     k_exit<<<1, 1, 0, stream>>>(c);
     return (int)cudaGetLastError();
@@ -225,12 +229,16 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     return (int)cudaGetLastError();
 }
 
-/* The backward's data steps (cuda_layer.h; comet.h's steps in brackets), the
- * sequential chain on the SIMT tiles: x and dy rows pulled (dy into o);
- * gu and h recomputed unless saved [1]; G, dH and the rows' <G, a> [2, 4];
- * <G, a> per row into dwr [3]; bf16(w dy) in o; dW2 [7]; dX into o [5];
- * signal and combine with weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. */
-static int backward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
+/* The backward's data steps (cuda_layer.h; comet.h's steps in brackets),
+ * the sequential chain: x and dy rows pulled (dy into o); gu and h
+ * recomputed unless saved [1]; G, dH and the rows' <G, a> per column tile
+ * [2, 4]; <G, a> per row into dwr [3]; bf16(w dy) in o; dW2 [7]; dX into o
+ * (with push also into its home rank's recv) [5]; signal and combine with
+ * weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. G, dX and the recompute run
+ * on the Hopper GEMM where the forward's does (c.gemm), else on the SIMT
+ * tiles; dH is written over the recomputed gu (each element read, then
+ * written, by the one tile that owns it). */
+static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, cudaStream_t stream) {
     const comet_cuda_ctx_t c = *ctx;
     const comet_dims_t *d = &c.d;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
@@ -238,15 +246,41 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     const int pe = plan_steps(&c, stream);
     if (pe != cudaSuccess) return pe;
     k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
-    if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
-    k_bwd_g<<<dim3((unsigned)bwd_g_tiles(d), blocks_y), 256, 0, stream>>>(c);
-    k_dw_rows<<<grid, 256, 0, stream>>>(c);
-    k_scale_dy<<<grid, 256, 0, stream>>>(c);
     const unsigned el = (unsigned)d->experts_local;
     const unsigned th = (unsigned)((d->hidden + TILE - 1) / TILE), tf = (unsigned)((d->ffn_local + TILE - 1) / TILE);
     const unsigned t1 = (unsigned)((d->w1_rows + TILE - 1) / TILE);
-    k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
-    k_bwd_dx<<<dim3(th, blocks_y), 256, 0, stream>>>(c);
+    int64_t dwp_tiles = bwd_g_tiles(d);
+    if (c.gemm) {
+        const comet_gemm_t *g = (const comet_gemm_t *)c.gemm;
+        comet_gemm_hooks_t hooks;
+        memset(&hooks, 0, sizeof hooks);
+        hooks.skip = &c.state->skip;
+        hooks.num_ctas = c.num_sms;
+        comet_gemm_train_t t;
+        memset(&t, 0, sizeof t);
+        t.sched = c.train_sched;
+        const int saved = call->save == COMET_SAVE_ACTIVATIONS;
+        t.gu = saved ? (comet_bf16_t *)(call->saved + comet_saved_gu_offset(d)) : c.dh;
+        t.h = saved ? (const comet_bf16_t *)(call->saved + comet_saved_h_offset(d)) : NULL; /* NULL: c.h */
+        t.dy = c.o, t.dh = c.dh, t.dwp = c.dwp, t.dx = c.o;
+        int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
+        if (ge == cudaSuccess) ge = comet_gemm_g_launch(g, &t, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+        dwp_tiles = comet_gemm_dwp_tiles(d);
+        k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
+        k_scale_dy<<<grid, 256, 0, stream>>>(c);
+        k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
+        hooks.push = c.push;
+        ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
+        if (ge != cudaSuccess) return ge;
+    } else {
+        if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
+        k_bwd_g<<<dim3((unsigned)dwp_tiles, blocks_y), 256, 0, stream>>>(c);
+        k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
+        k_scale_dy<<<grid, 256, 0, stream>>>(c);
+        k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
+        k_bwd_dx<<<dim3(th, blocks_y), 256, 0, stream>>>(c);
+    }
     if (final_flat(&c))
         k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
     else

@@ -78,13 +78,14 @@ __global__ void k_bwd_g(comet_cuda_ctx_t c) {
     }
 }
 
-/* Each valid row's <G, a>: its tiles' partials summed in ascending order
- * from 0, into my dwr (read by the token's home rank). */
-__global__ void k_dw_rows(comet_cuda_ctx_t c) {
+/* Each valid row's <G, a>: its nt tiles' partials (k_bwd_g's, or the Hopper
+ * G's) summed in ascending order from 0, into my dwr (read by the token's
+ * home rank). */
+__global__ void k_dw_rows(comet_cuda_ctx_t c, int64_t nt) {
     if (c.state->skip) return;
     comet_plan_t p;
     comet_plan_carve(&c.d, c.plan_ws, &p);
-    const int64_t nt = bwd_g_tiles(&c.d), n = p.totals->num_rows_padded;
+    const int64_t n = p.totals->num_rows_padded;
     float *dwr = (float *)(c.sym + c.lay.dwr);
     for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += (int64_t)gridDim.x * blockDim.x) {
         if (p.rows[r].src_rank < 0) continue;
