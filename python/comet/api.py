@@ -306,7 +306,7 @@ def get_unique_id() -> bytes:
     rank of a world spread over processes (World.from_unique_id). CUDA builds."""
     uid = _capi.comet_unique_id_t()
     check(_capi.comet_get_unique_id(ctypes.byref(uid)), "comet_get_unique_id")
-    return bytes(uid.bytes)
+    return ctypes.string_at(ctypes.addressof(uid), _capi.COMET_UNIQUE_ID_BYTES)  # all 128, NULs included
 
 
 # ---------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class World:
             raise ValueError("unique_id has %d bytes, expected %d (comet.get_unique_id)"
                              % (len(unique_id), _capi.COMET_UNIQUE_ID_BYTES))
         uid = _capi.comet_unique_id_t()
-        ctypes.memmove(uid.bytes, bytes(unique_id), _capi.COMET_UNIQUE_ID_BYTES)
+        ctypes.memmove(ctypes.addressof(uid), bytes(unique_id), _capi.COMET_UNIQUE_ID_BYTES)
         opts = _options(timeout_ms, cpu_workers, tune_file, graph_replay)
         handle = ctypes.c_void_p()
         check(_capi.comet_world_create_nccl_opts(ctypes.byref(handle), int(rank), int(world_size), ctypes.byref(uid),
