@@ -4,11 +4,11 @@
  *   matrix:  random problems over W in {1,2,4,8}, every (TP, EP), topk 1..8,
  *            E 1..512 (small H and F), tokens per rank 0..max (1 and T
  *            different per rank included), uniform and skewed routing, empty
- *            experts, n_comm 0 (the tuner's) and 1..16, chunk widths from a
- *            tuner table (or the rule's), 1..3 compute workers, both
- *            activations, dw1/dw2 bf16, fp32 and accumulated. Per problem:
- *            a training forward (y bitwise the reference's, the saved
- *            state's header), then backwards from the saved state, by
+ *            experts, n_comm 0 and COMET_SEQUENTIAL (the tuner's) and 1..16,
+ *            chunk widths from a tuner table (or the rule's), 1..3 compute
+ *            workers, both activations, dw1/dw2 bf16, fp32 and accumulated.
+ *            Per problem: a training forward (y bitwise the reference's, the
+ *            saved state's header), then backwards from the saved state, by
  *            recomputing (COMET_SAVE_RECOMPUTE, COMET_SAVE_NONE) and from the
  *            saved state again, each with every output poisoned before and
  *            bitwise equal to the reference's after (so also run to run);
@@ -301,7 +301,7 @@ static int run_matrix_case(const mcase_t *c) {
         for (int k = 0; k < CALLS; k++)
             CHECK(j->bad[k] == 0, "%s: rank %d, backward %d (save %d): %lld elements differ from the reference", tag, r,
                   k, call_save[k], (long long)j->bad[k]);
-        const int want_n = c->n_comm ? c->n_comm : c->chunk ? c->table_n_comm : j->proto.n_comm;
+        const int want_n = c->n_comm > 0 ? c->n_comm : c->chunk ? c->table_n_comm : j->proto.n_comm;
         CHECK(j->proto.n_comm == want_n && j->proto.n_comm >= 1 && (!c->chunk || j->proto.chunk_cols == c->chunk) &&
                   j->proto.mode == COMET_MODE_OVERLAPPED && j->proto.combine == COMET_COMBINE_PARTIALS,
               "%s: rank %d's protocol: n_comm %d chunk %d mode %d combine %d", tag, r, j->proto.n_comm,
@@ -315,7 +315,7 @@ static void test_matrix(void) {
     comet_rng_t rng = {4242};
     const int worlds[] = {1, 2, 4, 8};
     const int64_t experts[] = {1, 2, 4, 8, 16, 64, 512};
-    const int n_comms[] = {0, 1, 2, 3, 7, 16};
+    const int n_comms[] = {0, COMET_SEQUENTIAL, 1, 2, 3, 7, 16};
     int cases = 0;
     for (int wi = 0; wi < 4; wi++) {
         const int w = worlds[wi];
@@ -347,7 +347,7 @@ static void test_matrix(void) {
                 if (cfg.num_experts - c.ro.zero_experts < cfg.topk) c.ro.zero_experts = 0;
                 c.ro.seed = (uint64_t)(1000 * w + 100 * tp + rep);
                 c.mode = (rep + tp) % 3;
-                c.n_comm = n_comms[comet_rng_next(&rng) % 6];
+                c.n_comm = n_comms[comet_rng_next(&rng) % 7];
                 c.chunk = rep % 3 ? 1 + (int)(comet_rng_next(&rng) % (uint64_t)cfg.hidden) : 0;
                 c.table_n_comm = 1 + (int)(comet_rng_next(&rng) % 4);
                 c.workers = 1 + (int)(comet_rng_next(&rng) % 3);
