@@ -37,13 +37,7 @@ static comet_status_t transpose_weights(const comet_dims_t *d, const comet_backw
         t->w1t = t->w2t = NULL;
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "reference backward: no memory for the weights' transposes");
     }
-    const comet_bf16_t *w1 = a->w1.data, *w2 = a->w2.data;
-    for (int64_t e = 0; e < el; e++) {
-        for (int64_t n = 0; n < r1; n++)
-            for (int64_t c = 0; c < hd; c++) t->w1t[(e * hd + c) * r1 + n] = w1[(e * r1 + n) * hd + c];
-        for (int64_t c = 0; c < hd; c++)
-            for (int64_t n = 0; n < fl; n++) t->w2t[(e * fl + n) * hd + c] = w2[(e * hd + c) * fl + n];
-    }
+    comet_cpu_transpose_weights(d, a->w1.data, a->w2.data, t->w1t, t->w2t);
     return COMET_SUCCESS;
 }
 
@@ -51,7 +45,8 @@ typedef struct {
     comet_dims_t *dims;   /* [W] */
     int64_t *tokens;      /* [W] */
     transposed_t *wt;     /* [W] */
-    comet_bf16_t *a, *dh; /* (F_local), (w1_rows): one row's */
+    comet_bf16_t *gu, *dh; /* (w1_rows): one row's */
+    comet_bf16_t *a;       /* (F_local): one row's */
     comet_bf16_t *dxr;    /* (H): one row's dX */
     float *acc, *partial; /* (H) */
     float *dtw;           /* (topk) */
@@ -60,8 +55,16 @@ typedef struct {
 
 static void state_free(state_t *s, int w) {
     for (int q = 0; s->wt && q < w; q++) free(s->wt[q].w1t), free(s->wt[q].w2t);
-    free(s->dims), free(s->tokens), free(s->wt), free(s->a), free(s->dh), free(s->dxr);
+    free(s->dims), free(s->tokens), free(s->wt), free(s->gu), free(s->a), free(s->dh), free(s->dxr);
     free(s->acc), free(s->partial), free(s->dtw), free(s->dw1), free(s->dw2);
+}
+
+/* Steps 1, 2 and 4 of one row: gu, a and dH into the state; returns the
+ * slice's <G, a>. */
+static float row_backward(const comet_dims_t *dq, state_t *st, const comet_bf16_t *x, const comet_bf16_t *dy, float w,
+                          const comet_bf16_t *w1_e, const comet_bf16_t *w2t_e) {
+    comet_cpu_gemm0_gu_row(dq, x, w1_e, 0, dq->ffn_local, st->a, st->gu);
+    return comet_cpu_backward_row(dq, st->gu, st->a, dy, w, w2t_e, st->dh);
 }
 
 /* Pass 1: dx and d_topk_w of token t of home rank s. */
@@ -85,8 +88,8 @@ static void token_backward(const comet_backward_args_t *args, int w, state_t *st
             const comet_bf16_t *w1_e = (const comet_bf16_t *)args[q].w1.data + (e % el) * dq->w1_rows * hd;
             const comet_bf16_t *w2t_e = st->wt[q].w2t + (e % el) * dq->ffn_local * hd;
             const comet_bf16_t *w1t_e = st->wt[q].w1t + (e % el) * hd * dq->w1_rows;
-            st->dtw[j] += comet_cpu_backward_row(dq, x, dy, wt[j], w1_e, w2t_e, st->a, st->dh);
-            comet_cpu_dgrad_row(dq, st->dh, w1t_e, st->dxr);
+            st->dtw[j] += row_backward(dq, st, x, dy, wt[j], w1_e, w2t_e);
+            comet_cpu_dgrad_row(dq, st->dh, w1t_e, 0, hd, st->dxr);
             comet_cpu_topk_accumulate(st->partial, 1.0f, st->dxr, 0, hd);
         }
         if (contributes)
@@ -96,17 +99,6 @@ static void token_backward(const comet_backward_args_t *args, int w, state_t *st
     for (int64_t c = 0; c < hd; c++) dx[c] = comet_f32_to_bf16(st->acc[c]);
     float *dtw = (float *)args[s].d_topk_w.data + t * topk;
     for (int64_t j = 0; j < topk; j++) dtw[j] = st->dtw[j];
-}
-
-/* out (n) from the fp32 sums: rounded once to its dtype, or added to it. */
-static void store_grad(const comet_tensor_t *out, int64_t offset, const float *sum, int64_t n, int accumulate) {
-    if (out->dtype == COMET_DTYPE_BF16) {
-        comet_bf16_t *o = (comet_bf16_t *)out->data + offset;
-        for (int64_t i = 0; i < n; i++) o[i] = comet_f32_to_bf16(sum[i]);
-        return;
-    }
-    float *o = (float *)out->data + offset;
-    for (int64_t i = 0; i < n; i++) o[i] = accumulate ? o[i] + sum[i] : sum[i];
 }
 
 /* Pass 2: dW1 and dW2 of rank q's local expert el_e. */
@@ -127,12 +119,12 @@ static void expert_backward(const comet_backward_args_t *args, int w, state_t *s
                 if (idx[t * topk + j] != e) continue;
                 const comet_bf16_t *x = (const comet_bf16_t *)args[s].x.data + t * hd;
                 const comet_bf16_t *dy = (const comet_bf16_t *)args[s].dy.data + t * hd;
-                comet_cpu_backward_row(dq, x, dy, wt[t * topk + j], w1_e, w2t_e, st->a, st->dh);
+                row_backward(dq, st, x, dy, wt[t * topk + j], w1_e, w2t_e);
                 comet_cpu_wgrad_row(dq, x, dy, wt[t * topk + j], st->a, st->dh, st->dw1, st->dw2);
             }
     }
-    store_grad(&args[q].dw1, el_e * r1 * hd, st->dw1, r1 * hd, args[q].accumulate);
-    store_grad(&args[q].dw2, el_e * hd * fl, st->dw2, hd * fl, args[q].accumulate);
+    comet_cpu_store_grad(&args[q].dw1, el_e * r1 * hd, st->dw1, r1 * hd, args[q].accumulate);
+    comet_cpu_store_grad(&args[q].dw2, el_e * hd * fl, st->dw2, hd * fl, args[q].accumulate);
 }
 
 comet_status_t comet_reference_backward(const comet_layer_config_t *cfg, int world_size,
@@ -163,6 +155,7 @@ comet_status_t comet_reference_backward(const comet_layer_config_t *cfg, int wor
     }
     const comet_dims_t *d0 = &st.dims[0];
     const int64_t hd = d0->hidden, fl = d0->ffn_local, r1 = d0->w1_rows;
+    st.gu = malloc(sizeof(comet_bf16_t) * (size_t)r1);
     st.a = malloc(sizeof(comet_bf16_t) * (size_t)fl);
     st.dh = malloc(sizeof(comet_bf16_t) * (size_t)r1);
     st.dxr = malloc(sizeof(comet_bf16_t) * (size_t)hd);
@@ -171,7 +164,7 @@ comet_status_t comet_reference_backward(const comet_layer_config_t *cfg, int wor
     st.dtw = malloc(sizeof(float) * (size_t)d0->topk);
     st.dw1 = malloc(sizeof(float) * (size_t)(r1 * hd));
     st.dw2 = malloc(sizeof(float) * (size_t)(hd * fl));
-    comet_status_t e = st.a && st.dh && st.dxr && st.acc && st.partial && st.dtw && st.dw1 && st.dw2
+    comet_status_t e = st.gu && st.a && st.dh && st.dxr && st.acc && st.partial && st.dtw && st.dw1 && st.dw2
                            ? COMET_SUCCESS
                            : comet_fail(COMET_ERR_OUT_OF_MEMORY, "reference backward: no memory");
     for (int q = 0; e == COMET_SUCCESS && q < world_size; q++) e = transpose_weights(&st.dims[q], &args[q], &st.wt[q]);

@@ -1,0 +1,161 @@
+/*
+ * engine_backward.c - the CPU engine's backward (include/comet.h,
+ * "Backward") on the forward's protocol (engine.c, steps 1-7): dy staged
+ * beside x, the plan built again from the routing (the forward's plan), x
+ * and dy rows pulled block by block as the forward's layer 0 pulls x. Per
+ * block, whole rows (layer 0): gu and a (the saved state, or GEMM0 again on
+ * the gathered row), G = dy W2_e, the activation's backward dH and <G, a>.
+ * Layer 1, chunk by chunk: dX = dH W1_e, combined home as the forward's
+ * partials with weights 1 (points 5, 6); with chunk 0 each row's <G, a>
+ * goes home, which sums the TP ranks' parts in ascending tp (point 3). Then
+ * each compute worker's weight-gradient tiles, beside the combine: one
+ * output row of dW1 or dW2 each, the expert's rows summed in the plan's row
+ * order (point 7), rounded once or added. Every step is cpu_math.h's, as in
+ * reference_backward.c, so the outputs are bitwise the reference's whatever
+ * the save mode, n_comm or chunk width.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "../core/saved.h"
+#include "../core/status.h"
+#include "../core/validate.h"
+#include "../tuner/tuner.h"
+#include "cpu_math.h"
+#include "engine.h"
+
+/* The backward's buffers, taken at its first call and kept for later ones
+ * (one that could not be taken is tried again at the next call). */
+static comet_status_t take_buffers(comet_layer_t *l) {
+    cpu_layer_t *L = l->backend_state;
+    cpu_backward_t *B = &L->bw;
+    const comet_dims_t *d = &l->dims;
+    const size_t rows = (size_t)d->max_rows_padded, hd = (size_t)d->hidden, fl = (size_t)d->ffn_local;
+    const size_t r1 = (size_t)d->w1_rows, el = (size_t)d->experts_local, bf = sizeof(comet_bf16_t);
+    const size_t workers = (size_t)l->world->settings.cpu_workers;
+    if (!B->dh) B->dh = cpu_take(L, rows * r1 * bf + 1, 0);
+    if (!B->dxr) B->dxr = cpu_take(L, rows * hd * bf + 1, 0);
+    if (!B->dtw) B->dtw = cpu_take(L, rows * sizeof(float) + 1, 0);
+    if (!B->w1t) B->w1t = cpu_take(L, el * hd * r1 * bf, 0);
+    if (!B->w2t) B->w2t = cpu_take(L, el * fl * hd * bf, 0);
+    if (!B->gu_tmp) B->gu_tmp = cpu_take(L, workers * r1 * bf, 0);
+    if (!B->sum_tmp) B->sum_tmp = cpu_take(L, workers * (hd > fl ? hd : fl) * sizeof(float), 0);
+    if (B->dh && B->dxr && B->dtw && B->w1t && B->w2t && B->gu_tmp && B->sum_tmp) return COMET_SUCCESS;
+    return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the backward's buffers", l->rank);
+}
+
+/* The saved state's header: written by a training forward of this layer
+ * with T tokens on this rank. */
+static comet_status_t check_saved_header(const comet_layer_t *l, const comet_tensor_t *saved, int64_t t) {
+    COMET_TRY(cpu_check_saved_alignment(saved));
+    comet_saved_header_t hdr;
+    memcpy(&hdr, saved->data, sizeof hdr);
+    if (hdr.magic != COMET_SAVED_MAGIC)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "saved: no training forward's state (magic %#llx): run the forward with args.save = "
+                          "COMET_SAVE_ACTIVATIONS into it, or pass args.save = COMET_SAVE_RECOMPUTE",
+                          (unsigned long long)hdr.magic);
+    if (hdr.layer_id != l->id)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "saved: written by another layer (id %llu; this one is %llu)",
+                          (unsigned long long)hdr.layer_id, (unsigned long long)l->id);
+    if (hdr.tokens != t)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "saved: its forward had %lld tokens on rank %d, this backward has %lld",
+                          (long long)hdr.tokens, l->rank, (long long)t);
+    return COMET_SUCCESS;
+}
+
+/* Layer 0, whole rows (the tile is [0, F_local)): steps 1, 2 and 4 and the
+ * row's <G, a>. */
+static void backward_layer0(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t n0, int64_t n1) {
+    cpu_layer_t *L = l->backend_state;
+    const cpu_backward_t *B = &L->bw;
+    const comet_dims_t *d = &l->dims;
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows;
+    const comet_bf16_t *w1_e = L->w1 + (int64_t)blk->expert * r1 * hd;
+    const comet_bf16_t *w2t_e = B->w2t + (int64_t)blk->expert * fl * hd;
+    (void)n0, (void)n1;
+    for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++) {
+        const comet_bf16_t *gu = B->gu ? B->gu + row * r1 : B->gu_tmp + (int64_t)worker * r1;
+        if (!B->gu) /* a into h, where B->act points */
+            comet_cpu_gemm0_gu_row(d, L->a + row * hd, w1_e, 0, fl, L->h + row * fl, B->gu_tmp + (int64_t)worker * r1);
+        B->dtw[row] = comet_cpu_backward_row(d, gu, B->act + row * fl, L->o + row * hd, L->plan.rows[row].weight,
+                                             w2t_e, B->dh + row * r1);
+    }
+}
+
+/* Layer 1: dX's columns [c0, c1) (step 5). */
+static void backward_layer1(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t c0, int64_t c1) {
+    cpu_layer_t *L = l->backend_state;
+    const cpu_backward_t *B = &L->bw;
+    const comet_dims_t *d = &l->dims;
+    const int64_t hd = d->hidden, r1 = d->w1_rows;
+    const comet_bf16_t *w1t_e = B->w1t + (int64_t)blk->expert * hd * r1;
+    (void)worker;
+    for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
+        comet_cpu_dgrad_row(d, B->dh + row * r1, w1t_e, c0, c1, B->dxr + row * hd);
+}
+
+/* The weight gradients (step 7), after layer 1's tiles: task i of a local
+ * expert's w1_rows + H is row i of its dW1, then row i - w1_rows of its
+ * dW2, each summed over the expert's rows in plan order, then stored. */
+static void backward_wgrad(comet_layer_t *l, int worker) {
+    cpu_layer_t *L = l->backend_state;
+    const cpu_backward_t *B = &L->bw;
+    const comet_backward_args_t *a = B->args;
+    const comet_dims_t *d = &l->dims;
+    const comet_plan_t *p = &L->plan;
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, per = r1 + hd;
+    float *sum = B->sum_tmp + (int64_t)worker * (hd > fl ? hd : fl);
+    for (int64_t i = worker; i < d->experts_local * per; i += L->n_compute) {
+        const int64_t e = i / per, k = i % per;
+        const int64_t r0 = p->expert_start[e], r_end = r0 + p->expert_count[e];
+        if (k < r1) { /* dW1_e[k, :] = sum dH_r[k] x_r */
+            memset(sum, 0, sizeof(float) * (size_t)hd);
+            for (int64_t r = r0; r < r_end; r++)
+                comet_cpu_wgrad_add(sum, comet_bf16_to_f32(B->dh[r * r1 + k]), L->a + r * hd, hd);
+            comet_cpu_store_grad(&a->dw1, (e * r1 + k) * hd, sum, hd, a->accumulate);
+        } else { /* dW2_e[c, :] = sum bf16(w_r dy_r[c]) a_r */
+            const int64_t c = k - r1;
+            memset(sum, 0, sizeof(float) * (size_t)fl);
+            for (int64_t r = r0; r < r_end; r++)
+                comet_cpu_wgrad_add(sum, comet_cpu_wgrad_scale(p->rows[r].weight, L->o[r * hd + c]), B->act + r * fl,
+                                    fl);
+            comet_cpu_store_grad(&a->dw2, (e * hd + c) * fl, sum, fl, a->accumulate);
+        }
+    }
+}
+
+comet_status_t cpu_layer_backward(comet_layer_t *l, const comet_backward_args_t *args) {
+    cpu_layer_t *L = l->backend_state;
+    cpu_backward_t *B = &L->bw;
+    const comet_dims_t *d = &l->dims;
+    int64_t t = 0;
+    comet_status_t own = comet_check_backward_args(d, args, 1, &t);
+    if (own == COMET_SUCCESS) own = cpu_check_n_comm(args->n_comm);
+    const int save = own == COMET_SUCCESS && args->save == COMET_SAVE_ACTIVATIONS;
+    if (save) own = check_saved_header(l, &args->saved, t);
+    if (own == COMET_SUCCESS) own = take_buffers(l);
+    comet_protocol_t proto = COMET_PROTOCOL_INIT;
+    if (own == COMET_SUCCESS) /* COMET_SEQUENTIAL: this engine always overlaps; the chunk width the tuner's */
+        comet_tuner_choose(l->world->tune, d, COMET_BACKEND_CPU, t, args->n_comm > 0 ? args->n_comm : 0, 0, &proto);
+    L->rec = NULL;
+    COMET_TRY(cpu_enter(l, own, t, &proto, args->x.data, args->topk_idx.data, args->topk_w.data, args->dy.data));
+
+    const char *saved = args->saved.data;
+    B->args = args;
+    B->gu = save ? (const comet_bf16_t *)(saved + comet_saved_gu_offset(d)) : NULL;
+    B->act = save ? (const comet_bf16_t *)(saved + comet_saved_h_offset(d)) : L->h;
+    L->w1 = args->w1.data;
+    L->w2 = args->w2.data;
+    comet_cpu_transpose_weights(d, L->w1, L->w2, B->w1t, B->w2t);
+    L->out = args->dx.data;
+    L->disable = 0;
+    L->l0_tile = d->ffn_local;
+    L->layer0 = backward_layer0, L->layer1 = backward_layer1, L->tail = backward_wgrad;
+    L->fwd_h = L->fwd_gu = NULL;
+    L->pull_dy = L->o;
+    L->combined = B->dxr, L->unit_weights = 1;
+    L->row_dtw = B->dtw, L->d_topk_w = args->d_topk_w.data;
+    return cpu_run(l);
+}
