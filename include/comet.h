@@ -281,8 +281,9 @@ typedef struct {
     int disable;             /* [in]  measurement only: COMET_DISABLE_* bits; y is then undefined */
     int save;                /* [in]  comet_save_t: what this forward keeps for a backward (training) */
     comet_tensor_t saved;    /* [out] COMET_SAVE_ACTIVATIONS: (n) uint8, n >= comet_layer_saved_bytes(layer,
-                              *       COMET_SAVE_ACTIVATIONS): caller-owned, handed to the backward of this
-                              *       micro-batch; ignored otherwise */
+                              *       COMET_SAVE_ACTIVATIONS), 16-byte aligned: caller-owned, handed to the
+                              *       backward of this micro-batch; ignored otherwise. A forward with disable
+                              *       bits (a measurement) or one that fails saves nothing */
 } comet_forward_args_t;
 
 /* For "communication hidden" (bench): run the protocol with one side's work

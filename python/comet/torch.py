@@ -26,9 +26,8 @@ flight; save="recompute" keeps nothing and the backward reruns GEMM0. The
 backward, the op `torch.ops.comet.moe_experts_backward`, calls
 comet_layer_backward on the forward's layer (CUDA: on the current stream)
 and returns dx (bf16), d_topk_w (fp32), dw1 and dw2 (bf16, the weights'
-layouts; no gradient for topk_idx). Where the CPU engine has no backward
-yet (comet.Unsupported), CPU tensors run the backward's specification,
-comet_reference_backward (one rank: the same bits, plain loops).
+layouts; no gradient for topk_idx): CPU tensors on the CPU engine (bitwise
+comet_reference_backward's), CUDA tensors on the CUDA backend.
 python/tests/test_autograd.py and test_training.py test it.
 
 Layers live out of the graph. The one-rank layers are cached per (device,
@@ -46,7 +45,6 @@ sparse MoE block's experts.
 """
 
 import contextlib
-import dataclasses
 import itertools
 import threading
 from typing import Dict, Optional, Tuple
@@ -302,17 +300,9 @@ def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: T
     outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(dw1, comet.DType.BF16),
             _desc(dw2, comet.DType.BF16))
     with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
-        try:
-            entry.layer.backward(*ins, *outs, save=save,
-                                 saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
-                                 stream=_stream(device))
-        except comet.Unsupported:
-            if device.type != "cpu":
-                raise
-            # This build's CPU engine has no backward yet: one rank's backward is its specification,
-            # comet_reference_backward, which the engine's backward matches bit for bit (include/comet.h).
-            cfg = dataclasses.replace(entry.layer.config, max_tokens_per_rank=max(1, x.shape[0]))
-            comet.reference_backward(cfg, [dict(zip(comet.api._BACKWARD_FIELDS, ins + outs))])
+        entry.layer.backward(*ins, *outs, save=save,
+                             saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
+                             stream=_stream(device))
     return dx, d_topk_w, dw1, dw2
 
 

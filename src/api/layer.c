@@ -111,7 +111,7 @@ comet_status_t comet_layer_last_protocol(const comet_layer_t *l, comet_protocol_
     comet_clear_error();
     if (!l || !out) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or out is NULL");
     COMET_TRY(comet_check_struct_size(out->struct_size, sizeof(comet_protocol_t), "out", "COMET_PROTOCOL_INIT"));
-    if (!l->has_run) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has run no forward yet", l->rank);
+    if (!l->has_run) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the layer has run no forward or backward yet", l->rank);
     *out = l->protocol;
     return COMET_SUCCESS;
 }

@@ -205,6 +205,8 @@ comet_status_t comet_check_saved(const comet_dims_t *d, int save, const comet_te
                           "saved: %lld bytes, the layer saves %zu (comet_layer_saved_bytes)",
                           (long long)saved->shape[0], need);
     if (!saved->data) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "saved.data is NULL");
+    if ((uintptr_t)saved->data % 16)
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "saved.data %p is not 16-byte aligned", saved->data);
     return COMET_SUCCESS;
 }
 
