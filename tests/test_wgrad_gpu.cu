@@ -82,12 +82,12 @@ static void make_routing(const wcase_t *c, comet_rng_t *rng, int32_t *idx, float
 
 static float bf(uint16_t h) { return comet_bf16_to_f32(h); }
 
-/* got (fp32 value of the output) against ref, abs-sum s over k rows; kind 0 fp32, 1 bf16, 2 accumulated */
-static int close_to(double got, double ref, double s, int64_t k, int kind) {
+/* got (fp32 value of the output) against ref, abs-sum s over k rows; mode a comet_wgrad_out_t */
+static int close_to(double got, double ref, double s, int64_t k, int mode) {
     if (!isfinite(got)) return 0;
     double tol = 3e-6 * sqrt((double)(k > 0 ? k : 1)) * s;
-    if (kind == 1 && ref != 0) tol += ldexp(1.0, ilogb(fabs(ref)) - 7);
-    if (kind == 2 && ref != 0) tol += ldexp(1.0, ilogb(fabs(ref)) - 23);
+    if (mode == COMET_WGRAD_BF16 && ref != 0) tol += ldexp(1.0, ilogb(fabs(ref)) - 7);
+    if (mode == COMET_WGRAD_F32_ADD && ref != 0) tol += ldexp(1.0, ilogb(fabs(ref)) - 23);
     return fabs(got - ref) <= tol;
 }
 
@@ -223,20 +223,25 @@ static void run_case(const wcase_t *c, uint64_t seed) {
         if (rc) continue;
         const size_t bytes = (mode == 0 ? 2 : 4) * (size_t)total;
         /* output: poisoned (written modes) or the start values (accumulated) */
+        /* (then a device sync: s1 does not wait for the legacy stream, whose memset and pageable
+         * copy may still run when the call returns) */
 #define WG_RESET()                                                                      \
     do {                                                                                \
         if (mode == 2) CUDA_OK(cudaMemcpy(d_c, start, bytes, cudaMemcpyHostToDevice)); \
         else CUDA_OK(cudaMemset(d_c, 0xff, bytes));                                     \
+        CUDA_OK(cudaDeviceSynchronize());                                               \
     } while (0)
         /* skip set: nothing written */
         WG_RESET();
         comet_wgrad_hooks_t hk;
         memset(&hk, 0, sizeof hk);
         CUDA_OK(cudaMemset(d_skip, 1, 4));
+        CUDA_OK(cudaDeviceSynchronize());
         hk.skip = d_skip;
         CHECK(comet_wgrad_launch(g, s1, &hk) == 0, "%s: launch (skip)", c->tag);
         CUDA_OK(cudaStreamSynchronize(s1));
         CUDA_OK(cudaMemset(d_skip, 0, 4));
+        CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(got, d_c, bytes, cudaMemcpyDeviceToHost));
         if (mode == 2) CHECK(memcmp(got, start, bytes) == 0, "%s: %s: skip set, yet c changed", c->tag, mode_name[mode]);
         else {
