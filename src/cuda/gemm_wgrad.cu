@@ -54,8 +54,10 @@
 #define WG_BOX_BYTES (64 * WG_BK * 2)              /* 8 KiB: 64 m (n) columns x 64 rows */
 #define WG_A_BYTES (2 * WG_BOX_BYTES)              /* 16 KiB */
 #define WG_STAGE_BYTES (WG_A_BYTES + 4 * WG_BOX_BYTES) /* 48 KiB */
+#define WG_CBUF_BYTES (64 * 64 * 4)                /* 16 KiB: one consumer's fp32 += staging, 64 rows x 64 columns */
 #define WG_INFO_INTS 4                             /* per stage: expert (-1: end), m tile, n tile, nk */
-#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024 + 2 * WG_STAGES * 8 + WG_STAGES * WG_INFO_INTS * 4)
+#define WG_SMEM_BYTES                                                                                             \
+    (WG_STAGES * WG_STAGE_BYTES + 2 * WG_CBUF_BYTES + 1024 + 2 * WG_STAGES * 8 + WG_STAGES * WG_INFO_INTS * 4)
 #define WG_L2_GROUP_BYTES ((int64_t)16 << 20)
 
 /* Everything but the tensor maps, passed by value. */
@@ -71,6 +73,7 @@ typedef struct {
 struct comet_wgrad {
     comet_wgrad_args_t args;
     CUtensorMap ta, tb; /* a and b, boxes of 64 columns x 64 rows */
+    CUtensorMap tc;     /* COMET_WGRAD_F32_ADD: c as (experts, m, n) fp32, boxes of 1 x 64 rows x 32 columns */
     wg_params_t p;
     int num_sms;
 };
@@ -168,10 +171,10 @@ __device__ __forceinline__ int wg_kloop(float *d, unsigned char *base, uint64_t 
     return it;
 }
 
-/* Epilogue of one consumer: its 64 rows x 256 columns (accumulator layout of
- * wgmma m64nNk16: warp w, lane l hold rows 16w + l/4 and + 8, columns 8j +
- * 2(l%4) and + 1) into c_e, masked to m and n. zero: the expert has no rows,
- * the sum is 0 (written as such; COMET_WGRAD_F32_ADD never gets here then). */
+/* Epilogue of the written modes, one consumer: its 64 rows x 256 columns
+ * (accumulator layout of wgmma m64nNk16: warp w, lane l hold rows 16w + l/4
+ * and + 8, columns 8j + 2(l%4) and + 1) stored into c_e from registers,
+ * masked to m and n. zero: the expert has no rows, the sum is 0. */
 __device__ __forceinline__ void wg_store(const float *d, const wg_params_t &p, int e, int mi, int ni, int c, int tid,
                                          int zero, const int mode) {
     const int lane = tid & 31, w = tid >> 5;
@@ -188,31 +191,65 @@ __device__ __forceinline__ void wg_store(const float *d, const wg_params_t &p, i
             uint32_t *o = (uint32_t *)p.c; /* bf16 pairs: element index / 2 */
             if (ok0) o[(i0 + 8 * j) >> 1] = wg_pack(x0, y0);
             if (ok1) o[(i1 + 8 * j) >> 1] = wg_pack(x1, y1);
-        } else if (mode == COMET_WGRAD_F32) {
+        } else {
             float2 *o = (float2 *)p.c;
             if (ok0) o[(i0 + 8 * j) >> 1] = make_float2(x0, y0);
             if (ok1) o[(i1 + 8 * j) >> 1] = make_float2(x1, y1);
-        } else {
-            float2 *o = (float2 *)p.c;
-            if (ok0) {
-                const float2 v = o[(i0 + 8 * j) >> 1];
-                o[(i0 + 8 * j) >> 1] = make_float2(v.x + x0, v.y + y0);
+        }
+    }
+}
+
+/* COMET_WGRAD_F32_ADD's epilogue: one consumer's 64 rows x 256 columns added
+ * to c_e by the TMA (cp.reduce.async.bulk.tensor .add: one fp32 add per
+ * element in L2, the SM free for the next tile at once), in chunks of 64
+ * columns staged in cbuf as two 128B-swizzled boxes of 64 rows x 32 fp32;
+ * the tensor map (3D: n, m, experts) clips rows past m and columns past n.
+ * Before a chunk overwrites cbuf, the previous reduce has read it. */
+__device__ __forceinline__ void wg_store_add(const float *d, const CUtensorMap &tc, unsigned char *cbuf, int e, int mi,
+                                             int ni, int m, int n, int c, int tid) {
+    const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2), row_g = mi * WG_BM + c * 64;
+    if (row_g >= m) return; /* the same for the whole consumer: its named barrier stays matched */
+    const uint32_t cb = gm_smem(cbuf);
+#pragma unroll
+    for (int h = 0; h < 4; h++) {
+        const int col_g = ni * WG_BN + 64 * h;
+        if (col_g >= n) break;
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* cbuf free again */
+        wg_named_bar(2 + c, 128);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * h + jj, cc = 8 * jj + 2 * (lane & 3); /* column in the chunk */
+            const int byte = (cc & 31) * 4, box = cc >> 5;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = r0 + 8 * half;
+                const uint32_t addr = cb + box * 8192 + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(d[4 * j + 2 * half]),
+                             "f"(d[4 * j + 2 * half + 1])
+                             : "memory");
             }
-            if (ok1) {
-                const float2 v = o[(i1 + 8 * j) >> 1];
-                o[(i1 + 8 * j) >> 1] = make_float2(v.x + x1, v.y + y1);
-            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        wg_named_bar(2 + c, 128);
+        if (tid == 0) {
+            for (int b = 0; b < 2 && col_g + 32 * b < n; b++)
+                asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                                 (uint64_t)&tc),
+                             "r"(col_g + 32 * b), "r"(row_g), "r"(e), "r"(cb + b * 8192)
+                             : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
     }
 }
 
 /* The kernel body; `mode` is a literal in each kernel below. */
-__device__ __forceinline__ void wg_body(const CUtensorMap &ta, const CUtensorMap &tb, const wg_params_t &p,
-                                        const int mode) {
+__device__ __forceinline__ void wg_body(const CUtensorMap &ta, const CUtensorMap &tb, const CUtensorMap &tc,
+                                        const wg_params_t &p, const int mode) {
     if (p.skip && *p.skip) return;
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)wg_smem_raw + 1023) & ~(uintptr_t)1023);
-    uint64_t *full = (uint64_t *)(base + WG_STAGES * WG_STAGE_BYTES);
+    unsigned char *cbufs = base + WG_STAGES * WG_STAGE_BYTES;
+    uint64_t *full = (uint64_t *)(cbufs + 2 * WG_CBUF_BYTES);
     uint64_t *empty = full + WG_STAGES;
     volatile int32_t *info = (volatile int32_t *)(empty + WG_STAGES); /* [stage][WG_INFO_INTS] */
     const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
@@ -289,17 +326,22 @@ __device__ __forceinline__ void wg_body(const CUtensorMap &ta, const CUtensorMap
                 it++;
             }
             if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
-            if (nk == 0 && mode == COMET_WGRAD_F32_ADD) continue; /* c_e += 0: left as it is */
-            wg_store(d, p, e, mi, ni, c, tid, nk == 0, mode);
+            if (mode == COMET_WGRAD_F32_ADD) {
+                if (nk > 0) wg_store_add(d, tc, cbufs + c * WG_CBUF_BYTES, e, mi, ni, p.m, p.n, c, tid); /* else c_e += 0 */
+            } else {
+                wg_store(d, p, e, mi, ni, c, tid, nk == 0, mode);
+            }
         }
+        if (mode == COMET_WGRAD_F32_ADD && tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
 }
 
 #define WG_KERNEL(name, mode)                                                                               \
     __global__ void __launch_bounds__(384, 1) name(const __grid_constant__ CUtensorMap ta,                 \
                                                    const __grid_constant__ CUtensorMap tb,                 \
+                                                   const __grid_constant__ CUtensorMap tc,                 \
                                                    const __grid_constant__ wg_params_t p) {                \
-        wg_body(ta, tb, p, mode);                                                                           \
+        wg_body(ta, tb, tc, p, mode);                                                                       \
     }
 WG_KERNEL(comet_wgrad_bf16_kernel, COMET_WGRAD_BF16)
 WG_KERNEL(comet_wgrad_f32_kernel, COMET_WGRAD_F32)
@@ -312,6 +354,20 @@ static const void *const wg_kernels[3] = {(const void *)comet_wgrad_bf16_kernel,
 /* ---------------------------------------------------------------------------
  * Host side
  * ------------------------------------------------------------------------- */
+
+/* c of COMET_WGRAD_F32_ADD as a 3D fp32 tensor (n, m, experts), boxes of 32
+ * columns x 64 rows x 1 expert, 128B swizzle (wg_store_add). */
+static int wg_map_c(CUtensorMap *map, void *c, int64_t experts, int64_t m, int64_t n) {
+    gm_encode_fn enc = gm_get_encode();
+    if (!enc) return -1;
+    cuuint64_t dims[3] = {(cuuint64_t)n, (cuuint64_t)m, (cuuint64_t)experts};
+    cuuint64_t strides[2] = {(cuuint64_t)n * 4, (cuuint64_t)(m * n) * 4};
+    cuuint32_t box[3] = {32, 64, 1};
+    cuuint32_t es[3] = {1, 1, 1};
+    CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, c, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
 
 extern "C" const char *comet_wgrad_check(int64_t m, int64_t n) {
     if (m <= 0 || n <= 0) return "the weight-gradient GEMM needs m > 0 and n > 0";
@@ -350,6 +406,11 @@ extern "C" int comet_wgrad_prepare(const comet_wgrad_args_t *args, comet_wgrad_t
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
         return -1;
     }
+    if (args->out == COMET_WGRAD_F32_ADD && wg_map_c(&g->tc, args->c, d->experts_local, args->m, args->n)) {
+        free(g);
+        snprintf(err, err_len, "cuTensorMapEncodeTiled rejected c's tensor map (c must be 16-byte aligned)");
+        return -1;
+    }
     comet_plan_t plan; /* pointers into the device workspace: nothing is read here */
     comet_plan_carve(d, (void *)args->plan_ws, &plan);
     g->p.m = (int)args->m, g->p.n = (int)args->n, g->p.mt = (int)mt, g->p.nt = (int)nt;
@@ -385,10 +446,10 @@ extern "C" int comet_wgrad_launch(const comet_wgrad_t *g, void *stream, const co
     cfg.stream = (cudaStream_t)stream;
     cudaError_t e;
     if (g->args.out == COMET_WGRAD_BF16)
-        e = cudaLaunchKernelEx(&cfg, comet_wgrad_bf16_kernel, g->ta, g->tb, p);
+        e = cudaLaunchKernelEx(&cfg, comet_wgrad_bf16_kernel, g->ta, g->tb, g->tc, p);
     else if (g->args.out == COMET_WGRAD_F32)
-        e = cudaLaunchKernelEx(&cfg, comet_wgrad_f32_kernel, g->ta, g->tb, p);
+        e = cudaLaunchKernelEx(&cfg, comet_wgrad_f32_kernel, g->ta, g->tb, g->tc, p);
     else
-        e = cudaLaunchKernelEx(&cfg, comet_wgrad_f32_add_kernel, g->ta, g->tb, p);
+        e = cudaLaunchKernelEx(&cfg, comet_wgrad_f32_add_kernel, g->ta, g->tb, g->tc, p);
     return (int)e;
 }
