@@ -13,8 +13,11 @@
  * rows, 128B-swizzled); warpgroups 1 and 2 are consumers (setmaxnreg 232),
  * each computing 64 m rows x 256 n columns with wgmma m64n256k16, both
  * operands MN-major from shared memory (the transpose bits set), one k slice
- * of wgmma in flight. The epilogue stores from registers, masked to m and n
- * (bf16 RNE, fp32, or fp32 load-add-store).
+ * of wgmma in flight. Epilogue (wg_store_tma): bf16 (RNE) and fp32 += are
+ * staged in a 16 KiB swizzled buffer per consumer and sent by the TMA (a
+ * tensor store, or a tensor reduce-add: one fp32 add per element, done in
+ * L2), so the SM goes on with the next tile; fp32 written is stored from
+ * registers (wg_store), masked to m and n.
  *
  * MN-major 128B-swizzled operands (wg_desc): a TMA box row is 64 elements of
  * the m (or n) dimension, 128 bytes, one box row per k row, 8 k rows a
@@ -54,7 +57,7 @@
 #define WG_BOX_BYTES (64 * WG_BK * 2)              /* 8 KiB: 64 m (n) columns x 64 rows */
 #define WG_A_BYTES (2 * WG_BOX_BYTES)              /* 16 KiB */
 #define WG_STAGE_BYTES (WG_A_BYTES + 4 * WG_BOX_BYTES) /* 48 KiB */
-#define WG_CBUF_BYTES (64 * 64 * 4)                /* 16 KiB: one consumer's fp32 += staging, 64 rows x 64 columns */
+#define WG_CBUF_BYTES (2 * 64 * 128)               /* 16 KiB: one consumer's epilogue staging (wg_store_tma) */
 #define WG_INFO_INTS 4                             /* per stage: expert (-1: end), m tile, n tile, nk */
 #define WG_SMEM_BYTES                                                                                             \
     (WG_STAGES * WG_STAGE_BYTES + 2 * WG_CBUF_BYTES + 1024 + 2 * WG_STAGES * 8 + WG_STAGES * WG_INFO_INTS * 4)
@@ -73,7 +76,7 @@ typedef struct {
 struct comet_wgrad {
     comet_wgrad_args_t args;
     CUtensorMap ta, tb; /* a and b, boxes of 64 columns x 64 rows */
-    CUtensorMap tc;     /* COMET_WGRAD_F32_ADD: c as (experts, m, n) fp32, boxes of 1 x 64 rows x 32 columns */
+    CUtensorMap tc;     /* bf16 and fp32 +=: c as (experts, m, n), boxes of 1 x 64 rows x 128 bytes (wg_map_c) */
     wg_params_t p;
     int num_sms;
 };
@@ -171,12 +174,13 @@ __device__ __forceinline__ int wg_kloop(float *d, unsigned char *base, uint64_t 
     return it;
 }
 
-/* Epilogue of the written modes, one consumer: its 64 rows x 256 columns
+/* COMET_WGRAD_F32's epilogue, one consumer: its 64 rows x 256 columns
  * (accumulator layout of wgmma m64nNk16: warp w, lane l hold rows 16w + l/4
- * and + 8, columns 8j + 2(l%4) and + 1) stored into c_e from registers,
- * masked to m and n. zero: the expert has no rows, the sum is 0. */
+ * and + 8, columns 8j + 2(l%4) and + 1) stored into c_e from registers (each
+ * quad of lanes writes a whole 32-byte sector), masked to m and n. zero: the
+ * expert has no rows, the sum is 0. */
 __device__ __forceinline__ void wg_store(const float *d, const wg_params_t &p, int e, int mi, int ni, int c, int tid,
-                                         int zero, const int mode) {
+                                         int zero) {
     const int lane = tid & 31, w = tid >> 5;
     const int row = mi * WG_BM + c * 64 + w * 16 + (lane >> 2);
     const int col0 = ni * WG_BN + 2 * (lane & 3);
@@ -187,56 +191,65 @@ __device__ __forceinline__ void wg_store(const float *d, const wg_params_t &p, i
         if (col0 + 8 * j >= p.n) break;
         const float x0 = zero ? 0.f : d[4 * j], y0 = zero ? 0.f : d[4 * j + 1];
         const float x1 = zero ? 0.f : d[4 * j + 2], y1 = zero ? 0.f : d[4 * j + 3];
-        if (mode == COMET_WGRAD_BF16) {
-            uint32_t *o = (uint32_t *)p.c; /* bf16 pairs: element index / 2 */
-            if (ok0) o[(i0 + 8 * j) >> 1] = wg_pack(x0, y0);
-            if (ok1) o[(i1 + 8 * j) >> 1] = wg_pack(x1, y1);
-        } else {
-            float2 *o = (float2 *)p.c;
-            if (ok0) o[(i0 + 8 * j) >> 1] = make_float2(x0, y0);
-            if (ok1) o[(i1 + 8 * j) >> 1] = make_float2(x1, y1);
-        }
+        float2 *o = (float2 *)p.c;
+        if (ok0) o[(i0 + 8 * j) >> 1] = make_float2(x0, y0);
+        if (ok1) o[(i1 + 8 * j) >> 1] = make_float2(x1, y1);
     }
 }
 
-/* COMET_WGRAD_F32_ADD's epilogue: one consumer's 64 rows x 256 columns added
- * to c_e by the TMA (cp.reduce.async.bulk.tensor .add: one fp32 add per
- * element in L2, the SM free for the next tile at once), in chunks of 64
- * columns staged in cbuf as two 128B-swizzled boxes of 64 rows x 32 fp32;
- * the tensor map (3D: n, m, experts) clips rows past m and columns past n.
- * Before a chunk overwrites cbuf, the previous reduce has read it. */
-__device__ __forceinline__ void wg_store_add(const float *d, const CUtensorMap &tc, unsigned char *cbuf, int e, int mi,
-                                             int ni, int m, int n, int c, int tid) {
+/* The TMA epilogue (COMET_WGRAD_BF16 and COMET_WGRAD_F32_ADD): one
+ * consumer's 64 rows x 256 columns staged in cbuf (16 KiB: two 128B-swizzled
+ * boxes of 64 rows x 128 bytes) a chunk at a time, 128 bf16 or 64 fp32
+ * columns, and sent by the TMA: bf16 stored (cp.async.bulk.tensor), fp32
+ * added (cp.reduce.async.bulk.tensor .add: one fp32 add per element in L2).
+ * The SM is free for the next tile as soon as the chunks are staged (the
+ * register stores and, for +=, the loads of c were exposed in every tile).
+ * The tensor map (3D: n, m, experts) clips rows past m and columns past n.
+ * Before a chunk overwrites cbuf, the previous chunk's TMA has read it.
+ * zero: the expert has no rows (bf16: zeros written; += never gets here). */
+__device__ __forceinline__ void wg_store_tma(const float *d, const CUtensorMap &tc, unsigned char *cbuf, int e, int mi,
+                                             int ni, int m, int n, int c, int tid, int zero, const int mode) {
     const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2), row_g = mi * WG_BM + c * 64;
     if (row_g >= m) return; /* the same for the whole consumer: its named barrier stays matched */
     const uint32_t cb = gm_smem(cbuf);
+    const int cols = mode == COMET_WGRAD_BF16 ? 128 : 64; /* columns a chunk: two boxes of 128 bytes a row */
 #pragma unroll
-    for (int h = 0; h < 4; h++) {
-        const int col_g = ni * WG_BN + 64 * h;
+    for (int h = 0; h < WG_BN / cols; h++) {
+        const int col_g = ni * WG_BN + cols * h;
         if (col_g >= n) break;
         if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* cbuf free again */
         wg_named_bar(2 + c, 128);
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * h + jj, cc = 8 * jj + 2 * (lane & 3); /* column in the chunk */
-            const int byte = (cc & 31) * 4, box = cc >> 5;
+        for (int jj = 0; jj < cols / 8; jj++) {
+            const int j = cols / 8 * h + jj, cc = 8 * jj + 2 * (lane & 3); /* column in the chunk */
+            const int box = cc / (cols / 2), byte = (cc % (cols / 2)) * (mode == COMET_WGRAD_BF16 ? 2 : 4);
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 const int r = r0 + 8 * half;
                 const uint32_t addr = cb + box * 8192 + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(d[4 * j + 2 * half]),
-                             "f"(d[4 * j + 2 * half + 1])
-                             : "memory");
+                const float x = zero ? 0.f : d[4 * j + 2 * half], y = zero ? 0.f : d[4 * j + 2 * half + 1];
+                if (mode == COMET_WGRAD_BF16)
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(wg_pack(x, y)) : "memory");
+                else
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
             }
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         wg_named_bar(2 + c, 128);
         if (tid == 0) {
-            for (int b = 0; b < 2 && col_g + 32 * b < n; b++)
-                asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
-                                 (uint64_t)&tc),
-                             "r"(col_g + 32 * b), "r"(row_g), "r"(e), "r"(cb + b * 8192)
-                             : "memory");
+            for (int b = 0; b < 2 && col_g + cols / 2 * b < n; b++) {
+                if (mode == COMET_WGRAD_BF16)
+                    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                                     (uint64_t)&tc),
+                                 "r"(col_g + cols / 2 * b), "r"(row_g), "r"(e), "r"(cb + b * 8192)
+                                 : "memory");
+                else
+                    asm volatile(
+                        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                            (uint64_t)&tc),
+                        "r"(col_g + cols / 2 * b), "r"(row_g), "r"(e), "r"(cb + b * 8192)
+                        : "memory");
+            }
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
     }
@@ -326,13 +339,12 @@ __device__ __forceinline__ void wg_body(const CUtensorMap &ta, const CUtensorMap
                 it++;
             }
             if (lane == 0) gm_mbar_arrive(&empty[(it - 1) % WG_STAGES]);
-            if (mode == COMET_WGRAD_F32_ADD) {
-                if (nk > 0) wg_store_add(d, tc, cbufs + c * WG_CBUF_BYTES, e, mi, ni, p.m, p.n, c, tid); /* else c_e += 0 */
-            } else {
-                wg_store(d, p, e, mi, ni, c, tid, nk == 0, mode);
-            }
+            if (mode == COMET_WGRAD_F32)
+                wg_store(d, p, e, mi, ni, c, tid, nk == 0);
+            else if (nk > 0 || mode == COMET_WGRAD_BF16) /* += of an expert without rows: c_e left as it is */
+                wg_store_tma(d, tc, cbufs + c * WG_CBUF_BYTES, e, mi, ni, p.m, p.n, c, tid, nk == 0, mode);
         }
-        if (mode == COMET_WGRAD_F32_ADD && tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        if (mode != COMET_WGRAD_F32 && tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); /* before smem goes */
     }
 }
 
@@ -355,16 +367,17 @@ static const void *const wg_kernels[3] = {(const void *)comet_wgrad_bf16_kernel,
  * Host side
  * ------------------------------------------------------------------------- */
 
-/* c of COMET_WGRAD_F32_ADD as a 3D fp32 tensor (n, m, experts), boxes of 32
- * columns x 64 rows x 1 expert, 128B swizzle (wg_store_add). */
-static int wg_map_c(CUtensorMap *map, void *c, int64_t experts, int64_t m, int64_t n) {
+/* c as a 3D tensor (n, m, experts) of bf16 or fp32 (elem bytes), boxes of
+ * 128 bytes of columns x 64 rows x 1 expert, 128B swizzle (wg_store_tma). */
+static int wg_map_c(CUtensorMap *map, void *c, int64_t experts, int64_t m, int64_t n, int elem) {
     gm_encode_fn enc = gm_get_encode();
     if (!enc) return -1;
     cuuint64_t dims[3] = {(cuuint64_t)n, (cuuint64_t)m, (cuuint64_t)experts};
-    cuuint64_t strides[2] = {(cuuint64_t)n * 4, (cuuint64_t)(m * n) * 4};
-    cuuint32_t box[3] = {32, 64, 1};
+    cuuint64_t strides[2] = {(cuuint64_t)n * elem, (cuuint64_t)(m * n) * elem};
+    cuuint32_t box[3] = {(cuuint32_t)(128 / elem), 64, 1};
     cuuint32_t es[3] = {1, 1, 1};
-    CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, c, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+    CUresult r = enc(map, elem == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, c, dims,
+                     strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? 0 : -1;
 }
@@ -406,7 +419,8 @@ extern "C" int comet_wgrad_prepare(const comet_wgrad_args_t *args, comet_wgrad_t
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected a tensor map (pointers must be 16-byte aligned)");
         return -1;
     }
-    if (args->out == COMET_WGRAD_F32_ADD && wg_map_c(&g->tc, args->c, d->experts_local, args->m, args->n)) {
+    if (args->out != COMET_WGRAD_F32 &&
+        wg_map_c(&g->tc, args->c, d->experts_local, args->m, args->n, args->out == COMET_WGRAD_BF16 ? 2 : 4)) {
         free(g);
         snprintf(err, err_len, "cuTensorMapEncodeTiled rejected c's tensor map (c must be 16-byte aligned)");
         return -1;
