@@ -16,7 +16,7 @@
  *     dW1_e (w1_rows x H)     : a = dH rows (m = w1_rows),    b = x rows (n = H)
  * Rounding: fp32 accumulation over the rows, then c written bf16 (RNE,
  * rounded once), written fp32, or accumulated in fp32 (c += the sum, one add
- * per element, main-grad style).
+ * per element, main-grad style: the TMA's reduce-add, round to nearest).
  * Padding rows (past expert_count inside an expert's padded span) never
  * contribute, whatever they hold (NaN too): in the last 64-row slice of an
  * expert the consumers zero the shared-memory rows past the count, in both
