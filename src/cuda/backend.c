@@ -637,6 +637,10 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
     cuda_layer_t *L = l->backend_state;
     int64_t t = 0;
     comet_status_t own = comet_check_backward_args(&l->dims, args, 0, &t);
+    /* the weight gradients are stored through tensor maps (gemm_wgrad.h) */
+    if (own == COMET_SUCCESS && ((uintptr_t)args->dw1.data % 16 || (uintptr_t)args->dw2.data % 16))
+        own = comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: dw1.data %p and dw2.data %p must be 16-byte aligned",
+                         l->rank, args->dw1.data, args->dw2.data);
     if (own == COMET_SUCCESS) own = ensure_training(l, L);
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", comet_last_error());

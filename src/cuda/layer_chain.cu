@@ -34,6 +34,7 @@
 
 #include "cuda_layer.h"
 #include "gemm.h"
+#include "gemm_wgrad.h"
 #include "plan_kernel.h"
 #include "vec8.h"
 #include "../core/saved.h"
@@ -234,10 +235,34 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
  * recomputed unless saved [1]; G, dH and the rows' <G, a> per column tile
  * [2, 4]; <G, a> per row into dwr [3]; bf16(w dy) in o; dW2 [7]; dX into o
  * (with push also into its home rank's recv) [5]; signal and combine with
- * weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. G, dX and the recompute run
- * on the Hopper GEMM where the forward's does (c.gemm), else on the SIMT
+ * weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. G, dX, the recompute and
+ * the weight gradients run on the Hopper GEMMs where the forward's does
+ * (c.gemm; gemm_wgrad.h takes every shape gemm.h does), else on the SIMT
  * tiles; dH is written over the recomputed gu (each element read, then
  * written, by the one tile that owns it). */
+/* One weight gradient on the Hopper k-grouped GEMM (gemm_wgrad.h): dW2
+ * (which 0: a = bf16(w dy) in o, b = a, the activations) or dW1 (which 1: a
+ * = dH, b = the gathered x rows) into the call's tensor; its maps made for
+ * this call (host only: the outputs and the saved state move per call). */
+static int launch_wgrad(const comet_cuda_ctx_t *c, const comet_cuda_call_t *call, int which, const comet_bf16_t *h,
+                        cudaStream_t stream) {
+    const comet_dims_t *d = &c->d;
+    comet_wgrad_args_t wa;
+    memset(&wa, 0, sizeof wa);
+    wa.d = *d, wa.plan_ws = c->plan_ws;
+    wa.m = which ? d->w1_rows : d->hidden, wa.n = which ? d->hidden : d->ffn_local;
+    wa.a = which ? c->dh : c->o, wa.b = which ? c->a : h;
+    wa.c = which ? call->dw1 : call->dw2;
+    wa.out = call->accumulate ? COMET_WGRAD_F32_ADD : call->wgrad_fp32 >> which & 1 ? COMET_WGRAD_F32 : COMET_WGRAD_BF16;
+    comet_wgrad_t *g = NULL;
+    char err[256];
+    if (comet_wgrad_prepare(&wa, &g, err, sizeof err) != 0) return (int)cudaErrorInvalidValue;
+    comet_wgrad_hooks_t hooks = {&c->state->skip, c->num_sms};
+    const int e = comet_wgrad_launch(g, stream, &hooks); /* the maps travel as launch parameters */
+    comet_wgrad_destroy(g);
+    return e;
+}
+
 static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, cudaStream_t stream) {
     const comet_cuda_ctx_t c = *ctx;
     const comet_dims_t *d = &c.d;
@@ -269,7 +294,8 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         dwp_tiles = comet_gemm_dwp_tiles(d);
         k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
         k_scale_dy<<<grid, 256, 0, stream>>>(c);
-        k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
+        ge = launch_wgrad(&c, call, 0, t.h ? t.h : c.h, stream);
+        if (ge != cudaSuccess) return ge;
         hooks.push = c.push;
         ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
         if (ge != cudaSuccess) return ge;
@@ -286,6 +312,11 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
     else
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_dtopkw<<<grid, 256, 0, stream>>>(c);
-    k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);
+    if (c.gemm) {
+        const int ge = launch_wgrad(&c, call, 1, NULL, stream);
+        if (ge != cudaSuccess) return ge;
+    } else {
+        k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);
+    }
     return (int)cudaGetLastError();
 }
