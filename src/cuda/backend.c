@@ -277,6 +277,7 @@ static void free_all(cuda_layer_t *L) {
     cudaFree(L->buf.routes);
     cudaFree(L->buf.plan_scratch);
     cudaFree(L->ctx.dh);
+    cudaFree(L->ctx.gu);
     cudaFree(L->ctx.dwp);
     cudaFree(L->tr_events);
     cudaFree(L->tr_counts);
@@ -570,6 +571,22 @@ static comet_status_t ensure_training(comet_layer_t *l, cuda_layer_t *L) {
     return COMET_SUCCESS;
 }
 
+/* The Hopper backward's recompute buffer (cuda_layer.h: gu), made by the
+ * first backward that recomputes on the Hopper GEMM. */
+static comet_status_t ensure_recompute(comet_layer_t *l, cuda_layer_t *L) {
+    comet_cuda_ctx_t *c = &L->ctx;
+    if (c->gu) return COMET_SUCCESS;
+    const size_t bytes = (size_t)l->dims.max_rows_padded * (size_t)l->dims.w1_rows * 2;
+    const cudaError_t e = cudaMalloc((void **)&c->gu, bytes);
+    if (e != cudaSuccess) {
+        c->gu = NULL;
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: cudaMalloc of the recompute buffer (%zu MiB): %s", l->rank,
+                          bytes >> 20, cudaGetErrorString(e));
+    }
+    L->private_bytes += bytes;
+    return COMET_SUCCESS;
+}
+
 static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_args_t *args) {
     cuda_layer_t *L = l->backend_state;
     int64_t t = 0;
@@ -642,6 +659,8 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
         own = comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: dw1.data %p and dw2.data %p must be 16-byte aligned",
                          l->rank, args->dw1.data, args->dw2.data);
     if (own == COMET_SUCCESS) own = ensure_training(l, L);
+    if (own == COMET_SUCCESS && args->save != COMET_SAVE_ACTIVATIONS && L->base.gemm == COMET_GEMM_HOPPER)
+        own = ensure_recompute(l, L);
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", comet_last_error());
     comet_cuda_ctx_t c;

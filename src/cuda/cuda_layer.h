@@ -143,6 +143,8 @@ typedef struct {
                                     * gathered dy rows, then bf16(w dy), then the dX rows */
     /* training (allocated by the first call that needs them, else NULL) */
     comet_bf16_t *dh;              /* (max_rows_padded, w1_rows): gu where GEMM0 stores it, then dH */
+    comet_bf16_t *gu;              /* (max_rows_padded, w1_rows): the Hopper backward's recomputed gu (its G
+                                    * does not write dH over the gu it reads), or NULL: in dh */
     float *dwp;                    /* (max_rows_padded, ceil(F_local / 64)): <G, a> per row and column tile
                                     * (64 columns a tile on the SIMT tiles, 256 on the Hopper GEMM) */
     int store_gu;                  /* GEMM0 also stores gu (bf16) into dh */

@@ -238,8 +238,9 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
  * weights 1 into dx [6]; d_topk_w [3]; dW1 [7]. G, dX, the recompute and
  * the weight gradients run on the Hopper GEMMs where the forward's does
  * (c.gemm; gemm_wgrad.h takes every shape gemm.h does), else on the SIMT
- * tiles; dH is written over the recomputed gu (each element read, then
- * written, by the one tile that owns it). */
+ * tiles. The SIMT tiles write dH over the recomputed gu (each element read,
+ * then written, by the one thread that owns it); the Hopper G does not take
+ * that (measured: dH wrong), so its recompute stores gu into c.gu. */
 /* One weight gradient on the Hopper k-grouped GEMM (gemm_wgrad.h): dW2
  * (which 0: a = bf16(w dy) in o, b = a, the activations) or dW1 (which 1: a
  * = dH, b = the gathered x rows) into the call's tensor; its maps made for
@@ -285,7 +286,7 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         memset(&t, 0, sizeof t);
         t.sched = c.train_sched;
         const int saved = call->save == COMET_SAVE_ACTIVATIONS;
-        t.gu = saved ? (comet_bf16_t *)(call->saved + comet_saved_gu_offset(d)) : c.dh;
+        t.gu = saved ? (comet_bf16_t *)(call->saved + comet_saved_gu_offset(d)) : c.gu;
         t.h = saved ? (const comet_bf16_t *)(call->saved + comet_saved_h_offset(d)) : NULL; /* NULL: c.h */
         t.dy = c.o, t.dh = c.dh, t.dwp = c.dwp, t.dx = c.o;
         int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
