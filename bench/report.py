@@ -33,6 +33,13 @@ record) shows their median and how many.
   python3 bench/report.py bench/results/*.json bench/results/*.jsonl
   python3 bench/report.py bench/reference-issue5.json bench/results/<day>-comet-<commit>.jsonl
   python3 bench/report.py --help
+
+Training rows (`comet bench --train`: "train": 1; torch_moe.py --train:
+"train": true) go to their own table, "Training steps": each side's
+forward, backward and step ms (medians of the slowest rank's), the
+speedup of the step (PyTorch step / comet step, same configuration and
+timed count), comet's step rate (3x the forward's FLOPs) and both checks
+(y, gradients); they never enter the forward's tables or grids.
 """
 import json
 import math
@@ -77,7 +84,39 @@ def load(paths):
 
 
 def key(r):
-    return (r["model"], r["M"], r["tp"], r["ep"], r.get("skew", 0.0))
+    """a configuration; training rows (comet bench --train, torch_moe.py --train: "train") pair only with each
+    other"""
+    return (r["model"], r["M"], r["tp"], r["ep"], r.get("skew", 0.0), bool(r.get("train")))
+
+
+def train_tables(torch_rows, comet_rows):
+    """training steps (forward + backward of one layer): comet's rows beside PyTorch's step, or PyTorch's alone"""
+    tt = [r for r in torch_rows if r.get("train")]
+    ct = [r for r in comet_rows if r.get("train")]
+    if not tt and not ct:
+        return
+    print("\nTraining steps (forward + backward of one layer, ms; TFLOP/s: 3x the forward's FLOPs over the step):\n")
+    if not ct:
+        print("| model | M | TP | EP | skew | forward ms | backward ms | step ms | TFLOP/s/GPU | check rel err (y, grads) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(tt, key=key):
+            print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r['fwd_ms']:.3f} | "
+                  f"{r['bwd_ms']:.3f} | {r['ms']:.3f} | {r.get('tflops', 0):.0f} | "
+                  f"{r['check_rel_err']:.1e}, {r.get('grad_rel_err', 0):.1e} |")
+        return
+    print("| model | M | TP | EP | skew | save | mode | comet fwd ms | comet bwd ms | comet step ms | PyTorch fwd ms | "
+          "PyTorch bwd ms | PyTorch step ms | speedup | comet TFLOP/s/GPU | check y (wrong/checked) | "
+          "gradients (wrong/checked) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(ct, key=lambda r: (key(r), r.get("save", ""), r.get("n_comm", 0))):
+        same = [b for b in tt if key(b) == key(r) and b.get("iters", 20) == r.get("iters", 20)]
+        b = same[-1] if same and r.get("skew", 0.0) == 0 else None
+        tb = (f"{b['fwd_ms']:.3f} | {b['bwd_ms']:.3f} | {b['ms']:.3f} | {b['ms'] / r['ms']:.2f}x" if b
+              else "- | - | - | -")
+        mode = mode_of(r) + (f": {ran_of(r)}" if r.get("tuned") else "")
+        print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r.get('save', 'activations')} | "
+              f"{mode} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['ms']:.3f} | {tb} | {r['rate']:.0f} | "
+              f"{r['wrong']}/{r['checked']} | {r.get('grad_wrong', 0)}/{r.get('grad_checked', 0)} |")
 
 
 def ran_of(r):
@@ -147,7 +186,13 @@ def grids(comet_rows, reference):
 
 def main(paths):
     torch_rows, comet_rows, reference, machines = load(paths)
-    if not comet_rows:
+    all_torch, all_comet = torch_rows, comet_rows
+    # training rows have their own table (train_tables); the forward's tables and grids take the others
+    torch_rows = [r for r in torch_rows if not r.get("train")]
+    comet_rows = [r for r in comet_rows if not r.get("train")]
+    if not comet_rows and not torch_rows:
+        pass
+    elif not comet_rows:
         print("| model | M | TP | EP | skew | layer ms | GEMM ms | GEMM TFLOP/s | GEMM share | check rel err |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(torch_rows, key=key):
@@ -197,6 +242,7 @@ def main(paths):
                   f"with --comm-hidden" + (f": {', '.join(ok)}." if ok else "."))
         if reference:
             grids(comet_rows, reference)
+    train_tables(all_torch, all_comet)
     print()
     for m in machines:
         print(f"- {m}")

@@ -14,6 +14,24 @@ Run with torchrun (one process per GPU); one GPU works with plain python:
 Every configuration is checked against an fp32 evaluation of sampled tokens
 before it is timed. Prints a table on rank 0 and, with --json, writes the
 records with the machine's description.
+
+--train times one training step instead (../shared/docs/training.md section 6):
+the same layer's forward with autograd, then y.backward(dy) (dy random bf16):
+gradients of x, topk_w (fp32), w1 and w2 (bf16, the parameters' dtype; set
+to None before every step, so written, not accumulated). The all-to-alls are
+autograd Functions around dist.all_to_all_single (backward: the all-to-all
+with the splits swapped), TP's all-gathers backward a reduce-scatter and its
+reduce-scatter an all-gather. Forward, backward and step ms (CUDA events:
+before the forward, between, after the backward; median over the iters of
+the slowest rank's), the step's TFLOP/s (3x the forward's FLOPs). Before
+timing, one step on 8 sampled tokens a rank is checked against an fp32
+autograd evaluation of those tokens (every rank's, all-gathered): relative
+error (norm) of y, dx, d_topk_w and of the rank's dw1, dw2 slices. Records
+carry "train": true.
+  torchrun --nproc-per-node 2 bench/torch_moe.py --train --models qwen2-moe --tokens 4096 --ep 2
+--device cpu (gloo; a per-expert matmul loop where torch._grouped_mm's
+backward does not run on the CPU) is only for testing this script without
+GPUs; its times mean nothing.
 """
 import argparse
 import datetime
@@ -21,6 +39,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,7 +68,80 @@ def parse():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--input-sets", type=int, default=3, help="inputs rotated between runs (larger than L2)")
     p.add_argument("--json", default="", help="write the records here (rank 0)")
-    return p.parse_args()
+    p.add_argument("--scale", type=int, default=1, help="divide the model's hidden and ffn (tests)")
+    p.add_argument("--train", action="store_true", help="time forward + backward (autograd) instead of the forward")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: gloo and a per-expert loop, to test the script without GPUs (times mean nothing)")
+    args = p.parse_args()
+    if args.device == "cpu" and not args.train:
+        p.error("--device cpu is for testing --train (the forward's timing uses CUDA events)")
+    return args
+
+
+class AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single with autograd: the backward is the all-to-all with the splits swapped"""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits):
+        ctx.splits = (out_splits, in_splits)
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        gi = g.new_empty(sum(in_splits), *g.shape[1:])
+        dist.all_to_all_single(gi, g.contiguous(), in_splits, out_splits)
+        return gi, None, None
+
+
+class AllGather(torch.autograd.Function):
+    """all_gather_into_tensor along rows; backward: reduce-scatter (sum) of the gradient"""
+
+    @staticmethod
+    def forward(ctx, x, world):
+        ctx.world = world
+        out = x.new_empty(world * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gi = g.new_empty(g.shape[0] // ctx.world, *g.shape[1:])
+        dist.reduce_scatter_tensor(gi, g.contiguous())
+        return gi, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """reduce_scatter_tensor (sum) along rows; backward: all-gather of the gradient"""
+
+    @staticmethod
+    def forward(ctx, x, world):
+        ctx.world = world
+        out = x.new_empty(x.shape[0] // world, *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gi = g.new_empty(ctx.world * g.shape[0], *g.shape[1:])
+        dist.all_gather_into_tensor(gi, g.contiguous())
+        return gi, None
+
+
+def inverse(perm):
+    """the inverse of a permutation (index_select by it undoes index_select by perm, with autograd)"""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def rel_err(got, want):
+    """||got - want|| / ||want|| in fp64 (0 when both are 0)"""
+    got, want = got.double(), want.double()
+    den = want.norm()
+    return float((got - want).norm() / den) if den > 0 else float((got - want).norm())
 
 
 def routing(gen, t, e_num, topk, skew, zero, device):
@@ -91,6 +183,8 @@ class Layer:
         self.w1 = torch.cat([gate, up], dim=1).contiguous()              # (E_local, 2F/TP, H)
         self.w2 = self.w2_full[e0:e0 + self.el, :, s0:s0 + self.fl].contiguous()  # (E_local, H, F/TP)
         self.gemm_events = None
+        self.train = False  # forward_train: the communication through the autograd Functions above
+        self.loop = device.type != "cuda"  # torch._grouped_mm's backward does not run on the CPU
 
     def experts(self, rows, counts):
         """Grouped GEMM0 + gated SiLU + grouped GEMM1 over rows grouped by local expert.
@@ -103,15 +197,127 @@ class Layer:
         ev = self.gemm_events
         if ev is not None:
             ev[0].record()
-        g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
-        a = F.silu(g[:, :self.fl]) * g[:, self.fl:]
-        o = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
+        if self.loop:  # --device cpu: one matmul per expert
+            bounds = [0] + offs.tolist()
+            outs = []
+            for e in range(len(bounds) - 1):
+                r = rows[bounds[e]:bounds[e + 1]]
+                g = r @ self.w1[e].t()
+                outs.append((F.silu(g[:, :self.fl]) * g[:, self.fl:]) @ self.w2[e].t())
+            o = torch.cat(outs) if outs else rows.new_empty(0, self.hidden)
+        else:
+            g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
+            a = F.silu(g[:, :self.fl]) * g[:, self.fl:]
+            o = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
         if ev is not None:
             ev[1].record()
         return o
 
     def forward(self, x, idx, w):
+        if self.train:
+            return self.forward_ep_train(x, idx, w) if self.tp == 1 else self.forward_tp_train(x, idx, w)
         return self.forward_ep(x, idx, w) if self.tp == 1 else self.forward_tp(x, idx, w)
+
+    def forward_ep_train(self, x, idx, w):
+        """forward_ep with autograd: the same steps, the all-to-alls through AllToAll, the scatters as
+        index_select by the inverse permutation"""
+        t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        x_perm = x.index_select(0, order // k)
+        counts = torch.bincount(flat, minlength=self.e_num)
+        if wsz == 1:
+            back = self.experts(x_perm, counts)
+        else:
+            counts_recv = torch.empty_like(counts)
+            dist.all_to_all_single(counts_recv, counts)
+            splits = torch.stack([counts.view(wsz, el).sum(1), counts_recv.view(wsz, el).sum(1)]).cpu()  # host sync
+            send, recv_n = splits[0].tolist(), splits[1].tolist()
+            recv = AllToAll.apply(x_perm, recv_n, send)
+            chunk = torch.repeat_interleave(torch.arange(wsz * el, device=x.device), counts_recv,
+                                            output_size=recv.shape[0])
+            perm2 = torch.argsort((chunk % el) * wsz + chunk // el, stable=True)
+            o = self.experts(recv.index_select(0, perm2), counts_recv.view(wsz, el).sum(0))
+            back = AllToAll.apply(o.index_select(0, inverse(perm2)), send, recv_n)
+        slots = back.index_select(0, inverse(order))
+        return (slots.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+
+    def forward_tp_train(self, x, idx, w):
+        """forward_tp with autograd: x and topk_w all-gathered through AllGather (backward: reduce-scatter),
+        y reduce-scattered through ReduceScatter (backward: all-gather)"""
+        t, k, wsz = x.shape[0], self.topk, self.world
+        x_all = AllGather.apply(x, wsz)
+        w_all = AllGather.apply(w, wsz)
+        idx_all = idx.new_empty(wsz * t, k)
+        dist.all_gather_into_tensor(idx_all, idx)
+        flat = idx_all.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.el)
+        o = self.experts(x_all.index_select(0, order // k), counts)
+        slots = o.index_select(0, inverse(order))
+        part = (slots.view(wsz * t, k, -1).float() * w_all.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+        return ReduceScatter.apply(part, wsz)
+
+    def step(self, x, idx, w, dy, events=None):
+        """one training step: y = forward (autograd), y.backward(dy); the gradients of x, topk_w (fp32),
+        w1, w2 (bf16) written (the parameters' set to None first). events: three CUDA events recorded
+        before the forward, between, after the backward"""
+        self.w1.grad = self.w2.grad = None
+        x = x.detach().requires_grad_()
+        w = w.detach().requires_grad_()
+        if events:
+            events[0].record()
+        y = self.forward(x, idx, w)
+        if events:
+            events[1].record()
+        y.backward(dy)
+        if events:
+            events[2].record()
+        return y, x.grad, w.grad
+
+    def check_train(self, x, idx, w, dy, n=8):
+        """one step on n sampled tokens of every rank against an fp32 autograd evaluation of those tokens
+        (every rank's, all-gathered; each expert they use as fp32 leaves): relative errors (norm) of y,
+        dx, d_topk_w and this rank's dw1, dw2 slices"""
+        pick = torch.linspace(0, x.shape[0] - 1, n, device=x.device).long()
+        xs, idxs, ws, dys = x[pick].contiguous(), idx[pick].contiguous(), w[pick].contiguous(), dy[pick].contiguous()
+        y, dx, dtw = self.step(xs, idxs, ws, dys)
+        dw1, dw2 = self.w1.grad.float(), self.w2.grad.float()
+        self.w1.grad = self.w2.grad = None
+
+        def gather(v):
+            if self.world == 1:
+                return v
+            out = v.new_empty(self.world * v.shape[0], *v.shape[1:])
+            dist.all_gather_into_tensor(out, v)
+            return out
+
+        gx, gidx, gw, gdy = gather(xs), gather(idxs), gather(ws), gather(dys)
+        fx = gx.float().requires_grad_()
+        fw = gw.float().requires_grad_()
+        f, s0, h = self.ffn, self.tp_rank * self.fl, self.hidden
+        y_ref = torch.zeros(fx.shape[0], h, device=x.device)
+        leaves = {}
+        for e in torch.unique(gidx).tolist():
+            tok, slot = (gidx == e).nonzero(as_tuple=True)
+            w1e = self.w1_full[e].float().requires_grad_()
+            w2e = self.w2_full[e].float().requires_grad_()
+            leaves[e] = (w1e, w2e)
+            g = fx[tok] @ w1e.t()
+            o = (F.silu(g[:, :f]) * g[:, f:]) @ w2e.t()
+            y_ref = y_ref.index_add(0, tok, fw[tok, slot].unsqueeze(-1) * o)
+        (y_ref * gdy.float()).sum().backward()
+        lo = self.rank * xs.shape[0]
+        mine = slice(lo, lo + xs.shape[0])
+        dw1_ref, dw2_ref = torch.zeros_like(dw1), torch.zeros_like(dw2)
+        e0 = self.ep_rank * self.el
+        for e, (w1e, w2e) in leaves.items():
+            if e0 <= e < e0 + self.el:
+                g1 = w1e.grad
+                dw1_ref[e - e0] = torch.cat([g1[s0:s0 + self.fl], g1[f + s0:f + s0 + self.fl]])
+                dw2_ref[e - e0] = w2e.grad[:, s0:s0 + self.fl]
+        return {"y": rel_err(y.detach().float(), y_ref[mine].detach()), "dx": rel_err(dx.float(), fx.grad[mine]),
+                "d_topk_w": rel_err(dtw, fw.grad[mine]), "dw1": rel_err(dw1, dw1_ref), "dw2": rel_err(dw2, dw2_ref)}
 
     def forward_ep(self, x, idx, w):
         t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
@@ -174,14 +380,18 @@ class Layer:
         return float((got - want).norm() / want.norm())
 
 
-def median_max_over_ranks(times, world):
-    t = torch.tensor(times, device="cuda")
+def median_max_over_ranks(times, world, device="cuda"):
+    t = torch.tensor(times, device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
 
 
 def describe(world):
+    if not torch.cuda.is_available():
+        return {"gpu": "cpu", "gpus": world, "sms": 0, "driver": "none", "cuda": "none", "torch": torch.__version__,
+                "nccl": "none", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "commit": os.environ.get("COMET_COMMIT", "unknown")}
     props = torch.cuda.get_device_properties(0)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -195,14 +405,76 @@ def describe(world):
             "commit": os.environ.get("COMET_COMMIT", "unknown")}
 
 
+class WallEvent:
+    """torch.cuda.Event's record / elapsed_time by the wall clock (--device cpu)"""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self):
+        pass
+
+
+def train_one(args, layer, name, m, sets, rank, world, device):
+    """--train: one configuration's training steps (the check first), its record"""
+    hidden, ffn, topk = layer.hidden, layer.ffn, layer.topk
+    cuda = device.type == "cuda"
+    layer.train = True
+    layer.w1.requires_grad_(True)
+    layer.w2.requires_grad_(True)
+    dys = []
+    for s, (x, _, _) in enumerate(sets):
+        gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + 500 + rank)
+        dys.append(torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16))
+    errs = layer.check_train(*sets[0], dys[0])
+    for i in range(args.warmup):
+        layer.step(*sets[i % len(sets)], dys[i % len(sets)])
+    fwd, bwd, step = [], [], []
+    for i in range(args.iters):
+        ev = [torch.cuda.Event(enable_timing=True) if cuda else WallEvent() for _ in range(3)]
+        layer.step(*sets[i % len(sets)], dys[i % len(sets)], events=ev)
+        ev[2].synchronize()
+        fwd.append(ev[0].elapsed_time(ev[1]))
+        bwd.append(ev[1].elapsed_time(ev[2]))
+        step.append(ev[0].elapsed_time(ev[2]))
+    layer.w1.grad = layer.w2.grad = None
+    layer.w1.requires_grad_(False)
+    layer.w2.requires_grad_(False)
+    layer.train = False
+    fwd_ms, bwd_ms = median_max_over_ranks(fwd, world, device), median_max_over_ranks(bwd, world, device)
+    ms = median_max_over_ranks(step, world, device)
+    flops = 3 * 2.0 * m * topk * hidden * ffn * 3 / world  # per GPU: 3x the forward's
+    grad_err = max(errs[g] for g in ("dx", "d_topk_w", "dw1", "dw2"))
+    rec = {"model": name, "M": m, "tp": layer.tp, "ep": layer.ep, "topk": topk, "experts": layer.e_num,
+           "hidden": hidden, "ffn": ffn, "skew": args.skew, "zero_experts": args.zero_experts, "train": True,
+           "ms": ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "tflops": flops / (ms * 1e9),
+           "check_rel_err": errs["y"], "grad_rel_err": grad_err, "grad_rel_errs": errs,
+           "iters": args.iters, "warmup": args.warmup}
+    if rank == 0:
+        print(f"{name:14s} M={m:6d} TP={layer.tp} EP={layer.ep}  train: forward {fwd_ms:8.3f} ms  backward "
+              f"{bwd_ms:8.3f} ms  step {ms:8.3f} ms ({rec['tflops']:6.1f} TFLOP/s)  check rel err y {errs['y']:.2e}, "
+              + ", ".join(f"{g} {errs[g]:.2e}" for g in ("dx", "d_topk_w", "dw1", "dw2")), flush=True)
+    assert errs["y"] < 2e-2, f"{name} M={m}: y's relative error {errs['y']} against the fp32 evaluation"
+    assert grad_err < 5e-2, f"{name} M={m}: gradients' relative errors {errs} against the fp32 autograd evaluation"
+    return rec
+
+
 def main():
     args = parse()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    if world > 1:
-        dist.init_process_group("nccl", device_id=device)
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        if world > 1:
+            dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:
+            dist.init_process_group("gloo")
     tp = args.tp or (world // args.ep if args.ep else 1)  # default: EP over all GPUs
     ep = world // tp
     assert tp * ep == world, f"tp*ep = {tp}*{ep} != world size {world}"
@@ -211,6 +483,7 @@ def main():
     for name in args.models.split(","):
         hidden, ffn, e_num, topk = MODELS[name]
         e_num, topk = args.experts or e_num, args.topk or topk
+        hidden, ffn = hidden // args.scale, ffn // args.scale
         layer = Layer((hidden, ffn, e_num, topk, tp, ep), rank, world, device)
         for m in [int(v) for v in args.tokens.split(",")]:
             t = m // world
@@ -220,6 +493,9 @@ def main():
                 x = torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16)
                 idx, w = routing(gen, t, e_num, topk, args.skew, args.zero_experts, device)
                 sets.append((x, idx, w))
+            if args.train:
+                records.append(train_one(args, layer, name, m, sets, rank, world, device))
+                continue
             y = layer.forward(*sets[0])
             err = layer.check(*sets[0], y)
             for i in range(args.warmup):

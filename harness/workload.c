@@ -432,6 +432,8 @@ typedef struct {
     int warmup;     /* the untimed calls before the timed ones */
     int marks;      /* this rank calls run->timed (the first this process runs) */
     int timing;     /* run->timed(ctx, 0) was called, (ctx, 1) not yet */
+    double *ms_f, *ms_b;      /* train: [repeats] this rank's forward and backward per step */
+    struct train_ctx *train;  /* train: the dy, the gradient check's sample and reference */
 } rank_job_t;
 
 /* run->timed around the timed calls (rank_job_t.marks): before call i when it is the first timed one, and
@@ -447,6 +449,13 @@ static void mark_timed(rank_job_t *job, int i) {
 static void note_progress(rank_job_t *job, int i) {
     comet_run_t *run = job->run;
     if (run->progress && job->marks) run->progress(run->progress_ctx, i, run->repeats);
+}
+
+/* A tensor's elements. */
+static size_t tensor_elems(const comet_tensor_t *ts) {
+    size_t n = 1;
+    for (int dim = 0; dim < ts->ndim; dim++) n *= (size_t)ts->shape[dim];
+    return n;
 }
 
 static double wall_ms(void) {
@@ -489,6 +498,195 @@ static comet_status_t full_forward_first(comet_layer_t *layer, comet_forward_arg
     comet_status_t st = comet_layer_forward(layer, a);
     if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
     a->disable = keep;
+    return st;
+}
+
+
+/* ---- training steps (comet_run_t.train) ------------------------------------ */
+
+/* What the steps of a run share: every rank's dy, and the gradient check's
+ * sample (its tokens' inputs, dy rows and the reference's gradients), made
+ * by the runner's thread before the rank threads start; each rank thread
+ * compares its own gradients into out[rank]. */
+typedef struct train_ctx {
+    uint16_t *dy[64];                 /* (T, H) each rank's dy of the timed steps */
+    int64_t n[64];                    /* sampled tokens of each rank */
+    uint16_t *sx[64], *sdy[64];       /* (n, H) */
+    int32_t *sidx[64];                /* (n, topk) */
+    float *sw[64];
+    uint16_t *rdx[64], *rdw1[64], *rdw2[64]; /* the reference's gradients of the sample */
+    float *rdtw[64];
+    struct comet_train_check out[64];
+} train_ctx_t;
+
+static void train_ctx_free(train_ctx_t *c, int w) {
+    if (!c) return;
+    for (int s = 0; s < w; s++) {
+        free(c->dy[s]), free(c->sx[s]), free(c->sdy[s]), free(c->sidx[s]), free(c->sw[s]);
+        free(c->rdx[s]), free(c->rdw1[s]), free(c->rdw2[s]), free(c->rdtw[s]);
+    }
+    free(c);
+}
+
+static float grad_val(const void *a, int64_t i, int fp32) {
+    return fp32 ? ((const float *)a)[i] : comet_bf16_to_f32(((const uint16_t *)a)[i]);
+}
+
+/* Gradient k of the check (train_check's index): rows of n elements of got
+ * against ref (bf16, or fp32), counted into *c. */
+static void grad_compare(struct comet_train_check *c, int k, const void *got, const void *ref, int64_t rows, int64_t n,
+                         int fp32) {
+    for (int64_t r = 0; r < rows; r++) {
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const double e = grad_val(ref, r * n + i, fp32);
+            ss += e * e;
+        }
+        const double rms = sqrt(ss / (double)(n > 0 ? n : 1));
+        for (int64_t i = 0; i < n; i++) {
+            const float g = grad_val(got, r * n + i, fp32), e = grad_val(ref, r * n + i, fp32);
+            const double err = fabs((double)g - (double)e);
+            c->elements[k]++;
+            c->differ[k] += fp32 ? memcmp(&g, &e, 4) != 0
+                                 : ((const uint16_t *)got)[r * n + i] != ((const uint16_t *)ref)[r * n + i];
+            c->wrong[k] += !(err <= 8.0 * fabs(e) / 128.0 + 0.02 * rms); /* NaN is wrong */
+            if (rms > 0 && !(err / rms <= c->worst[k])) c->worst[k] = isnan(err) ? INFINITY : err / rms;
+        }
+    }
+}
+
+/* The runner's part before the rank threads: every rank's dy, and with
+ * run->train_sample the sampled tokens and comet_reference_backward over
+ * them (every rank's: the reference needs them all, also where this
+ * process runs one). */
+static comet_status_t train_prepare(const comet_problem_t *p, const comet_run_t *run, train_ctx_t **out) {
+    const int w = p->world_size;
+    const int64_t hd = p->cfg.hidden, k = p->cfg.topk;
+    train_ctx_t *c = calloc(1, sizeof *c);
+    comet_backward_args_t *ref = calloc((size_t)w, sizeof *ref);
+    comet_status_t st = c && ref ? COMET_SUCCESS : comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
+    for (int s = 0; st == COMET_SUCCESS && s < w; s++) {
+        const int64_t t = p->tokens[s];
+        comet_rng_t rng = {0x6772616473ull + 7919ull * (uint64_t)s}; /* "grads": dy, the same every run */
+        c->dy[s] = alloc_n(t * hd, 2);
+        if (!c->dy[s]) {
+            st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory for dy");
+            break;
+        }
+        fill_bf16(c->dy[s], t * hd, 1.0, &rng);
+        if (!run->train_sample) continue;
+        const int64_t n = c->n[s] = run->train_sample < 0 || run->train_sample >= t ? t : run->train_sample;
+        const comet_forward_args_t *fa = &p->args[s];
+        const size_t n1 = tensor_elems(&fa->w1), n2 = tensor_elems(&fa->w2);
+        c->sx[s] = alloc_n(n * hd, 2), c->sdy[s] = alloc_n(n * hd, 2), c->rdx[s] = alloc_n(n * hd, 2);
+        c->sidx[s] = alloc_n(n * k, 4), c->sw[s] = alloc_n(n * k, 4), c->rdtw[s] = alloc_n(n * k, 4);
+        c->rdw1[s] = alloc_n((int64_t)n1, 2), c->rdw2[s] = alloc_n((int64_t)n2, 2);
+        if (!c->sx[s] || !c->sdy[s] || !c->rdx[s] || !c->sidx[s] || !c->sw[s] || !c->rdtw[s] || !c->rdw1[s] ||
+            !c->rdw2[s]) {
+            st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory for the gradient check");
+            break;
+        }
+        for (int64_t i = 0; i < n; i++) { /* evenly spaced, first and last included (comet_problem_check's) */
+            const int64_t tok = n == t ? i : n == 1 ? 0 : i * (t - 1) / (n - 1);
+            memcpy(c->sx[s] + i * hd, p->x[s] + tok * hd, (size_t)hd * 2);
+            memcpy(c->sdy[s] + i * hd, c->dy[s] + tok * hd, (size_t)hd * 2);
+            memcpy(c->sidx[s] + i * k, p->topk_idx[s] + tok * k, (size_t)k * 4);
+            memcpy(c->sw[s] + i * k, p->topk_w[s] + tok * k, (size_t)k * 4);
+        }
+        comet_backward_args_t a = COMET_BACKWARD_ARGS_INIT;
+        a.x = comet_tensor_2d(c->sx[s], COMET_DTYPE_BF16, n, hd);
+        a.topk_idx = comet_tensor_2d(c->sidx[s], COMET_DTYPE_INT32, n, k);
+        a.topk_w = comet_tensor_2d(c->sw[s], COMET_DTYPE_FP32, n, k);
+        a.w1 = fa->w1, a.w2 = fa->w2;
+        a.dy = comet_tensor_2d(c->sdy[s], COMET_DTYPE_BF16, n, hd);
+        a.dx = comet_tensor_2d(c->rdx[s], COMET_DTYPE_BF16, n, hd);
+        a.d_topk_w = comet_tensor_2d(c->rdtw[s], COMET_DTYPE_FP32, n, k);
+        a.dw1 = fa->w1, a.dw1.data = c->rdw1[s];
+        a.dw2 = fa->w2, a.dw2.data = c->rdw2[s];
+        ref[s] = a;
+    }
+    if (st == COMET_SUCCESS && run->train_sample) st = comet_reference_backward(&p->cfg, w, ref);
+    free(ref);
+    if (st != COMET_SUCCESS) {
+        train_ctx_free(c, w);
+        c = NULL;
+    }
+    *out = c;
+    return st;
+}
+
+/* The forward and backward arguments of a step of rank r on n tokens. */
+static void train_args(const comet_forward_args_t *fa, int save, int64_t n, comet_forward_args_t *f,
+                       comet_backward_args_t *b) {
+    const int64_t hd = fa->x.shape[1], k = fa->topk_idx.shape[1];
+    *f = *fa;
+    f->x.shape[0] = f->y.shape[0] = f->topk_idx.shape[0] = f->topk_w.shape[0] = n;
+    f->save = save;
+    *b = (comet_backward_args_t)COMET_BACKWARD_ARGS_INIT;
+    b->x = f->x, b->topk_idx = f->topk_idx, b->topk_w = f->topk_w, b->w1 = f->w1, b->w2 = f->w2;
+    b->dy = comet_tensor_2d(NULL, COMET_DTYPE_BF16, n, hd);
+    b->dx = comet_tensor_2d(NULL, COMET_DTYPE_BF16, n, hd);
+    b->d_topk_w = comet_tensor_2d(NULL, COMET_DTYPE_FP32, n, k);
+    b->dw1 = f->w1, b->dw2 = f->w2; /* bf16, the weights' shapes */
+    b->save = save;
+    b->stream = f->stream, b->n_comm = f->n_comm;
+}
+
+/* The slowest rank gets its medians in comet_problem_run; this is one step.
+ * CPU engine: host buffers, wall clock. */
+static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, const comet_forward_args_t *a) {
+    comet_problem_t *p = job->p;
+    comet_run_t *run = job->run;
+    train_ctx_t *c = job->train;
+    const int r = job->rank, save = run->train;
+    const int64_t t = p->tokens[r], hd = p->cfg.hidden, k = p->cfg.topk;
+    const size_t n1 = tensor_elems(&a->w1), n2 = tensor_elems(&a->w2);
+    size_t sb = 0;
+    comet_status_t st = comet_layer_saved_bytes(layer, save, &sb);
+    const size_t sb16 = (sb + 15) / 16 * 16;
+    void *saved = sb16 ? aligned_alloc(16, sb16) : NULL;
+    uint16_t *dx = alloc_n(t * hd, 2), *dw1 = alloc_n((int64_t)n1 + 8, 2), *dw2 = alloc_n((int64_t)n2 + 8, 2);
+    float *dtw = alloc_n(t * k, 4);
+    if (st == COMET_SUCCESS && (!dx || !dw1 || !dw2 || !dtw || (sb16 && !saved)))
+        st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: runner: no memory for the training step", r);
+    comet_forward_args_t f;
+    comet_backward_args_t b;
+    if (st == COMET_SUCCESS && c->n[r] >= 0 && run->train_sample) { /* the gradient check, once */
+        const int64_t n = c->n[r];
+        uint16_t *y = alloc_n(n * hd, 2);
+        train_args(a, save, n, &f, &b);
+        f.x.data = b.x.data = c->sx[r], f.topk_idx.data = b.topk_idx.data = c->sidx[r];
+        f.topk_w.data = b.topk_w.data = c->sw[r], f.y.data = y;
+        f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb16}};
+        b.dy.data = c->sdy[r], b.dx.data = dx, b.d_topk_w.data = dtw, b.dw1.data = dw1, b.dw2.data = dw2;
+        st = y ? comet_layer_forward(layer, &f) : comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
+        if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
+        free(y);
+        if (st == COMET_SUCCESS) {
+            struct comet_train_check *o = &c->out[r];
+            o->tokens = n;
+            grad_compare(o, 0, dx, c->rdx[r], n, hd, 0);
+            grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1);
+            grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0);
+            grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0);
+        }
+    }
+    train_args(a, save, t, &f, &b);
+    f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb16}};
+    b.dy.data = c->dy[r], b.dx.data = dx, b.d_topk_w.data = dtw, b.dw1.data = dw1, b.dw2.data = dw2;
+    for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
+        note_progress(job, i);
+        mark_timed(job, i);
+        const double t0 = wall_ms();
+        st = comet_layer_forward(layer, &f);
+        const double t1 = wall_ms();
+        if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
+        const double t2 = wall_ms();
+        job->ms[i] = t2 - t0, job->ms_f[i] = t1 - t0, job->ms_b[i] = t2 - t1;
+    }
+    if (st == COMET_SUCCESS) note_progress(job, run->repeats);
+    mark_timed(job, -1);
+    free(saved), free(dx), free(dw1), free(dw2), free(dtw);
     return st;
 }
 
@@ -657,6 +855,143 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
         st = comet_fail(COMET_ERR_CUDA, "rank %d: runner: %s", r, cudaGetErrorString(e));
     return st;
 }
+
+/* Training steps on a GPU (comet_run_t.train): as rank_cuda's timed calls,
+ * each call the training forward then the backward, events before, between
+ * and after; before them, the gradient check on the sample (set 0's buffers,
+ * its real rows uploaded again after). dw1 and dw2 compared expert by
+ * expert, so the host holds one expert's copy at a time. */
+static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, const comet_forward_args_t *a0) {
+    comet_problem_t *p = job->p;
+    comet_run_t *run = job->run;
+    train_ctx_t *c = job->train;
+    const int r = job->rank, save = run->train;
+    const int64_t t = p->tokens[r], hd = p->cfg.hidden, k = p->cfg.topk;
+    const int nsets = run->input_sets < 1 ? 1 : run->input_sets > COMET_MAX_INPUT_SETS ? COMET_MAX_INPUT_SETS
+                                                                                        : run->input_sets;
+    typedef struct {
+        input_set_t in;
+        void *dy, *dx, *dtw;
+    } train_set_t;
+    train_set_t sets[COMET_MAX_INPUT_SETS];
+    memset(sets, 0, sizeof sets);
+    void *w1 = NULL, *w2 = NULL, *dw1 = NULL, *dw2 = NULL, *saved = NULL;
+    cudaStream_t stream = NULL;
+    cudaEvent_t ev[3] = {NULL, NULL, NULL};
+    comet_status_t st = COMET_SUCCESS;
+    size_t sb = 0;
+    cudaError_t e = cudaSetDevice(comet_world_device(job->world, r));
+    if (e == cudaSuccess) e = cudaStreamCreate(&stream);
+    for (int i = 0; i < 3 && e == cudaSuccess; i++) e = cudaEventCreate(&ev[i]);
+    const size_t w1_bytes = tensor_bytes(&a0->w1, 2), w2_bytes = tensor_bytes(&a0->w2, 2);
+    const size_t x_bytes = (size_t)(t * hd) * 2, rk_bytes = (size_t)(t * k) * 4;
+    if (e == cudaSuccess) st = comet_layer_saved_bytes(layer, save, &sb);
+    if (e == cudaSuccess) e = cudaMalloc(&w1, w1_bytes ? w1_bytes : 1);
+    if (e == cudaSuccess) e = cudaMemcpy(w1, a0->w1.data, w1_bytes, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaMalloc(&w2, w2_bytes ? w2_bytes : 1);
+    if (e == cudaSuccess) e = cudaMemcpy(w2, a0->w2.data, w2_bytes, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaMalloc(&dw1, w1_bytes ? w1_bytes : 1);
+    if (e == cudaSuccess) e = cudaMalloc(&dw2, w2_bytes ? w2_bytes : 1);
+    if (e == cudaSuccess) e = cudaMalloc(&saved, sb ? sb : 1); /* cudaMalloc: 256-byte aligned */
+    const comet_tensor_t dy_host = comet_tensor_2d(c->dy[r], COMET_DTYPE_BF16, t, hd);
+    for (int s = 0; s < nsets && e == cudaSuccess; s++) {
+        train_set_t *ts = &sets[s];
+        ts->in.shift = s;
+        if (e == cudaSuccess) e = cudaMalloc(&ts->in.x, x_bytes ? x_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->in.idx, rk_bytes ? rk_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->in.w, rk_bytes ? rk_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->in.y, x_bytes ? x_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->dy, x_bytes ? x_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->dx, x_bytes ? x_bytes : 1);
+        if (e == cudaSuccess) e = cudaMalloc(&ts->dtw, rk_bytes ? rk_bytes : 1);
+        if (e == cudaSuccess) e = upload_rotated(ts->in.x, &a0->x, 2, s);
+        if (e == cudaSuccess) e = upload_rotated(ts->in.idx, &a0->topk_idx, 4, s);
+        if (e == cudaSuccess) e = upload_rotated(ts->in.w, &a0->topk_w, 4, s);
+        if (e == cudaSuccess) e = upload_rotated(ts->dy, &dy_host, 2, s);
+        if (e == cudaSuccess) e = cudaMemset(ts->in.y, 0xff, x_bytes);
+    }
+    comet_forward_args_t f;
+    comet_backward_args_t b;
+    if (e == cudaSuccess && st == COMET_SUCCESS && run->train_sample) { /* the gradient check, once, on set 0 */
+        const int64_t n = c->n[r];
+        train_set_t *ts = &sets[0];
+        train_args(a0, save, n, &f, &b);
+        f.w1.data = b.w1.data = w1, f.w2.data = b.w2.data = w2;
+        f.x.data = b.x.data = ts->in.x, f.topk_idx.data = b.topk_idx.data = ts->in.idx;
+        f.topk_w.data = b.topk_w.data = ts->in.w, f.y.data = ts->in.y;
+        f.stream = b.stream = stream;
+        f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb}};
+        b.dy.data = ts->dy, b.dx.data = ts->dx, b.d_topk_w.data = ts->dtw, b.dw1.data = dw1, b.dw2.data = dw2;
+        e = cudaMemcpy(ts->in.x, c->sx[r], (size_t)(n * hd) * 2, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaMemcpy(ts->in.idx, c->sidx[r], (size_t)(n * k) * 4, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaMemcpy(ts->in.w, c->sw[r], (size_t)(n * k) * 4, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaMemcpy(ts->dy, c->sdy[r], (size_t)(n * hd) * 2, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) st = comet_layer_forward(layer, &f);
+        if (e == cudaSuccess && st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
+        if (e == cudaSuccess && st == COMET_SUCCESS) st = comet_layer_sync(layer);
+        const int64_t el = a0->w1.shape[0], e1n = a0->w1.shape[1] * hd, e2n = hd * a0->w2.shape[2];
+        void *host = malloc((size_t)(n * hd > e1n ? (n * hd > e2n ? n * hd : e2n) : (e1n > e2n ? e1n : e2n)) * 2 +
+                            (size_t)(n * k) * 4 + 16);
+        if (!host && e == cudaSuccess && st == COMET_SUCCESS)
+            st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: runner: no memory for the gradient check", r);
+        struct comet_train_check *o = &c->out[r];
+        o->tokens = n;
+        if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dx, (size_t)(n * hd) * 2, cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 0, host, c->rdx[r], n, hd, 0);
+        if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dtw, (size_t)(n * k) * 4, cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 1, host, c->rdtw[r], 1, n * k, 1);
+        for (int64_t x = 0; x < el && e == cudaSuccess && st == COMET_SUCCESS; x++) {
+            e = cudaMemcpy(host, (const uint16_t *)dw1 + x * e1n, (size_t)e1n * 2, cudaMemcpyDeviceToHost);
+            if (e == cudaSuccess) grad_compare(o, 2, host, c->rdw1[r] + x * e1n, e1n / hd, hd, 0);
+            if (e == cudaSuccess) e = cudaMemcpy(host, (const uint16_t *)dw2 + x * e2n, (size_t)e2n * 2, cudaMemcpyDeviceToHost);
+            if (e == cudaSuccess) grad_compare(o, 3, host, c->rdw2[r] + x * e2n, hd, a0->w2.shape[2], 0);
+        }
+        free(host);
+        /* set 0's own rows again */
+        if (e == cudaSuccess) e = upload_rotated(ts->in.x, &a0->x, 2, 0);
+        if (e == cudaSuccess) e = upload_rotated(ts->in.idx, &a0->topk_idx, 4, 0);
+        if (e == cudaSuccess) e = upload_rotated(ts->in.w, &a0->topk_w, 4, 0);
+        if (e == cudaSuccess) e = upload_rotated(ts->dy, &dy_host, 2, 0);
+    }
+    train_args(a0, save, t, &f, &b);
+    f.w1.data = b.w1.data = w1, f.w2.data = b.w2.data = w2;
+    f.stream = b.stream = stream;
+    f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb}};
+    b.dw1.data = dw1, b.dw2.data = dw2;
+    const input_set_t *last = &sets[0].in;
+    for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < run->repeats; i++) {
+        const train_set_t *ts = &sets[i % nsets];
+        last = &ts->in;
+        f.x.data = b.x.data = ts->in.x, f.topk_idx.data = b.topk_idx.data = ts->in.idx;
+        f.topk_w.data = b.topk_w.data = ts->in.w, f.y.data = ts->in.y;
+        b.dy.data = ts->dy, b.dx.data = ts->dx, b.d_topk_w.data = ts->dtw;
+        note_progress(job, i);
+        mark_timed(job, i);
+        cudaEventRecord(ev[0], stream);
+        st = comet_layer_forward(layer, &f);
+        cudaEventRecord(ev[1], stream);
+        if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
+        cudaEventRecord(ev[2], stream);
+        if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
+        float fwd = 0, bwd = 0;
+        cudaEventElapsedTime(&fwd, ev[0], ev[1]);
+        cudaEventElapsedTime(&bwd, ev[1], ev[2]);
+        job->ms_f[i] = fwd, job->ms_b[i] = bwd, job->ms[i] = (double)fwd + (double)bwd;
+    }
+    if (e == cudaSuccess && st == COMET_SUCCESS) note_progress(job, run->repeats);
+    mark_timed(job, -1);
+    if (e == cudaSuccess && st == COMET_SUCCESS) e = y_back(p, r, last);
+    for (int s = 0; s < nsets; s++)
+        cudaFree(sets[s].in.x), cudaFree(sets[s].in.idx), cudaFree(sets[s].in.w), cudaFree(sets[s].in.y),
+            cudaFree(sets[s].dy), cudaFree(sets[s].dx), cudaFree(sets[s].dtw);
+    cudaFree(w1), cudaFree(w2), cudaFree(dw1), cudaFree(dw2), cudaFree(saved);
+    for (int i = 0; i < 3; i++)
+        if (ev[i]) cudaEventDestroy(ev[i]);
+    if (stream) cudaStreamDestroy(stream);
+    if (e != cudaSuccess && st == COMET_SUCCESS)
+        st = comet_fail(COMET_ERR_CUDA, "rank %d: runner: %s", r, cudaGetErrorString(e));
+    return st;
+}
 #endif
 
 static void *rank_main(void *arg) {
@@ -670,6 +1005,15 @@ static void *rank_main(void *arg) {
     if (job->rank < 64 && run->n_comm_of_rank[job->rank]) a.n_comm = run->n_comm_of_rank[job->rank];
     if (run->chunk_cols) a.chunk_cols = run->chunk_cols;
     if (run->disable) a.disable = run->disable;
+    if (run->train) {
+#ifdef COMET_WITH_CUDA
+        if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA)
+            st = rank_train_cuda(job, layer, &a);
+        else
+#endif
+            if (st == COMET_SUCCESS)
+            st = rank_train_cpu(job, layer, &a);
+    } else
 #ifdef COMET_WITH_CUDA
     if (st == COMET_SUCCESS && comet_world_backend(job->world) == COMET_BACKEND_CUDA) {
         if (run->trace) st = comet_layer_set_trace(layer, run->trace); /* each sync keeps the latest call */
@@ -736,26 +1080,43 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "runner: pipelined calls need no graph, no interleave and at most %d calls (%d)",
                           COMET_MAX_INPUT_SETS, run->repeats);
+    if (run->train && (run->train != COMET_SAVE_ACTIVATIONS && run->train != COMET_SAVE_RECOMPUTE))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "runner: train is COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE (%d)",
+                          run->train);
+    if (run->train && (run->disable || run->interleave || run->graph || run->pipeline || run->compare_repeats))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
+                          "runner: training steps take no disable, interleave, graph, pipeline or compare_repeats");
+    run->ms_fwd = run->ms_bwd = 0;
+    memset(&run->train_check, 0, sizeof run->train_check);
+    train_ctx_t *tc = NULL;
+    if (run->train) {
+        const comet_status_t ts = train_prepare(p, run, &tc);
+        if (ts != COMET_SUCCESS) return ts;
+    }
     memset(run->repeats_differ, 0, sizeof run->repeats_differ);
     pthread_t th[64];
     rank_job_t jobs[64];
-    double *ms = calloc((size_t)(w * run->repeats), sizeof(double));
+    double *ms = calloc((size_t)(3 * w * run->repeats), sizeof(double)); /* step; train: forward, backward */
     double *slowest = calloc((size_t)run->repeats, sizeof(double));
     double *side_ms = calloc((size_t)run->repeats, sizeof(double)); /* one side's calls (interleave) */
     if (!ms || !slowest || !side_ms) {
         free(ms), free(slowest), free(side_ms);
+        train_ctx_free(tc, w);
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "runner: no memory");
     }
+    double *ms_f = ms + w * run->repeats, *ms_b = ms + 2 * w * run->repeats;
     /* a world spread over processes runs only the rank it holds here */
     const int local = comet_world_local_rank(world), first = local >= 0 ? local : 0, last = local >= 0 ? local : w - 1;
     if (run->graph && local >= 0 && w > 1) {
         free(ms), free(slowest), free(side_ms);
+        train_ctx_free(tc, w);
         return comet_fail(COMET_ERR_UNSUPPORTED, "runner: graph replay needs every rank in this process");
     }
     agree_t ag = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, last - first + 1, 0, 0};
     int started = first;
     for (; started <= last; started++) {
-        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0, warmup, started == first, 0};
+        jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0, warmup, started == first, 0,
+                                     ms_f + started * run->repeats, ms_b + started * run->repeats, tc};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
     }
     if (started <= last) { /* the threads that did not start will never arrive */
@@ -767,9 +1128,33 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     for (int s = first; s < started; s++) pthread_join(th[s], NULL);
     if (started <= last) {
         free(ms), free(slowest), free(side_ms);
+        train_ctx_free(tc, w);
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
     const int timed = run->repeats - warmup;
+    if (tc) { /* each part's median of the slowest rank's, the check summed over the ranks run here */
+        for (int part = 0; part < 2; part++) {
+            const double *src = part ? ms_b : ms_f;
+            for (int i = 0; i < timed; i++) {
+                slowest[i] = 0;
+                for (int s = first; s <= last; s++)
+                    if (src[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = src[s * run->repeats + warmup + i];
+            }
+            qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
+            *(part ? &run->ms_bwd : &run->ms_fwd) = slowest[timed / 2];
+            memset(slowest, 0, sizeof(double) * (size_t)timed);
+        }
+        struct comet_train_check *o = &run->train_check;
+        for (int s = first; s <= last; s++) {
+            const struct comet_train_check *q = &tc->out[s];
+            o->tokens += q->tokens;
+            for (int g = 0; g < 4; g++) {
+                o->elements[g] += q->elements[g], o->differ[g] += q->differ[g], o->wrong[g] += q->wrong[g];
+                if (!(q->worst[g] <= o->worst[g])) o->worst[g] = q->worst[g];
+            }
+        }
+        train_ctx_free(tc, w);
+    }
     for (int i = 0; i < timed; i++)
         for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];

@@ -161,6 +161,30 @@ typedef struct {
                              * struct_size 0 if it ran none */
     int64_t replays;        /* out, CUDA: rank 0's forwards replayed as one graph (src/cuda/replay.c) */
     int64_t captures;       /* out, CUDA: the chains rank 0's layer captured for them (one per protocol) */
+    /* training steps (comet bench --train): with train COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE,
+     * every call is one step: the training forward (args.save = train; ACTIVATIONS into a caller-owned
+     * buffer of comet_layer_saved_bytes) then comet_layer_backward of it (dy random bf16, drawn once
+     * per rank from the problem's seed; dx bf16, d_topk_w fp32, dw1 and dw2 bf16 written, not
+     * accumulated); ms_median is the step's (forward + backward, the slowest rank's per call),
+     * ms_fwd and ms_bwd the medians of its two parts. GPU: events before the forward, between and
+     * after the backward, one comet_layer_sync a step; inputs, dy and dx rotated as input_sets says.
+     * Not with disable, interleave, graph, pipeline or compare_repeats (refused). y of the last
+     * call is kept, so comet_problem_check checks the training forward's y. */
+    int train;
+    int64_t train_sample;   /* with train: before the timed steps, one step on this many tokens of
+                             * every rank (evenly spaced, first and last included; < 0: every token;
+                             * 0: no check), its gradients compared with comet_reference_backward's
+                             * on the same tokens into train_check */
+    double ms_fwd, ms_bwd;  /* out, with train */
+    struct comet_train_check {
+        int64_t tokens;       /* tokens checked, over the ranks this process runs */
+        int64_t elements[4];  /* checked: [0] dx, [1] d_topk_w, [2] dw1, [3] dw2 */
+        int64_t differ[4];    /* not bitwise equal */
+        int64_t wrong[4];     /* NaN, or |got - ref| > 8 bf16 ulps of |ref| + 2% of the rms of ref's row
+                               * (d_topk_w: of all its values): what another fp32 accumulation order
+                               * moves through dH's bf16 rounding (tests/test_backward_gpu.cu's rule) */
+        double worst[4];      /* largest |got - ref| / rms */
+    } train_check;
 } comet_run_t;
 
 /* Create the layer on every rank of world (one thread per rank; CUDA worlds:

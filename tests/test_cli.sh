@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_cli.sh BUILD_DIR - the command-line tool: help on every subcommand,
+# test_cli.sh BUILD_DIR - the command-line tool: help on every subcommand, bench --train,
 # bad flags, values and output files rejected with exit status 2 and their
 # own messages ("did you mean" included), warnings for flags a run ignores,
 # `comet check` and `comet bench` run on the CPU engine and report a bitwise
@@ -119,6 +119,19 @@ expect bench-json-tuned 0 '"n_comm": 0, "tuned": 1,' -- bash -c '"$1" bench --ba
 expect bench-json-iters 0 '"iters": 1, "warmup": 0[,}]' -- cat "$tdir/tuned.jsonl"
 expect bench-json-chosen 0 '"chunk_cols": 8, "chosen_by": "rule", "custom": 0[,}]' -- cat "$tdir/tuned.jsonl"
 expect bench-json-custom 0 '"model": "qwen2-moe", .*"hidden": 64, .*"custom": 1[,}]' -- bash -c '"$1" bench --backend cpu --model qwen2-moe --hidden 64 --scale 64 --tokens 16 --iters 1 --warmup 0 --json "$2" >/dev/null && cat "$2"' _ "$comet" "$tdir/custom.jsonl"
+# --train: training steps on the CPU engine, the gradients bitwise the reference's, a JSON row marked train
+expect train 0 '^mixtral-8x7b .* ok \(0 of [0-9]+\), ok \(0 of [0-9]+ elements differ\)' -- "$comet" bench --backend cpu --train --tokens 32 --scale 64 --iters 2 --warmup 1
+expect train-recompute 0 'the forward saving nothing \(--recompute\)' -- "$comet" bench --backend cpu --train --recompute --tp 2 --ep 1 --tokens 32 --scale 64 --iters 2 --warmup 1
+expect recompute-alone 2 '--recompute is a variant of --train' -- "$comet" bench --backend cpu --recompute
+expect train-comm-hidden 2 '--comm-hidden times forwards; it does not go with --train' -- "$comet" bench --backend cpu --train --comm-hidden
+expect train-check 2 'comet check: --train is a flag of comet bench' -- "$comet" check --train
+tj=$(mktemp /tmp/comet-train-XXXXXX)
+"$comet" bench --backend cpu --train --model qwen2-moe --tokens 24 --scale 32 --iters 2 --warmup 0 --json "$tj" >/dev/null 2>&1
+expect train-json 0 '"train": 1, "save": "activations", "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
+if command -v python3 >/dev/null; then
+    expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
+fi
+rm -f "$tj"
 if command -v python3 >/dev/null; then # bench/report.py: a custom row is its own model, not the preset's
     expect report-custom 0 '^\| custom \(qwen2-moe, hidden 64, ffn 22, experts 64, topk 4\) \| 16 \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tdir/custom.jsonl"
 fi

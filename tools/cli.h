@@ -57,6 +57,8 @@ typedef struct {
     const char *out; /* tune: --out, else $COMET_TUNE_FILE, else comet-tune.tsv (cli_parse) */
     int hidden_metric; /* --comm-hidden: also time the gemm-only and comm-only runs */
     int graph;         /* --graph: replay one captured forward (GPUs, one process) */
+    int train;         /* --train: time training steps (forward saving activations, then backward) */
+    int recompute;     /* --recompute (with --train): the forward saves nothing, the backward recomputes */
 } cli_options_t;
 
 /* Everything one bench or check run produced. In a launched world rank 0
@@ -92,6 +94,11 @@ typedef struct {
     double link_gbps;                /* bytes between ranks a GPU per second (comet_problem_link_bytes) */
     int sides_differ;                /* the sides left parts out (not the SIMT GEMM, which runs whole) */
     double comm_hidden, comm_hidden_net; /* -1: not measured */
+    /* --train: ms is the step's (forward + backward), rate the step's (3x the forward's FLOPs) */
+    double fwd_ms, bwd_ms;           /* medians of the slowest rank's forward and backward */
+    struct comet_train_check grad;   /* the gradients against the reference on the sampled tokens */
+    int64_t grad_wrong;              /* CPU: gradient elements not bitwise equal; GPUs: off the tolerance */
+    int64_t grad_checked;            /* gradient elements checked (over the ranks) */
 } cli_result_t;
 
 /* Printing is rank 0's job in a launched world. */

@@ -48,5 +48,5 @@ int main(int argc, char **argv) {
     const int rc = cli_run(&r);
     if (rc) return rc;
     if (cli_speaks(&r.opt.launch) && cli_report(&r)) return 1;
-    return r.wrong ? 1 : 0;
+    return r.wrong || r.grad_wrong ? 1 : 0;
 }

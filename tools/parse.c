@@ -71,7 +71,13 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     and the same with the steps every side keeps (t_neither)\n"
                    "                     subtracted from each (GPUs: the Hopper GEMM)\n"
                    "  --graph            GPUs: capture one forward in a CUDA graph and time its replays (no\n"
-                   "                     launch overhead, as a graph-captured training step sees it)\n",
+                   "                     launch overhead, as a graph-captured training step sees it)\n"
+                   "  --train            time training steps instead: the training forward (saving its\n"
+                   "                     activations) then the backward (dy random bf16; dx, d_topk_w and bf16\n"
+                   "                     dw1, dw2 written); forward, backward and step ms, the step's rate (3x\n"
+                   "                     the forward's FLOPs); the gradients first checked against the\n"
+                   "                     reference on sampled tokens (every token on the CPU engine, bitwise)\n"
+                   "  --recompute        with --train: the forward saves nothing, the backward recomputes\n",
                 flag_help, output_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
@@ -108,6 +114,7 @@ static const flag_t flags[] = {
     {"--n-comm", FOR_ALL, 1},       {"--chunk", FOR_ALL, 1},      {"--seed", FOR_ALL, 1},
     {"--backend", FOR_ALL, 1},      {"--iters", FOR_ALL, 1},      {"--warmup", FOR_ALL, 1},
     {"--json", FOR_BENCH | FOR_CHECK, 1}, {"--trace", FOR_BENCH | FOR_CHECK, 1},
+    {"--train", FOR_BENCH, 0},      {"--recompute", FOR_BENCH, 0},
     {"--comm-hidden", FOR_BENCH, 0}, {"--graph", FOR_BENCH, 0},   {"--out", FOR_TUNE, 1},
     {"--help", FOR_ALL, 0},
 };
@@ -357,6 +364,10 @@ static int parse_flags(const char *cmd, int argc, char **argv, cli_options_t *o)
             o->hidden_metric = 1;
         } else if (strcmp(f, "--graph") == 0) {
             o->graph = 1;
+        } else if (strcmp(f, "--train") == 0) {
+            o->train = 1;
+        } else if (strcmp(f, "--recompute") == 0) {
+            o->recompute = 1;
         } else if (strcmp(f, "--json") == 0) {
             o->json = v;
         } else if (strcmp(f, "--out") == 0) {
@@ -561,6 +572,18 @@ int cli_configure(cli_result_t *r) {
     if (tune && launch->on) {
         fprintf(stderr, "comet tune: runs in one process over the local GPUs (no torchrun launch)\n");
         return -1;
+    }
+    if (o->recompute && !o->train) {
+        fprintf(stderr, "comet: --recompute is a variant of --train (add --train)\n");
+        return -1;
+    }
+    if (o->train && o->hidden_metric) {
+        fprintf(stderr, "comet: --comm-hidden times forwards; it does not go with --train\n");
+        return -1;
+    }
+    if (o->train && cli_speaks(launch)) {
+        if (o->graph) cli_warn("--graph ignored with --train: the steps are launched call by call");
+        if (o->trace) cli_warn("--trace ignored with --train: it records forwards");
     }
     if (o->graph && launch->on) {
         fprintf(stderr, "comet: --graph needs every rank in this process (not a launch of one process per rank)\n");

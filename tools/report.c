@@ -113,6 +113,66 @@ static void print_row(const cli_result_t *r) {
            r->use_cuda ? "sampled elements off" : "elements differ");
 }
 
+static void print_clocks(const gpu_watch_t *watch);
+
+/* --train's row: forward, backward and step ms, the step's rate, the
+ * forward's y check and the gradients' check. */
+static void print_train_row(const cli_result_t *r) {
+    const comet_layer_config_t *cfg = &r->cfg;
+    const int width = (int)strlen(r->model_label) > 14 ? (int)strlen(r->model_label) : 14;
+    printf("\n%-*s %7s %3s %3s %4s %4s %6s %6s %16s %10s %10s %10s %11s  %s\n", width, "model", "M", "TP", "EP", "topk",
+           "E", "hidden", "ffn", "n_comm", "fwd ms", "bwd ms", "step ms", r->use_cuda ? "TFLOP/s/GPU" : "GFLOP/s",
+           "check vs reference: y, gradients");
+    char ncomm[40];
+    n_comm_cell(r, ncomm, sizeof ncomm);
+    printf("%-*s %7lld %3d %3d %4lld %4lld %6lld %6lld %16s %10.3f %10.3f %10.3f %11.2f  %s (%lld of %lld), %s (%lld of "
+           "%lld %s)\n",
+           width, r->model_label, (long long)r->total_tokens, cfg->tp, cfg->ep, (long long)cfg->topk,
+           (long long)cfg->num_experts, (long long)cfg->hidden, (long long)cfg->ffn, ncomm, r->fwd_ms, r->bwd_ms, r->ms,
+           r->rate, r->wrong ? "WRONG" : "ok", (long long)r->wrong, (long long)r->check.elements,
+           r->grad_wrong ? "WRONG" : "ok", (long long)r->grad_wrong, (long long)r->grad_checked,
+           r->use_cuda ? "sampled elements off" : "elements differ");
+}
+
+/* --train's notes: what a step is, how the gradients were checked. */
+static void print_train_notes(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const struct comet_train_check *g = &r->grad;
+    static const char *const names[4] = {"dx", "d_topk_w", "dw1", "dw2"};
+    printf("(training step: the forward %s, then the backward%s: dy random bf16; dx bf16, d_topk_w fp32, dw1 and dw2 "
+           "bf16 written; TFLOP/s: 3x the forward's FLOPs over the step)\n",
+           o->recompute ? "saving nothing (--recompute)" : "saving its activations",
+           o->recompute ? " recomputing GEMM0" : " reading them");
+    printf("(gradients checked before the timed steps, one step on %s: %s)\n",
+           r->use_cuda ? "8 sampled tokens of every rank" : "every token",
+           r->use_cuda ? "an element is off when NaN or |got - ref| > 8 bf16 ulps of |ref| + 2% of the rms of "
+                         "ref's row (d_topk_w: of all its values)"
+                       : "every element bitwise equal");
+    if (!o->launch.on) {
+        printf("(gradients, largest difference from the reference / rms, elements not bitwise equal:");
+        for (int k = 0; k < 4; k++)
+            printf("%s %s %.2e, %lld of %lld", k ? ";" : "", names[k], g->worst[k], (long long)g->differ[k],
+                   (long long)g->elements[k]);
+        printf(")\n");
+    }
+    const comet_protocol_t *proto = &r->protocol;
+    if (proto->struct_size)
+        printf("protocol of the last backward: %s, n_comm %d, %s GEMM, chosen by %s\n",
+               proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
+               gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+    printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s; the saved state, weights and gradients "
+           "besides)\n",
+           r->memory.symmetric_bytes / 1048576.0, r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
+    if (o->command == CLI_BENCH)
+        printf("(ms: medians of %d steps of the slowest rank, after %d warm-up steps; step = forward + backward of "
+               "each call)\n",
+               o->iters, o->warmup);
+    if (r->use_cuda) {
+        printf("inputs: %d sets of x, routing, y, dy and dx a rank, rotated step by step\n", r->input_sets);
+        print_clocks(&r->watch);
+    }
+}
+
 /* The GPUs' clocks over the timed forwards: one value for every GPU of this
  * node NVML sees. */
 static void print_clocks(const gpu_watch_t *watch) {
@@ -208,6 +268,14 @@ static int append_json(const cli_result_t *r, const char *path) {
             r->protocol.struct_size ? gemm_names[r->protocol.gemm] : "none", r->comm_hidden, r->comm_hidden_net, r->graph, (long long)r->replays,
             r->input_sets, side[0], side[1], side[2], side[3], o->iters, o->warmup, r->protocol.chunk_cols,
             r->protocol.struct_size ? chosen_names[r->protocol.chosen_by] : "none", r->custom);
+    if (o->train) { /* a training row: ms and rate are the step's */
+        const struct comet_train_check *g = &r->grad;
+        fprintf(f,
+                ", \"train\": 1, \"save\": \"%s\", \"fwd_ms\": %.6f, \"bwd_ms\": %.6f, \"grad_wrong\": %lld, "
+                "\"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
+                o->recompute ? "recompute" : "activations", r->fwd_ms, r->bwd_ms, (long long)r->grad_wrong,
+                (long long)r->grad_checked, g->worst[0], g->worst[1], g->worst[2], g->worst[3]);
+    }
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */
         fprintf(f, ", \"sm_mhz\": [");
         print_per_gpu(f, r->watch.mhz, r->watch.n, ", ", "%.0f");
@@ -226,7 +294,12 @@ static int append_json(const cli_result_t *r, const char *path) {
 int cli_report(const cli_result_t *r) {
     warn_ignored(r);
     fflush(stderr);
-    print_row(r);
-    print_notes(r);
+    if (r->opt.train) {
+        print_train_row(r);
+        print_train_notes(r);
+    } else {
+        print_row(r);
+        print_notes(r);
+    }
     return r->opt.json ? append_json(r, r->opt.json) : 0;
 }

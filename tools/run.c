@@ -116,10 +116,15 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
         if (st != COMET_SUCCESS) return st;
     }
     comet_problem_poison(p);
-    *failed = "forward";
+    *failed = o->train ? "training step" : "forward";
     if (r->use_cuda && bench && cli_speaks(&o->launch)) gpu_watch_open(&r->watch); /* NVML loaded before anything is timed */
     if (r->watch.n) run->timed = gpu_watch_mark, run->timed_ctx = &r->watch;
-    pg.what = "forward", pg.warmup = bench ? o->warmup : 0;
+    pg.what = o->train ? "training step" : "forward", pg.warmup = bench ? o->warmup : 0;
+    if (o->train && run->train_sample && cli_speaks(&o->launch)) {
+        printf("checking the gradients of %s against the CPU reference (comet_reference_backward)\n",
+               run->train_sample < 0 ? "every token" : "8 sampled tokens of every rank");
+        fflush(stdout);
+    }
     const comet_status_t st = comet_problem_run(p, w, run, bench ? o->warmup : 0);
     progress_end(&pg);
     run->progress = NULL, run->progress_ctx = NULL; /* pg ends here */
@@ -154,13 +159,15 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     memset(&run, 0, sizeof run);
     run.n_comm = o->n_comm, run.chunk_cols = o->chunk_cols;
     run.repeats = bench ? o->warmup + o->iters : 1;
-    run.graph = o->graph && r->use_cuda;
+    run.graph = o->graph && r->use_cuda && !o->train;
+    if (o->train) /* the gradients checked on 8 sampled tokens a rank (GPUs), every token (CPU, bitwise) */
+        run.train = o->recompute ? COMET_SAVE_RECOMPUTE : COMET_SAVE_ACTIVATIONS, run.train_sample = r->use_cuda ? 8 : -1;
     run.input_sets = bench && r->use_cuda && !run.graph ? input_sets_for(p) : 1;
     if (o->graph && !r->use_cuda && cli_speaks(&o->launch))
         cli_warn("--graph is for GPUs; the CPU engine runs without it");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
-    if (o->trace &&
+    if (o->trace && !o->train &&
         comet_trace_create(&run.trace, r->world, 1 + (o->n_comm > 0 ? o->n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);
@@ -183,15 +190,21 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     r->protocol = run.protocol, r->memory = run.memory;
     r->graph = run.graph, r->input_sets = run.input_sets;
     r->replays = run.replays, r->captures = run.captures;
+    if (o->train) {
+        r->fwd_ms = run.ms_fwd, r->bwd_ms = run.ms_bwd, r->grad = run.train_check;
+        for (int g = 0; g < 4; g++)
+            r->grad_wrong += r->use_cuda ? r->grad.wrong[g] : r->grad.differ[g], r->grad_checked += r->grad.elements[g];
+    }
     return rc;
 }
 
 /* A launched world: rank 0 gathers every rank's slowest times and check
  * counts. Returns 0, or 1 (printed). */
 static int gather(cli_result_t *r, comet_bootstrap_t *bs) {
-    enum { N = 3 + 4 }; /* the row's time, the check's two counts, the four sides */
+    enum { N = 3 + 4 + 4 }; /* the row's time, the check's two counts, the four sides; --train's two parts and
+                             * the gradient check's two counts */
     double mine[N] = {r->ms, (double)r->wrong, (double)r->check.elements, r->side_ms[0], r->side_ms[1], r->side_ms[2],
-                      r->side_ms[3]};
+                      r->side_ms[3], r->fwd_ms, r->bwd_ms, (double)r->grad_wrong, (double)r->grad_checked};
     double all[N * CLI_MAX_RANKS];
     if (comet_bootstrap_gather(bs, mine, sizeof mine, all) != COMET_SUCCESS) {
         fprintf(stderr, "comet: gathering the results: %s\n", comet_last_error());
@@ -204,6 +217,9 @@ static int gather(cli_result_t *r, comet_bootstrap_t *bs) {
         r->wrong += (int64_t)all[N * q + 1], r->check.elements += (int64_t)all[N * q + 2];
         for (int k = 0; k < 4; k++)
             if (all[N * q + 3 + k] > r->side_ms[k]) r->side_ms[k] = all[N * q + 3 + k];
+        if (all[N * q + 7] > r->fwd_ms) r->fwd_ms = all[N * q + 7];
+        if (all[N * q + 8] > r->bwd_ms) r->bwd_ms = all[N * q + 8];
+        if (q > 0) r->grad_wrong += (int64_t)all[N * q + 9], r->grad_checked += (int64_t)all[N * q + 10];
     }
     return 0;
 }
@@ -232,8 +248,10 @@ static void figures(cli_result_t *r, const comet_problem_t *p) {
     for (int s = 0; s < r->world; s++)
         flops += 2.0 * (double)r->tokens[s] * (double)cfg->topk * (double)cfg->hidden * (double)cfg->ffn *
                  (cfg->activation == COMET_ACT_SILU_GATED ? 3 : 2);
+    if (r->opt.train) flops *= 3; /* a training step: the forward's GEMMs, then twice as many in the backward */
     r->rate = r->use_cuda ? flops / r->world / (r->ms * 1e9) : flops / (r->ms * 1e6);
-    r->link_gbps = (double)comet_problem_link_bytes(p, backend_of(r)) / r->world / (r->ms * 1e6);
+    /* the forward's bytes: over a training step (whose backward moves its own) not a figure, 0 */
+    r->link_gbps = r->opt.train ? 0 : (double)comet_problem_link_bytes(p, backend_of(r)) / r->world / (r->ms * 1e6);
     /* CUDA: the protocol the layer ran (n_comm > 0 overlapped, 0 the sequential chain, always with
      * the SIMT GEMM) */
     r->n_comm = r->use_cuda ? r->protocol.n_comm : r->opt.n_comm;
