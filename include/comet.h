@@ -250,7 +250,12 @@ comet_status_t comet_layer_destroy(comet_layer_t *layer);
  * tokens, routing, flags, the plan, the expert outputs and, with the push
  * combine, the receive buffer of expert output rows pushed home symmetric;
  * gathered rows, activations, a local copy of every rank's routing, the plan
- * builder's and the overlapped mode's state private (device memory). */
+ * builder's and the overlapped mode's state private (device memory). Both
+ * backends' symmetric memory also holds the backward's dy stage and its
+ * rows' <G, a>; the first training call (a forward that saves, or a
+ * backward) adds its private buffers (CUDA: dH and the G's partials, and
+ * the recomputed gu on the Hopper path; CPU: dH and dX rows, the weights'
+ * transposes). */
 typedef struct {
     size_t symmetric_bytes;
     size_t private_bytes;
