@@ -9,7 +9,9 @@
  * dx, d_topk_w, dw1 and dw2 must be within the tolerance of a different fp32
  * accumulation order of comet_reference_backward's (below), every element
  * written; a second backward gives the same bits, and so does the other save
- * mode; accumulating adds the gradients to what the buffers held. A bad
+ * mode; accumulating adds the gradients to what the buffers held; on the
+ * Hopper path (a preset's shape scaled down) 100 more backwards on a stream
+ * and a graph-captured backward replayed give the first one's bits. A bad
  * expert id on one rank, or saved state from another forward, gives the
  * documented status on every rank and leaves every gradient untouched.
  * Without a GPU it prints "skipped (no GPU)".
@@ -40,6 +42,7 @@ typedef struct {
     comet_world_t *world;
     rank_data_t *rd;
     int rank, save, fp32, accumulate, bad_rank, stale_saved, repeat;
+    int many; /* > 0: that many more backwards, then a graph-captured one replayed (bitwise the first) */
     comet_status_t fwd_st, bwd_st, sync_st;
     int same_repeat; /* the second backward's bits equal the first's */
     char msg[512];
@@ -56,6 +59,40 @@ static void *dev_copy(const void *h, size_t bytes) {
 
 /* What the accumulate runs start from (fp32): a fixed pattern. */
 static float acc_start(size_t i) { return (float)((int)(i % 7) - 3) * 0.125f; }
+
+/* A rank's outputs on the device, and their sizes. */
+typedef struct {
+    void *dx, *dtw, *dw1, *dw2;
+    size_t nx, nk, n1, n2, es;
+} outs_t;
+
+/* Every output poisoned (all bits set), on stream st. */
+static void poison(const outs_t *o, cudaStream_t st) {
+    cudaMemsetAsync(o->dx, 0xff, o->nx * 2, st), cudaMemsetAsync(o->dtw, 0xff, o->nk * 4, st);
+    cudaMemsetAsync(o->dw1, 0xff, o->n1 * o->es, st), cudaMemsetAsync(o->dw2, 0xff, o->n2 * o->es, st);
+}
+
+/* The outputs against the first backward's (kept in the rank's host data);
+ * a difference (or status s2 not SUCCESS) clears j->same_repeat and names
+ * the outputs and element counts in j->msg. */
+static void same_as_first(job_t *j, const outs_t *o, comet_status_t s2, const char *what) {
+    const rank_data_t *r = &j->rd[j->rank];
+    const size_t n[4] = {o->nx, o->nk, o->n1, o->n2}, sz[4] = {2, 4, o->es, o->es};
+    const void *dev[4] = {o->dx, o->dtw, o->dw1, o->dw2};
+    const char *had[4] = {(const char *)r->dx, (const char *)r->dtw, (const char *)r->dw1, (const char *)r->dw2};
+    long long diff[4] = {0, 0, 0, 0};
+    for (int k = 0; k < 4; k++) {
+        char *h = (char *)malloc(n[k] * sz[k] + 16);
+        cudaMemcpy(h, dev[k], n[k] * sz[k], cudaMemcpyDeviceToHost);
+        for (size_t i = 0; i < n[k]; i++) diff[k] += memcmp(h + i * sz[k], had[k] + i * sz[k], sz[k]) != 0;
+        free(h);
+    }
+    if (s2 != COMET_SUCCESS || diff[0] || diff[1] || diff[2] || diff[3]) {
+        j->same_repeat = 0;
+        snprintf(j->msg, sizeof j->msg, "%s: %s; elements differing: dx %lld, d_topk_w %lld, dw1 %lld, dw2 %lld", what,
+                 comet_status_string(s2), diff[0], diff[1], diff[2], diff[3]);
+    }
+}
 
 static void *rank_main(void *arg) {
     job_t *j = (job_t *)arg;
@@ -134,35 +171,45 @@ static void *rank_main(void *arg) {
     cudaMemcpy(r->dw1, dw1, n1 * es, cudaMemcpyDeviceToHost);
     cudaMemcpy(r->dw2, dw2, n2 * es, cudaMemcpyDeviceToHost);
     j->same_repeat = 1;
+    const outs_t o = {dx, dtw, dw1, dw2, nx, nk, n1, n2, es};
     if (j->repeat && j->sync_st == COMET_SUCCESS) { /* again, from poisoned outputs (the other save mode too) */
         for (int again = 0; again < 2; again++) {
-            cudaMemset(dx, 0xff, nx * 2), cudaMemset(dtw, 0xff, nk * 4);
-            cudaMemset(dw1, 0xff, n1 * es), cudaMemset(dw2, 0xff, n2 * es);
+            poison(&o, 0);
             if (again == 1) b.save = j->save == COMET_SAVE_ACTIVATIONS ? COMET_SAVE_RECOMPUTE : COMET_SAVE_ACTIVATIONS;
             comet_status_t s2 = comet_layer_backward(layer, &b);
             if (s2 == COMET_SUCCESS) s2 = comet_layer_sync(layer);
-            char *h = (char *)malloc(nx * 2 + nk * 4 + (n1 + n2) * es + 16);
-            cudaMemcpy(h, dx, nx * 2, cudaMemcpyDeviceToHost);
-            cudaMemcpy(h + nx * 2, dtw, nk * 4, cudaMemcpyDeviceToHost);
-            cudaMemcpy(h + nx * 2 + nk * 4, dw1, n1 * es, cudaMemcpyDeviceToHost);
-            cudaMemcpy(h + nx * 2 + nk * 4 + n1 * es, dw2, n2 * es, cudaMemcpyDeviceToHost);
-            /* elements that differ, per output */
-            const char *got[4] = {h, h + nx * 2, h + nx * 2 + nk * 4, h + nx * 2 + nk * 4 + n1 * es};
-            const char *had[4] = {(const char *)r->dx, (const char *)r->dtw, (const char *)r->dw1, (const char *)r->dw2};
-            const size_t n[4] = {nx, nk, n1, n2}, sz[4] = {2, 4, es, es};
-            long long diff[4] = {0, 0, 0, 0};
-            for (int o = 0; o < 4; o++)
-                for (size_t i = 0; i < n[o]; i++) diff[o] += memcmp(got[o] + i * sz[o], had[o] + i * sz[o], sz[o]) != 0;
-            if (s2 != COMET_SUCCESS || diff[0] || diff[1] || diff[2] || diff[3]) {
-                j->same_repeat = 0;
-                snprintf(j->msg, sizeof j->msg, "%s: %s; elements differing: dx %lld, d_topk_w %lld, dw1 %lld, dw2 %lld",
-                         again ? "the other save mode" : "a repeat", comet_status_string(s2), diff[0], diff[1], diff[2],
-                         diff[3]);
-            }
-            free(h);
+            same_as_first(j, &o, s2, again ? "the other save mode" : "a repeat");
             /* a forward that saved nothing leaves no saved state to read */
             if (j->save != COMET_SAVE_ACTIVATIONS) break;
         }
+        b.save = j->save;
+    }
+    if (j->many && j->sync_st == COMET_SUCCESS) {
+        /* j->many backwards on a stream of this thread's, then one captured in a graph and replayed */
+        cudaStream_t st;
+        cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+        b.stream = st;
+        for (int i = 0; i < j->many && j->same_repeat; i++) {
+            poison(&o, st);
+            comet_status_t s2 = comet_layer_backward(layer, &b);
+            if (s2 == COMET_SUCCESS) s2 = comet_layer_sync(layer);
+            same_as_first(j, &o, s2, "one of the repeated backwards");
+        }
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        cudaError_t ce = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+        comet_status_t s3 = ce == cudaSuccess ? comet_layer_backward(layer, &b) : COMET_ERR_CUDA;
+        if (ce == cudaSuccess) ce = cudaStreamEndCapture(st, &graph);
+        if (ce == cudaSuccess) ce = cudaGraphInstantiate(&exec, graph, 0);
+        for (int i = 0; i < 3 && j->same_repeat; i++) {
+            poison(&o, st);
+            if (ce == cudaSuccess) ce = cudaGraphLaunch(exec, st);
+            comet_status_t s2 = s3 != COMET_SUCCESS ? s3 : ce != cudaSuccess ? COMET_ERR_CUDA : comet_layer_sync(layer);
+            same_as_first(j, &o, s2, "a graph replay of the backward");
+        }
+        if (exec) cudaGraphExecDestroy(exec);
+        if (graph) cudaGraphDestroy(graph);
+        cudaStreamDestroy(st);
     }
     cudaFree(x), cudaFree(idx), cudaFree(wts), cudaFree(w1), cudaFree(w2), cudaFree(y), cudaFree(dy);
     cudaFree(dx), cudaFree(dtw), cudaFree(dw1), cudaFree(dw2), cudaFree(saved);
@@ -194,7 +241,7 @@ static int64_t off_ref(const void *got, const void *ref, int64_t rows, int64_t n
 }
 
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro, int save,
-                     int fp32, int accumulate, const char *tag) {
+                     int fp32, int accumulate, int many, const char *tag) {
     const int w = cfg->tp * cfg->ep;
     comet_problem_t *p;
     if (comet_problem_create(&p, cfg, w, tokens, ro) != COMET_SUCCESS) {
@@ -246,7 +293,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         memset(&jobs[s], 0, sizeof jobs[s]);
         jobs[s].p = p, jobs[s].world = world, jobs[s].rd = rd, jobs[s].rank = s;
         jobs[s].save = save, jobs[s].fp32 = fp32, jobs[s].accumulate = accumulate, jobs[s].bad_rank = -1;
-        jobs[s].repeat = !accumulate;
+        jobs[s].repeat = !accumulate, jobs[s].many = accumulate ? 0 : many;
         pthread_create(&th[s], NULL, rank_main, &jobs[s]);
     }
     for (int s = 0; s < w; s++) pthread_join(th[s], NULL);
@@ -372,7 +419,7 @@ int main(void) {
                          (long long)cfg.ffn, (long long)cfg.num_experts, (long long)cfg.topk,
                          cfg.activation == COMET_ACT_GELU ? "gelu" : "silu", save == COMET_SAVE_ACTIVATIONS ? "saved" : "recompute",
                          fp32 ? " fp32" : "", accumulate ? " accumulate" : "");
-                run_case(&cfg, tokens, &ro, save, fp32, accumulate, tag);
+                run_case(&cfg, tokens, &ro, save, fp32, accumulate, 0, tag);
             }
             /* a preset's shape, scaled down (the Hopper GEMM runs the forward) */
             comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
@@ -380,8 +427,15 @@ int main(void) {
             cfg.max_tokens_per_rank = 300;
             int64_t tokens[MAXW] = {300, 211};
             comet_routing_opts_t ro = {0.2, 0, 11};
-            snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved", w, tp);
-            run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 0, 0, tag);
+            snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved, 100 repeats and a graph", w, tp);
+            run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 0, 0, 100, tag);
+            snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d recompute fp32", w, tp);
+            run_case(&cfg, tokens, &ro, COMET_SAVE_RECOMPUTE, 1, 0, 0, tag);
+            snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved accumulate", w, tp);
+            run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 1, 1, 0, tag);
+            cfg.activation = COMET_ACT_GELU;
+            snprintf(tag, sizeof tag, "mixtral/16 GELU W=%d TP=%d recompute", w, tp);
+            run_case(&cfg, tokens, &ro, COMET_SAVE_RECOMPUTE, 0, 0, 0, tag);
         }
     failure_case(1, 0, 0, "bad routing W=1");
     if (gpus >= 2) failure_case(2, 1, 0, "bad routing on rank 1 of W=2");
