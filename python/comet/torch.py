@@ -30,6 +30,20 @@ layouts; no gradient for topk_idx): CPU tensors on the CPU engine (bitwise
 comet_reference_backward's), CUDA tensors on the CUDA backend.
 python/tests/test_autograd.py and test_training.py test it.
 
+Main grads (Megatron's gradient-accumulation fusion). MoEExperts(...,
+main_grad=True) keeps fp32 buffers w1.main_grad and w2.main_grad
+(attributes on the Parameters, as Megatron's DDP sets them; zeroed by
+zero_main_grad() or by their owner) and its backward adds dW1, dW2 to them
+in fp32 (comet_layer_backward with accumulate = 1: the call's fp32 sum added
+once per element, no bf16 rounding) and gives w1, w2 no gradient (.grad
+stays None); moe_experts(..., main_grads=(g1, g2)) does the same for
+weights held elsewhere. The buffers go to the forward op as inputs it only
+checks, ride on the autograd context (not saved tensors: every backward
+in flight mutates them), and the backward op
+`torch.ops.comet.moe_experts_backward_accumulate` mutates them
+(mutates_args), so micro-batches in flight, activation checkpointing and
+torch.compile(fullgraph=True) work; python/tests/test_main_grad.py.
+
 Layers live out of the graph. The one-rank layers are cached per (device,
 H, F, E, topk, activation, token bound), the bound being T rounded up to a
 power of two (at least 128); each stays until clear_cache(), so the saved
@@ -124,6 +138,7 @@ _worlds: Dict[Tuple[str, int], comet.World] = {}
 _cached: Dict[tuple, _Entry] = {}
 _registered: Dict[int, _Entry] = {}
 _next_id = itertools.count(1)
+_accumulate_lock = threading.Lock()
 
 
 def _device(t: Tensor) -> torch.device:
@@ -250,18 +265,25 @@ def _run(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, ac
 
 @torch.library.custom_op("comet::moe_experts", mutates_args=())
 def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, activation: str, save: str,
-                 layer: int) -> Tuple[Tensor, Tensor]:
+                 layer: int, main_grad1: Optional[Tensor] = None,
+                 main_grad2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(y, saved): y (T, H) bf16, the layer of x; saved (n) uint8, the state
     this forward keeps for its backward (save "activations": n =
     comet_layer_saved_bytes; "recompute", "none": n = 0). layer: 0 runs a
-    one-rank layer of this process, else a MoEExperts layer's id."""
+    one-rank layer of this process, else a MoEExperts layer's id.
+    main_grad1, main_grad2: None, or fp32 buffers in w1's and w2's shapes
+    that the backward adds dW1 and dW2 to (comet_backward_args_t.accumulate)
+    instead of returning w1's and w2's gradients; the forward only checks
+    them."""
+    _check_main_grads(w1, w2, main_grad1, main_grad2, real=True)
     return _run(x, topk_idx, topk_w, w1, w2, activation, save, layer)
 
 
 @_moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+def _moe_experts_fake(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grad1=None, main_grad2=None):
     _check_save(save)
     _check(x, topk_idx, topk_w, w1, w2, activation, _ep(layer))
+    _check_main_grads(w1, w2, main_grad1, main_grad2)
     T = x.shape[0]
     if save != "activations" or (not layer and isinstance(T, int) and T == 0):
         n = 0
@@ -322,25 +344,111 @@ def _moe_experts_backward_fake(dy, x, topk_idx, topk_w, w1, w2, saved, activatio
     return torch.empty_like(x), torch.empty_like(topk_w), torch.empty_like(w1), torch.empty_like(w2)
 
 
+def _accumulate_check(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation, save, layer):
+    _backward_check(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer)
+    if main_grad1 is None or main_grad2 is None:
+        raise ValueError("moe_experts_backward_accumulate: main_grad1 and main_grad2 are both required")
+    _check_main_grads(w1, w2, main_grad1, main_grad2, "moe_experts_backward_accumulate")
+
+
+@torch.library.custom_op("comet::moe_experts_backward_accumulate", mutates_args=("main_grad1", "main_grad2"))
+def _moe_experts_backward_accumulate(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor,
+                                     w2: Tensor, saved: Tensor, main_grad1: Tensor, main_grad2: Tensor,
+                                     activation: str, save: str, layer: int) -> Tuple[Tensor, Tensor]:
+    """(dx, d_topk_w) of comet.h's backward for dy = dL/dy, as
+    moe_experts_backward's, and dW1, dW2 added to main_grad1, main_grad2
+    (fp32, w1's and w2's shapes) in fp32: comet_layer_backward with
+    accumulate = 1, one fp32 add per element of the call's fp32 sum (no bf16
+    rounding); an expert no row chose keeps its main grad unchanged (CPU
+    engine: adds +0.0)."""
+    _accumulate_check(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation, save, layer)
+    _check_main_grads(w1, w2, main_grad1, main_grad2, "moe_experts_backward_accumulate", real=True)
+    dx, d_topk_w = torch.empty_like(x), torch.empty_like(topk_w)
+    if x.shape[0] == 0 and not layer:  # one rank, no rows: nothing to add
+        return dx, d_topk_w
+    entry = _entry(layer, x, topk_idx, w1, w2, activation)
+    device = _device(x)
+    ins = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
+           _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(dy, comet.DType.BF16))
+    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(main_grad1, comet.DType.FP32),
+            _desc(main_grad2, comet.DType.FP32))
+    # _accumulate_lock: backwards of layers of other token bounds (other entries) may add to the same buffers
+    # from other threads; CPU adds are synchronous, so one at a time (CUDA: launches, ordered by the streams)
+    with _accumulate_lock, entry.lock, (torch.cuda.device(device) if device.type == "cuda"
+                                        else contextlib.nullcontext()):
+        entry.layer.backward(*ins, *outs, save=save, saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
+                             accumulate=True, stream=_stream(device))
+    return dx, d_topk_w
+
+
+@_moe_experts_backward_accumulate.register_fake
+def _moe_experts_backward_accumulate_fake(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation,
+                                          save, layer):
+    _accumulate_check(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation, save, layer)
+    return torch.empty_like(x), torch.empty_like(topk_w)
+
+
+def _check_main_grads(w1: Tensor, w2: Tensor, main_grad1: Optional[Tensor], main_grad2: Optional[Tensor],
+                      who: str = "moe_experts", real: bool = False) -> None:
+    """main grads: both None, or fp32 contiguous tensors in w1's and w2's
+    shapes on their device; real (the eager ops, tensors with addresses):
+    not overlapping each other."""
+    if (main_grad1 is None) != (main_grad2 is None):
+        raise ValueError("%s: main grads come in pairs (w1's and w2's): got only %s's"
+                         % (who, "w1" if main_grad2 is None else "w2"))
+    if main_grad1 is None:
+        return
+    for name, g, w in (("w1", main_grad1, w1), ("w2", main_grad2, w2)):
+        if not isinstance(g, Tensor):
+            raise TypeError("%s: %s.main_grad must be a torch.Tensor, got %s" % (who, name, type(g).__name__))
+        if g.dtype != torch.float32:
+            raise TypeError("%s: %s.main_grad must be torch.float32 (fp32 gradients are accumulated into it), got %s"
+                            % (who, name, g.dtype))
+        if tuple(g.shape) != tuple(w.shape):
+            raise ValueError("%s: %s.main_grad must have %s's shape %s, got %s"
+                             % (who, name, name, tuple(w.shape), tuple(g.shape)))
+        if g.device != w.device:
+            raise ValueError("%s: %s.main_grad is on %s, %s on %s" % (who, name, g.device, name, w.device))
+        if not g.is_contiguous():
+            raise ValueError("%s: %s.main_grad must be contiguous (comet adds into it in place)" % (who, name))
+    if real and main_grad1.numel() and main_grad2.numel():
+        a0, b0 = main_grad1.data_ptr(), main_grad2.data_ptr()
+        if a0 < b0 + main_grad2.numel() * 4 and b0 < a0 + main_grad1.numel() * 4:
+            raise ValueError("%s: w1.main_grad and w2.main_grad overlap in memory" % who)
+
+
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w1, w2, activation, save, layer = inputs
+    x, topk_idx, topk_w, w1, w2, activation, save, layer = inputs[:8]
     ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, output[1])
     ctx.activation, ctx.save, ctx.layer = activation, save, layer
+    # The main grads ride on ctx, not in save_for_backward: the backward of
+    # every other micro-batch in flight mutates them (a version bump that
+    # saved tensors would refuse), and they are accumulators, not state.
+    ctx.main_grads = tuple(inputs[8:10]) if len(inputs) > 8 and inputs[8] is not None else None
 
 
 def _backward(ctx, grad, _grad_saved):
     x, topk_idx, topk_w, w1, w2, saved = ctx.saved_tensors
-    dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(
-        grad.to(torch.bfloat16).contiguous(), x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save,
-        ctx.layer)
-    return dx, None, d_topk_w, dw1, dw2, None, None, None
+    dy = grad.to(torch.bfloat16).contiguous()
+    if ctx.main_grads is None:
+        dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(
+            dy, x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save, ctx.layer)
+        return dx, None, d_topk_w, dw1, dw2, None, None, None, None, None
+    # main grads: dW1, dW2 go into them in fp32; w1 and w2 get no gradient (w.grad stays None, as Megatron's
+    # gradient-accumulation fusion). A weight that does not require grad has its dW added to a scratch buffer.
+    g1, g2 = (g if ctx.needs_input_grad[i] else torch.zeros_like(g)
+              for i, g in ((3, ctx.main_grads[0]), (4, ctx.main_grads[1])))
+    dx, d_topk_w = torch.ops.comet.moe_experts_backward_accumulate(
+        dy, x, topk_idx, topk_w, w1, w2, saved, g1, g2, ctx.activation, ctx.save, ctx.layer)
+    return dx, None, d_topk_w, None, None, None, None, None, None, None
 
 
 _moe_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, *,
-                activation: str = "silu_gated", save: str = "activations") -> Tensor:
+                activation: str = "silu_gated", save: str = "activations",
+                main_grads: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """The MoE experts of one layer, every expert in this process:
 
         y[t] = sum_j topk_w[t, j] * FFN_{topk_idx[t, j]}(x[t])
@@ -367,6 +475,16 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
             (nothing: the backward reruns GEMM0). Either gives the same
             gradients, bit for bit. A forward autograd does not record
             (torch.no_grad(), no input requiring grad) saves nothing.
+        main_grads: None, or (g1, g2): fp32 contiguous tensors in w1's and
+            w2's shapes on their device (Megatron's `main_grad`, see
+            MoEExperts(main_grad=True)). The backward then adds dW1 to g1
+            and dW2 to g2 in fp32 (comet_layer_backward with accumulate=1:
+            the call's fp32 sum added once per element, no bf16 rounding)
+            and gives w1 and w2 no gradient (their .grad stays None); a
+            weight that does not require grad gets nothing added. The
+            backward is the op torch.ops.comet.moe_experts_backward_accumulate,
+            which mutates g1 and g2 (mutates_args), so it also runs in a
+            torch.compile'd backward.
 
     Returns:
         y: (T, H) bfloat16, on x's device.
@@ -381,10 +499,10 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Ten
     the current stream); a CPU engine without a backward runs its
     specification, comet_reference_backward (the same bits, slower).
     """
-    return _call(x, topk_idx, topk_w, w1, w2, activation, save, 0)
+    return _call(x, topk_idx, topk_w, w1, w2, activation, save, 0, main_grads)
 
 
-def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer):
+def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grads=None):
     if save not in ("activations", "recompute"):
         raise ValueError('moe_experts: save %r is not "activations" or "recompute"' % (save,))
     if not isinstance(x, Tensor):
@@ -394,6 +512,15 @@ def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer):
     if topk_w.dtype in (torch.bfloat16, torch.float16):
         topk_w = topk_w.to(torch.float32)
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2))
+    if main_grads is not None:
+        if not isinstance(main_grads, (tuple, list)) or len(main_grads) != 2:
+            raise TypeError("moe_experts: main_grads must be a pair (w1's, w2's) of fp32 tensors, got %r"
+                            % (type(main_grads).__name__,))
+        _check_main_grads(w1, w2, main_grads[0], main_grads[1])
+        if recorded and (w1.requires_grad or w2.requires_grad):  # else no weight gradient to add
+            y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation, save,
+                                layer, main_grads[0], main_grads[1])
+            return y
     y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
                         save if recorded else "none", layer)
     return y
@@ -479,7 +606,8 @@ class MoEExperts(torch.nn.Module):
     [ep*E_local, (ep+1)*E_local) and the ffn slice tp).
 
     Parameters (created with requires_grad=False; module.requires_grad_()
-    trains them: the backward gives w1.grad and w2.grad, bf16):
+    trains them: the backward gives w1.grad and w2.grad, bf16, or with
+    main_grad=True adds to w1.main_grad and w2.main_grad, fp32):
         w1: (E_local, 2*F_local, H) bfloat16 for activation="silu_gated"
             (rows [0, F_local) the gate slice, [F_local, 2*F_local) the up
             slice); (E_local, F_local, H) bfloat16 for "gelu".
@@ -504,18 +632,34 @@ class MoEExperts(torch.nn.Module):
     expert ids global. Its arguments and result match transformers 5's
     fused experts modules (MixtralExperts etc.: forward(hidden_states,
     top_k_index, top_k_weights)).
+
+    main_grad=True (Megatron's main grads with gradient-accumulation
+    fusion): w1.main_grad and w2.main_grad are fp32 zeros in the weights'
+    shapes, attributes of the Parameters (not in the state_dict; moved by
+    module.to(device)). Each backward adds dW1 and dW2 to them in fp32
+    through comet's accumulate = 1 and returns no weight gradient: w1.grad
+    and w2.grad stay None, so an optimizer reads the main grads (or the
+    owner copies them to .grad). After micro-batches whose backwards ran in
+    the order 1..N, main_grad == ((m0 + g_1) + ...) + g_N in fp32, bit for
+    bit, g_i the fp32 gradient the layer's backward writes with
+    accumulate = 0. zero_main_grad() zeroes them (between optimizer
+    steps); the owner may replace them with its own fp32 contiguous
+    tensors of the same shapes (Megatron's DDP: views into its grad
+    buffer): every forward reads w.main_grad again and checks it. A weight
+    that does not require grad gets nothing added.
     """
 
     def __init__(self, w1: Tensor, w2: Tensor, *, activation: str = "silu_gated", tp: int = 1, ep: int = 1,
                  rank: int = 0, save: str = "activations", world: Optional[comet.World] = None,
-                 topk: Optional[int] = None, max_tokens_per_rank: Optional[int] = None):
+                 topk: Optional[int] = None, max_tokens_per_rank: Optional[int] = None, main_grad: bool = False):
         """w1, w2: this rank's weights, bfloat16 (shapes in the class
         docstring; made contiguous); activation: "silu_gated" or "gelu";
         tp, ep, rank: the world and this rank; save: "activations" or
         "recompute" (moe_experts); world: a comet.World over processes
         (world_from_group) of tp * ep ranks whose rank `rank` this process
         holds, with topk and max_tokens_per_rank (the bound on every rank's
-        T) for its layer."""
+        T) for its layer; main_grad: accumulate the weights' gradients into
+        fp32 w1.main_grad and w2.main_grad (the class docstring)."""
         super().__init__()
         from comet.convert import rank_coords
 
@@ -544,6 +688,9 @@ class MoEExperts(torch.nn.Module):
         self.tp, self.ep, self.rank = tp, ep, rank
         self.num_experts, self.ffn, self.hidden = El * ep, Fl * tp, H
         self.world, self._layer = world, 0
+        self.main_grad = bool(main_grad)
+        if self.main_grad:
+            self.zero_main_grad()
         if world is not None:
             if world.size != tp * ep or world.local_rank != rank:
                 raise ValueError("MoEExperts: the world has %d ranks and this process holds rank %d of it; the "
@@ -557,6 +704,40 @@ class MoEExperts(torch.nn.Module):
             with _cache_lock:
                 self._layer = next(_next_id)
                 _registered[self._layer] = entry
+
+    def zero_main_grad(self) -> None:
+        """main_grad=True: zero w1.main_grad and w2.main_grad in place (a
+        weight whose main_grad is None gets a new fp32 zero buffer in its
+        shape, on its device). Call it between optimizer steps, as
+        Megatron's DDP zeroes its grad buffer; or zero (or replace) the
+        buffers yourself."""
+        if not self.main_grad:
+            raise RuntimeError("MoEExperts.zero_main_grad: the module was built without main_grad=True")
+        for w in (self.w1, self.w2):
+            if getattr(w, "main_grad", None) is None:
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            else:
+                w.main_grad.zero_()
+
+    def _main_grads(self) -> Optional[Tuple[Tensor, Tensor]]:
+        if not self.main_grad:
+            return None
+        grads = getattr(self.w1, "main_grad", None), getattr(self.w2, "main_grad", None)
+        for name, g in zip(("w1", "w2"), grads):
+            if g is None:
+                raise ValueError("MoEExperts(main_grad=True): %s.main_grad is missing (None): call zero_main_grad() "
+                                 "or set it to an fp32 tensor in %s's shape" % (name, name))
+        _check_main_grads(self.w1, self.w2, grads[0], grads[1], "MoEExperts(main_grad=True)")
+        return grads
+
+    def _apply(self, fn, *args, **kwargs):
+        # module.to(device) / .cuda() move the Parameters' data: their main grads follow (staying fp32)
+        out = super()._apply(fn, *args, **kwargs)
+        for w in (self.w1, self.w2):
+            g = getattr(w, "main_grad", None) if self.main_grad else None
+            if isinstance(g, Tensor) and g.device != w.device:
+                w.main_grad = g.to(w.device)
+        return out
 
     def close(self) -> None:
         """Collective (a module with a world, on every rank): destroy its
@@ -649,12 +830,14 @@ class MoEExperts(torch.nn.Module):
                                 tuple(x.shape)))
         k = topk_idx.shape[-1]
         y = _call(x.reshape(-1, self.hidden).to(torch.bfloat16), topk_idx.reshape(-1, k),
-                  topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, self.activation, self.save, self._layer)
+                  topk_w.reshape(-1, k).to(torch.float32), self.w1, self.w2, self.activation, self.save, self._layer,
+                  self._main_grads())
         return y.to(x.dtype).reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d, save=%s" % (
-            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank, self.save)
+        return "num_experts=%d, hidden=%d, ffn=%d, activation=%s, tp=%d, ep=%d, rank=%d, save=%s%s" % (
+            self.num_experts, self.hidden, self.ffn, self.activation, self.tp, self.ep, self.rank, self.save,
+            ", main_grad=True" if self.main_grad else "")
 
 
 # ---------------------------------------------------------------------------
