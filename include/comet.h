@@ -288,7 +288,8 @@ typedef struct {
     comet_tensor_t saved;    /* [out] COMET_SAVE_ACTIVATIONS: (n) uint8, n >= comet_layer_saved_bytes(layer,
                               *       COMET_SAVE_ACTIVATIONS), 16-byte aligned: caller-owned, handed to the
                               *       backward of this micro-batch; ignored otherwise. A forward with disable
-                              *       bits (a measurement) or one that fails saves nothing */
+                              *       bits (a measurement) or one that fails saves nothing (CUDA: it clears
+                              *       the header first, so a backward then refuses the buffer) */
 } comet_forward_args_t;
 
 /* For "communication hidden" (bench): run the protocol with one side's work
@@ -467,14 +468,19 @@ comet_status_t comet_layer_saved_bytes(const comet_layer_t *layer, int save, siz
 
 /* Collective: the layer's backward for this rank's tokens (every rank calls
  * it, in the same order as its other collective calls). Semantics, rounding
- * points and sums as above; the result does not depend on save, n_comm or the
- * backend's protocol (bitwise, run to run). On failure nothing is written to
- * dx, d_topk_w, dw1 or dw2 on any rank (as the forward: a rank's own bad
- * input gives its status, the others COMET_ERR_PEER_FAILED). Saved state from
- * another layer, or from a forward with other tokens (T), is refused
+ * points and sums as above; for one layer the result does not depend on save
+ * or n_comm (bitwise, run to run; the CPU engine's is the reference's bits).
+ * On failure nothing is written to dx, d_topk_w, dw1 or dw2 on any rank (as
+ * the forward: a rank's own bad input gives its status, the others
+ * COMET_ERR_PEER_FAILED). Saved state from another layer, from a forward with
+ * other tokens (T), or from a forward that failed or saved nothing is refused
  * (COMET_ERR_INVALID_ARGUMENT). CPU backend: synchronous. CUDA backend:
  * asynchronous on args->stream, no host synchronisation, capturable in a
- * graph; comet_layer_sync reports what the device found. */
+ * graph once a first training call has run outside the capture (it allocates
+ * the layer's training buffers); comet_layer_sync reports what the device
+ * found. A layer's calls (forward and backward) run in the order they are
+ * made on every backend, whatever streams they come on (CUDA: a call on
+ * another stream than the last waits for it, outside captures). */
 comet_status_t comet_layer_backward(comet_layer_t *layer, const comet_backward_args_t *args);
 
 /* The backward's specification as plain loops, for every rank at once, in

@@ -58,6 +58,8 @@ typedef struct {
     uint32_t *tr_counts;   /* device [COMET_CUDA_TRACE_LANES] */
     comet_cuda_ctx_t ctx;  /* everything but the call's tensors */
     cudaStream_t last_stream;
+    cudaEvent_t order_ev;  /* recorded after each call's chain on its stream (order_calls) */
+    int order_live;        /* order_ev holds the last call's end (not recorded inside a capture) */
     int device;
     comet_protocol_t base; /* what create decided: the GEMM kind (Hopper where the device is sm_90 and
                             * comet_gemm_check passes) and the combine (the tuner's) */
@@ -276,6 +278,7 @@ static void free_all(cuda_layer_t *L) {
     cudaFree(L->buf.block_ready);
     cudaFree(L->buf.routes);
     cudaFree(L->buf.plan_scratch);
+    if (L->order_ev) cudaEventDestroy(L->order_ev);
     cudaFree(L->ctx.dh);
     cudaFree(L->ctx.gu);
     cudaFree(L->ctx.dwp);
@@ -435,6 +438,7 @@ static comet_status_t alloc_private(comet_layer_t *l, cuda_layer_t *L) {
         L->replay = comet_cuda_replay_create(&e);
         if (!L->replay) return cuda_fail(rank, e, "the replay cache's capture stream");
     }
+    CUDA_TRY(rank, cudaEventCreateWithFlags(&L->order_ev, cudaEventDisableTiming));
     CUDA_TRY(rank, cudaHostAlloc((void **)&L->gemm_report, 8 * sizeof(uint64_t), cudaHostAllocMapped));
     memset(L->gemm_report, 0, 8 * sizeof(uint64_t));
     CUDA_TRY(rank, cudaHostGetDevicePointer((void **)&c->gemm_report, L->gemm_report, 0));
@@ -523,6 +527,24 @@ static void cuda_layer_destroy(comet_layer_t *l) {
     l->backend_state = NULL;
 }
 
+/* A layer's calls run in the order they were made, whatever streams they
+ * come on (a pipeline schedule puts a micro-batch's backward and the next
+ * one's forward on different streams): a call on another stream than the
+ * last waits for the last one's end. Not across a capture (the capture
+ * orders its own work; an event from outside cannot join it). after: 0
+ * before the call's launch, 1 after it. */
+static cudaError_t order_calls(cuda_layer_t *L, cudaStream_t s, int after) {
+    enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing(s, &cap);
+    if (e != cudaSuccess) return e;
+    if (after) {
+        L->order_live = cap == cudaStreamCaptureStatusNone;
+        return L->order_live ? cudaEventRecord(L->order_ev, s) : cudaSuccess;
+    }
+    if (!L->order_live || s == L->last_stream || cap != cudaStreamCaptureStatusNone) return cudaSuccess;
+    return cudaStreamWaitEvent(s, L->order_ev, 0);
+}
+
 /* The Hopper GEMM for the call's weights (c->w1, c->w2), or NULL: the SIMT
  * tiles run (not sm_90, shapes it does not take, or its prepare failed).
  * Tensor maps name the weights: made again (host only, no sync) when they
@@ -604,7 +626,10 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
         call.x = args->x.data, call.topk_idx = args->topk_idx.data, call.topk_w = args->topk_w.data;
         call.y = args->y.data, call.num_tokens = t;
         call.layer_id = l->id;
-        if (args->save == COMET_SAVE_ACTIVATIONS) call.save = args->save, call.saved = args->saved.data, c.store_gu = 1;
+        if (args->save == COMET_SAVE_ACTIVATIONS) { /* k_stage clears the header; k_save_header writes it */
+            call.save = args->save, call.saved = args->saved.data;
+            c.store_gu = args->disable == 0; /* a measurement saves nothing */
+        }
         c.w1 = args->w1.data, c.w2 = args->w2.data;
         stream = args->stream;
     } else if (args && args->struct_size == sizeof(comet_forward_args_t)) {
@@ -613,6 +638,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
     /* Even a rank whose arguments failed runs the protocol steps, so its
      * peers learn of the failure instead of waiting for it. */
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    CUDA_TRY(l->rank, order_calls(L, (cudaStream_t)stream, 0));
     comet_protocol_t proto = L->base;
     if (own == COMET_SUCCESS) c.gemm = prepare_gemm(l, L, &c);
     /* without the Hopper GEMM (or where its prepare failed: returning would strand the peers) the
@@ -639,6 +665,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
                 ? comet_cuda_replay_launch(L->replay, &c, &call, (cudaStream_t)stream, &replayed)
                 : comet_cuda_forward_launch(&c, &call, stream);
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the forward");
+    CUDA_TRY(l->rank, order_calls(L, (cudaStream_t)stream, 1));
     L->last_stream = stream;
     proto.graph_replay = replayed;
     if (own == COMET_SUCCESS) l->protocol = proto, l->has_run = 1;
@@ -676,7 +703,7 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
         call.dy = args->dy.data, call.d_topk_w = args->d_topk_w.data;
         call.dw1 = args->dw1.data, call.dw2 = args->dw2.data;
         call.accumulate = args->accumulate;
-        call.wgrad_fp32 = (args->dw1.dtype == COMET_DTYPE_FP32) | (args->dw2.dtype == COMET_DTYPE_FP32) << 1;
+        call.wgrad_fp32 = (args->dw2.dtype == COMET_DTYPE_FP32) | (args->dw1.dtype == COMET_DTYPE_FP32) << 1;
         call.layer_id = l->id;
         call.save = args->save == COMET_SAVE_ACTIVATIONS ? COMET_SAVE_ACTIVATIONS : COMET_SAVE_RECOMPUTE;
         call.saved = args->save == COMET_SAVE_ACTIVATIONS ? args->saved.data : NULL;
@@ -687,8 +714,17 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
         stream = args->stream;
     }
     CUDA_TRY(l->rank, cudaSetDevice(L->device));
+    CUDA_TRY(l->rank, order_calls(L, (cudaStream_t)stream, 0));
     comet_protocol_t proto = L->base;
     c.gemm = own == COMET_SUCCESS ? prepare_gemm(l, L, &c) : NULL;
+    char err[256];
+    if (c.gemm && comet_cuda_wgrad_prepare(&c, &call, c.wgrad, err, sizeof err) != 0) {
+        /* this rank's failure: only the protocol steps run (the peers learn of it) */
+        own = comet_fail(COMET_ERR_INVALID_ARGUMENT, "rank %d: the weight gradients' GEMM: %s", l->rank, err);
+        snprintf(msg, sizeof msg, "%s", comet_last_error());
+        call.host_status = (uint32_t)own;
+        c.gemm = NULL;
+    }
     if (!c.gemm) proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
     proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0, proto.chunk_cols = 0;
     proto.chosen_by = own == COMET_SUCCESS && args->n_comm != 0 ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
@@ -696,7 +732,9 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
     c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0; /* the trace records forwards */
     c.protocol = comet_cuda_protocol_word(&proto, 1);
     const int e = comet_cuda_backward_launch(&c, &call, stream);
+    comet_cuda_wgrad_destroy(c.wgrad); /* their maps went with the launches */
     if (e != cudaSuccess) return cuda_fail(l->rank, (cudaError_t)e, "launching the backward");
+    CUDA_TRY(l->rank, order_calls(L, (cudaStream_t)stream, 1));
     L->last_stream = stream;
     if (own == COMET_SUCCESS) l->protocol = proto, l->has_run = 1;
     if (own != COMET_SUCCESS) return comet_fail_copy(own, msg);

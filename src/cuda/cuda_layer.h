@@ -104,7 +104,7 @@ typedef struct {
     int32_t pass;            /* 0 forward, 1 backward */
     int32_t save;            /* comet_save_t: forward, writes saved; backward, reads it (ACTIVATIONS) */
     int32_t accumulate;      /* backward: dw1, dw2 added to (fp32) */
-    int32_t wgrad_fp32;      /* backward: dw1, dw2 are fp32 (else bf16) */
+    int32_t wgrad_fp32;      /* backward: bit 0 dw2, bit 1 dw1 is fp32 (else bf16): bit `which` of k_wgrad */
     int32_t pad_;
     uint64_t layer_id;       /* comet_layer_t's id: the saved state's header names it */
     unsigned char *saved;    /* saved state (src/core/saved.h), or NULL */
@@ -149,6 +149,7 @@ typedef struct {
                                     * (64 columns a tile on the SIMT tiles, 256 on the Hopper GEMM) */
     int store_gu;                  /* GEMM0 also stores gu (bf16) into dh */
     uint32_t *train_sched;         /* device, 4 words zeroed at create: the Hopper G's and dX's tile counters */
+    void *wgrad[2];                /* host: the backward's dW2 and dW1 on the Hopper GEMM (comet_cuda_wgrad_prepare) */
     /* this call's protocol and weights (its tensors: comet_cuda_call_t) */
     const comet_bf16_t *w1;        /* (E_local, w1_rows, H) */
     const comet_bf16_t *w2;        /* (E_local, H, F_local) */
@@ -201,6 +202,12 @@ int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call
  * forward's protocol steps with the backward's data steps (the sequential
  * chain). Same return and failure behaviour as the forward's launch. */
 int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream);
+/* The Hopper backward's weight-gradient GEMMs for call, into ctx->wgrad
+ * before the launch (so that a failure is this rank's status, not a chain
+ * stopped half way): 0, or -1 with a message in err. Host only. */
+int comet_cuda_wgrad_prepare(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *out[2], char *err,
+                             size_t err_len);
+void comet_cuda_wgrad_destroy(void *w[2]);
 /* k_enter, the chain's first kernel and the only one that takes the call's
  * tensors (its parameters: the context, then the call). */
 const void *comet_cuda_enter_kernel(void);

@@ -241,27 +241,41 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
  * tiles. The SIMT tiles write dH over the recomputed gu (each element read,
  * then written, by the one thread that owns it); the Hopper G does not take
  * that (measured: dH wrong), so its recompute stores gu into c.gu. */
-/* One weight gradient on the Hopper k-grouped GEMM (gemm_wgrad.h): dW2
- * (which 0: a = bf16(w dy) in o, b = a, the activations) or dW1 (which 1: a
- * = dH, b = the gathered x rows) into the call's tensor; its maps made for
- * this call (host only: the outputs and the saved state move per call). */
-static int launch_wgrad(const comet_cuda_ctx_t *c, const comet_cuda_call_t *call, int which, const comet_bf16_t *h,
-                        cudaStream_t stream) {
+/* The backward's two weight gradients on the Hopper k-grouped GEMM
+ * (gemm_wgrad.h), prepared for this call before its chain (host only; the
+ * outputs and the saved state move per call): dW2 (0: a = bf16(w dy) in o,
+ * b = the activations, saved or recomputed) and dW1 (1: a = dH, b = the
+ * gathered x rows). */
+extern "C" int comet_cuda_wgrad_prepare(const comet_cuda_ctx_t *c, const comet_cuda_call_t *call, void *out[2],
+                                        char *err, size_t err_len) {
     const comet_dims_t *d = &c->d;
-    comet_wgrad_args_t wa;
-    memset(&wa, 0, sizeof wa);
-    wa.d = *d, wa.plan_ws = c->plan_ws;
-    wa.m = which ? d->w1_rows : d->hidden, wa.n = which ? d->hidden : d->ffn_local;
-    wa.a = which ? c->dh : c->o, wa.b = which ? c->a : h;
-    wa.c = which ? call->dw1 : call->dw2;
-    wa.out = call->accumulate ? COMET_WGRAD_F32_ADD : call->wgrad_fp32 >> which & 1 ? COMET_WGRAD_F32 : COMET_WGRAD_BF16;
-    comet_wgrad_t *g = NULL;
-    char err[256];
-    if (comet_wgrad_prepare(&wa, &g, err, sizeof err) != 0) return (int)cudaErrorInvalidValue;
+    out[0] = out[1] = NULL;
+    for (int which = 0; which < 2; which++) {
+        comet_wgrad_args_t wa;
+        memset(&wa, 0, sizeof wa);
+        wa.d = *d, wa.plan_ws = c->plan_ws;
+        wa.m = which ? d->w1_rows : d->hidden, wa.n = which ? d->hidden : d->ffn_local;
+        wa.a = which ? c->dh : c->o;
+        wa.b = which ? c->a
+               : call->save == COMET_SAVE_ACTIVATIONS ? (const comet_bf16_t *)(call->saved + comet_saved_h_offset(d))
+                                                      : c->h;
+        wa.c = which ? call->dw1 : call->dw2;
+        wa.out = call->accumulate ? COMET_WGRAD_F32_ADD : call->wgrad_fp32 >> which & 1 ? COMET_WGRAD_F32 : COMET_WGRAD_BF16;
+        if (comet_wgrad_prepare(&wa, (comet_wgrad_t **)&out[which], err, err_len) != 0) {
+            comet_cuda_wgrad_destroy(out);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+extern "C" void comet_cuda_wgrad_destroy(void *w[2]) {
+    for (int which = 0; which < 2; which++) comet_wgrad_destroy((comet_wgrad_t *)w[which]), w[which] = NULL;
+}
+
+static int launch_wgrad(const comet_cuda_ctx_t *c, int which, cudaStream_t stream) {
     comet_wgrad_hooks_t hooks = {&c->state->skip, c->num_sms};
-    const int e = comet_wgrad_launch(g, stream, &hooks); /* the maps travel as launch parameters */
-    comet_wgrad_destroy(g);
-    return e;
+    return comet_wgrad_launch((const comet_wgrad_t *)c->wgrad[which], stream, &hooks); /* maps: launch parameters */
 }
 
 static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, cudaStream_t stream) {
@@ -295,7 +309,7 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         dwp_tiles = comet_gemm_dwp_tiles(d);
         k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
         k_scale_dy<<<grid, 256, 0, stream>>>(c);
-        ge = launch_wgrad(&c, call, 0, t.h ? t.h : c.h, stream);
+        ge = launch_wgrad(&c, 0, stream);
         if (ge != cudaSuccess) return ge;
         hooks.push = c.push;
         ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
@@ -314,7 +328,7 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     k_dtopkw<<<grid, 256, 0, stream>>>(c);
     if (c.gemm) {
-        const int ge = launch_wgrad(&c, call, 1, NULL, stream);
+        const int ge = launch_wgrad(&c, 1, stream);
         if (ge != cudaSuccess) return ge;
     } else {
         k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);

@@ -192,7 +192,7 @@ __global__ void k_dtopkw(comet_cuda_ctx_t c) {
             comet_plan_t pq;
             comet_plan_carve(&c.d, c.peers[q] + c.lay.plan, &pq);
             const int32_t row = pq.row_of_slot[(int64_t)c.d.rank * c.d.max_tokens * k + i];
-            s += ((const float *)(c.peers[q] + c.lay.dwr))[row];
+            if (row >= 0) s += ((const float *)(c.peers[q] + c.lay.dwr))[row]; /* a slot's group has its row */
         }
         call->d_topk_w[i] = s;
     }

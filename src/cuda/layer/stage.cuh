@@ -17,15 +17,18 @@
  * layer_chain.cu's host side after k_gather_routing). Needs flags.cuh.
  */
 
-/* The call's tensors into the state (every kernel after this one reads them
- * there), the next epoch, and wait until every rank is done with the last. */
+/* Wait until every rank is done with the last epoch, then the call's tensors
+ * into the state (every kernel after this one reads them there) and the next
+ * epoch. A layer's calls on different streams are ordered on the host
+ * (backend.c's order_calls), so the last epoch's k_enter has run. */
 __global__ void k_enter(comet_cuda_ctx_t c, comet_cuda_call_t call) {
     comet_cuda_state_t *s = c.state;
-    s->call = call;
     uint64_t e = s->epoch + 1;
+    /* every rank done with the last epoch (this one's kernels too), then the call replaces its state */
+    for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
+    s->call = call;
     s->epoch = e;
     s->own_status = 0;
-    for (int q = 0; q < c.d.world_size; q++) wait_geq(&flags_of(&c, q)->done, e - 1, &c, "enter: done of rank", q);
 }
 
 __global__ void k_stage(comet_cuda_ctx_t c) {
@@ -40,6 +43,8 @@ __global__ void k_stage(comet_cuda_ctx_t c) {
     copy_wide(c.sym + c.lay.topk_idx, a.topk_idx, (size_t)(t * k) * 4, tid, nth);
     copy_wide(c.sym + c.lay.topk_w, a.topk_w, (size_t)(t * k) * 4, tid, nth);
     if (a.pass == 1) copy_wide(c.sym + c.lay.dy, a.dy, (size_t)(t * c.d.hidden) * 2, tid, nth);
+    if (a.pass == 0 && a.save == COMET_SAVE_ACTIVATIONS && tid == 0) /* valid again once k_save_header runs */
+        ((comet_saved_header_t *)a.saved)->magic = 0;
     if (a.pass == 1 && a.save == COMET_SAVE_ACTIVATIONS && tid == 0) { /* the saved state's header */
         const comet_saved_header_t *hd = (const comet_saved_header_t *)a.saved;
         if (hd->magic != COMET_SAVED_MAGIC || hd->layer_id != a.layer_id || hd->tokens != t)
