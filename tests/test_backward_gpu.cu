@@ -4,8 +4,9 @@
  * comet_layer_backward (reading the saved state, or recomputing), on one GPU
  * and, where there are two, on two (TP2 and EP2), over random configurations
  * (gated and GELU, topk 1..8, E up to 64, T including 0 and 1 and different
- * per rank, skewed routing, experts with no tokens, bf16 and fp32 weight
- * gradients, accumulation into fp32), every output poisoned before the call.
+ * per rank, skewed routing, experts with no tokens, bf16, fp32 and mixed
+ * weight gradients, accumulation into fp32), every output poisoned before
+ * the call.
  * dx, d_topk_w, dw1 and dw2 must be within the tolerance of a different fp32
  * accumulation order of comet_reference_backward's (below), every element
  * written; a second backward gives the same bits, and so does the other save
@@ -43,6 +44,7 @@ typedef struct {
     rank_data_t *rd;
     int rank, save, fp32, accumulate, bad_rank, stale_saved, repeat;
     int many; /* > 0: that many more backwards, then a graph-captured one replayed (bitwise the first) */
+    /* fp32: 1 dw1 and dw2 fp32, 2 dw1 fp32 and dw2 bf16, 0 both bf16 (fp32 when accumulating) */
     comet_status_t fwd_st, bwd_st, sync_st;
     int same_repeat; /* the second backward's bits equal the first's */
     char msg[512];
@@ -63,13 +65,13 @@ static float acc_start(size_t i) { return (float)((int)(i % 7) - 3) * 0.125f; }
 /* A rank's outputs on the device, and their sizes. */
 typedef struct {
     void *dx, *dtw, *dw1, *dw2;
-    size_t nx, nk, n1, n2, es;
+    size_t nx, nk, n1, n2, es1, es2; /* es1, es2: bytes of a dw1, dw2 element */
 } outs_t;
 
 /* Every output poisoned (all bits set), on stream st. */
 static void poison(const outs_t *o, cudaStream_t st) {
     cudaMemsetAsync(o->dx, 0xff, o->nx * 2, st), cudaMemsetAsync(o->dtw, 0xff, o->nk * 4, st);
-    cudaMemsetAsync(o->dw1, 0xff, o->n1 * o->es, st), cudaMemsetAsync(o->dw2, 0xff, o->n2 * o->es, st);
+    cudaMemsetAsync(o->dw1, 0xff, o->n1 * o->es1, st), cudaMemsetAsync(o->dw2, 0xff, o->n2 * o->es2, st);
 }
 
 /* The outputs against the first backward's (kept in the rank's host data);
@@ -77,7 +79,7 @@ static void poison(const outs_t *o, cudaStream_t st) {
  * the outputs and element counts in j->msg. */
 static void same_as_first(job_t *j, const outs_t *o, comet_status_t s2, const char *what) {
     const rank_data_t *r = &j->rd[j->rank];
-    const size_t n[4] = {o->nx, o->nk, o->n1, o->n2}, sz[4] = {2, 4, o->es, o->es};
+    const size_t n[4] = {o->nx, o->nk, o->n1, o->n2}, sz[4] = {2, 4, o->es1, o->es2};
     const void *dev[4] = {o->dx, o->dtw, o->dw1, o->dw2};
     const char *had[4] = {(const char *)r->dx, (const char *)r->dtw, (const char *)r->dw1, (const char *)r->dw2};
     long long diff[4] = {0, 0, 0, 0};
@@ -109,7 +111,8 @@ static void *rank_main(void *arg) {
     }
     const comet_forward_args_t *fa = &p->args[j->rank];
     const size_t nx = (size_t)(t * hd), nk = (size_t)(t * k);
-    const size_t n1 = r->n1, n2 = r->n2, es = esize(j->fp32 || j->accumulate);
+    /* fp32 2: dw1 fp32, dw2 bf16 (the weight gradients' dtypes are independent) */
+    const size_t n1 = r->n1, n2 = r->n2, es1 = esize(j->fp32 || j->accumulate), es2 = esize(j->fp32 == 1 || j->accumulate);
     int32_t *idx_h = (int32_t *)malloc(nk * 4 + 4);
     memcpy(idx_h, p->topk_idx[j->rank], nk * 4);
     if (j->rank == j->bad_rank && t > 0) idx_h[0] = (int32_t)cfg->num_experts; /* out of range */
@@ -117,7 +120,7 @@ static void *rank_main(void *arg) {
     void *w1 = dev_copy(p->w1[j->rank], n1 * 2), *w2 = dev_copy(p->w2[j->rank], n2 * 2);
     void *y = dev_copy(NULL, nx * 2), *dy = dev_copy(r->dy, nx * 2);
     void *dx = dev_copy(NULL, nx * 2), *dtw = dev_copy(NULL, nk * 4);
-    void *dw1 = dev_copy(NULL, n1 * es), *dw2 = dev_copy(NULL, n2 * es);
+    void *dw1 = dev_copy(NULL, n1 * es1), *dw2 = dev_copy(NULL, n2 * es2);
     size_t sb = 0;
     comet_layer_saved_bytes(layer, COMET_SAVE_ACTIVATIONS, &sb);
     void *saved = dev_copy(NULL, sb);
@@ -147,8 +150,8 @@ static void *rank_main(void *arg) {
         cudaMemcpy(dw2, h2, n2 * 4, cudaMemcpyHostToDevice);
         free(h1), free(h2);
     } else {
-        cudaMemset(dw1, 0xff, n1 * es);
-        cudaMemset(dw2, 0xff, n2 * es);
+        cudaMemset(dw1, 0xff, n1 * es1);
+        cudaMemset(dw2, 0xff, n2 * es2);
     }
     comet_backward_args_t b = COMET_BACKWARD_ARGS_INIT;
     b.x = f.x, b.topk_idx = f.topk_idx, b.topk_w = f.topk_w, b.w1 = f.w1, b.w2 = f.w2;
@@ -156,9 +159,8 @@ static void *rank_main(void *arg) {
     b.dy = comet_tensor_2d(dy, COMET_DTYPE_BF16, t, hd);
     b.dx = comet_tensor_2d(dx, COMET_DTYPE_BF16, t, hd);
     b.d_topk_w = comet_tensor_2d(dtw, COMET_DTYPE_FP32, t, k);
-    const comet_dtype_t wd = j->fp32 || j->accumulate ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
-    b.dw1 = fa->w1, b.dw1.data = dw1, b.dw1.dtype = wd;
-    b.dw2 = fa->w2, b.dw2.data = dw2, b.dw2.dtype = wd;
+    b.dw1 = fa->w1, b.dw1.data = dw1, b.dw1.dtype = es1 == 4 ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
+    b.dw2 = fa->w2, b.dw2.data = dw2, b.dw2.dtype = es2 == 4 ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
     b.accumulate = j->accumulate;
     b.save = j->save, b.saved = f.saved;
     b.n_comm = COMET_SEQUENTIAL;
@@ -168,10 +170,10 @@ static void *rank_main(void *arg) {
     if (j->sync_st != COMET_SUCCESS) snprintf(j->msg, sizeof j->msg, "%s", comet_last_error());
     cudaMemcpy(r->dx, dx, nx * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(r->dtw, dtw, nk * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(r->dw1, dw1, n1 * es, cudaMemcpyDeviceToHost);
-    cudaMemcpy(r->dw2, dw2, n2 * es, cudaMemcpyDeviceToHost);
+    cudaMemcpy(r->dw1, dw1, n1 * es1, cudaMemcpyDeviceToHost);
+    cudaMemcpy(r->dw2, dw2, n2 * es2, cudaMemcpyDeviceToHost);
     j->same_repeat = 1;
-    const outs_t o = {dx, dtw, dw1, dw2, nx, nk, n1, n2, es};
+    const outs_t o = {dx, dtw, dw1, dw2, nx, nk, n1, n2, es1, es2};
     if (j->repeat && j->sync_st == COMET_SUCCESS) { /* again, from poisoned outputs (the other save mode too) */
         for (int again = 0; again < 2; again++) {
             poison(&o, 0);
@@ -257,7 +259,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
     rank_data_t rd[MAXW];
     comet_backward_args_t ref[MAXW];
     comet_rng_t rng = {ro->seed * 7 + 3};
-    const int wfp = fp32 || accumulate;
+    const int wfp = fp32 || accumulate, wfp2 = fp32 == 1 || accumulate; /* dw1's, dw2's: fp32 2 mixes them */
     for (int s = 0; s < w; s++) {
         rank_data_t *r = &rd[s];
         const int64_t t = p->tokens[s], hd = cfg->hidden, k = cfg->topk;
@@ -269,7 +271,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         r->dx_ref = (uint16_t *)malloc((size_t)(t * hd) * 2 + 2), r->dx = (uint16_t *)malloc((size_t)(t * hd) * 2 + 2);
         r->dtw_ref = (float *)malloc((size_t)(t * k) * 4 + 4), r->dtw = (float *)malloc((size_t)(t * k) * 4 + 4);
         r->dw1_ref = malloc(r->n1 * esize(wfp) + 4), r->dw1 = malloc(r->n1 * esize(wfp) + 4);
-        r->dw2_ref = malloc(r->n2 * esize(wfp) + 4), r->dw2 = malloc(r->n2 * esize(wfp) + 4);
+        r->dw2_ref = malloc(r->n2 * esize(wfp2) + 4), r->dw2 = malloc(r->n2 * esize(wfp2) + 4);
         if (accumulate) {
             for (size_t i = 0; i < r->n1; i++) ((float *)r->dw1_ref)[i] = acc_start(i);
             for (size_t i = 0; i < r->n2; i++) ((float *)r->dw2_ref)[i] = acc_start(i);
@@ -281,7 +283,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         a.dx = comet_tensor_2d(r->dx_ref, COMET_DTYPE_BF16, t, hd);
         a.d_topk_w = comet_tensor_2d(r->dtw_ref, COMET_DTYPE_FP32, t, k);
         a.dw1 = fa->w1, a.dw1.data = r->dw1_ref, a.dw1.dtype = wfp ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
-        a.dw2 = fa->w2, a.dw2.data = r->dw2_ref, a.dw2.dtype = wfp ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
+        a.dw2 = fa->w2, a.dw2.data = r->dw2_ref, a.dw2.dtype = wfp2 ? COMET_DTYPE_FP32 : COMET_DTYPE_BF16;
         a.accumulate = accumulate;
         ref[s] = a;
     }
@@ -309,7 +311,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         const int64_t bt = off_ref(r->dtw, r->dtw_ref, 1, r->t * k, 1, &worst[1]);
         const int64_t inner1 = p->args[s].w1.shape[2], inner2 = p->args[s].w2.shape[2];
         const int64_t b1 = off_ref(r->dw1, r->dw1_ref, (int64_t)r->n1 / inner1, inner1, wfp, &worst[2]);
-        const int64_t b2 = off_ref(r->dw2, r->dw2_ref, (int64_t)r->n2 / inner2, inner2, wfp, &worst[3]);
+        const int64_t b2 = off_ref(r->dw2, r->dw2_ref, (int64_t)r->n2 / inner2, inner2, wfp2, &worst[3]);
         CHECK(bx == 0 && bt == 0 && b1 == 0 && b2 == 0,
               "%s rank %d: elements off the reference: dx %lld, d_topk_w %lld, dw1 %lld, dw2 %lld (worst %.3g %.3g %.3g %.3g "
               "of the row rms)", tag, s, (long long)bx, (long long)bt, (long long)b1, (long long)b2, worst[0], worst[1],
@@ -414,11 +416,11 @@ int main(void) {
                 comet_routing_opts_t ro = {rep % 3 ? 0.3 : 0.0, cfg.num_experts >= cfg.topk + 2 && rep == 4 ? 2 : 0,
                                            (uint64_t)(rep + 100 * w + 10 * tp)};
                 const int save = rep % 2 ? COMET_SAVE_RECOMPUTE : COMET_SAVE_ACTIVATIONS;
-                const int fp32 = rep % 4 == 1, accumulate = rep == 5;
+                const int fp32 = rep == 6 ? 2 : rep % 4 == 1, accumulate = rep == 5;
                 snprintf(tag, sizeof tag, "W=%d TP=%d H=%lld F=%lld E=%lld k=%lld %s %s%s%s", w, tp, (long long)cfg.hidden,
                          (long long)cfg.ffn, (long long)cfg.num_experts, (long long)cfg.topk,
                          cfg.activation == COMET_ACT_GELU ? "gelu" : "silu", save == COMET_SAVE_ACTIVATIONS ? "saved" : "recompute",
-                         fp32 ? " fp32" : "", accumulate ? " accumulate" : "");
+                         fp32 == 2 ? " dw1 fp32 dw2 bf16" : fp32 ? " fp32" : "", accumulate ? " accumulate" : "");
                 run_case(&cfg, tokens, &ro, save, fp32, accumulate, 0, tag);
             }
             /* a preset's shape, scaled down (the Hopper GEMM runs the forward) */
@@ -431,6 +433,8 @@ int main(void) {
             run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 0, 0, 100, tag);
             snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d recompute fp32", w, tp);
             run_case(&cfg, tokens, &ro, COMET_SAVE_RECOMPUTE, 1, 0, 0, tag);
+            snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved, dw1 fp32 and dw2 bf16", w, tp);
+            run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 2, 0, 0, tag);
             snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved accumulate", w, tp);
             run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 1, 1, 0, tag);
             cfg.activation = COMET_ACT_GELU;
