@@ -50,6 +50,10 @@ for step in $STEPS; do
                 timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool \
                 --error-exitcode 99 stdbuf -oL build/tests/test_layer_gpu > "$OUT/sanitize-$tool.log" 2>&1
             summary+=("compute-sanitizer $tool test_layer_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_layer_gpu: [0-9]' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')")
+            CUDA_VISIBLE_DEVICES=${SANITIZE_GPUS:-0} COMET_TIMEOUT_MS=120000 COMET_BWD_TEST_SMALL=1 \
+                timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool \
+                --error-exitcode 99 stdbuf -oL build/tests/test_backward_gpu > "$OUT/sanitize-bwd-$tool.log" 2>&1
+            summary+=("compute-sanitizer $tool test_backward_gpu (small): exit $? $(grep -E 'ERROR SUMMARY|test_backward_gpu: [0-9]' "$OUT/sanitize-bwd-$tool.log" | tail -n 2 | tr '\n' ' ')")
         done
         ;;
     gemm) # one GPU: our grouped GEMM vs cuBLAS and its n_compute curve, then torch._grouped_mm
