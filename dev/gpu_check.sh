@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -96,6 +96,34 @@ for step in $STEPS; do
             line=$(timeout 300 build/comet bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
             summary+=("bench $layout: ${line:-FAILED (see bench.log)}")
         done; done; done; done
+        ;;
+    train) # training steps: `comet bench --train` (training forward + backward) and the PyTorch
+           # layer's autograd step (bench/torch_moe.py --train, torchrun on 2 GPUs) in the same call,
+           # each model x token count x layout (LAYOUTS as bench's, default EP2 and TP2); report.py pairs them
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
+        for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
+            line=$(timeout 300 build/comet bench --train --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
+                --json "$OUT/comet-train.jsonl" 2>&1 | tee -a "$OUT/train.log" | grep -A1 '^model' | tail -n 1)
+            summary+=("train $m $t $layout: ${line:-FAILED (see train.log)}")
+        done; done; done
+        for layout in "1 2" "2 1"; do
+            set -- $layout
+            timeout 600 torchrun --standalone --nproc-per-node 2 bench/torch_moe.py --train --models "$(tr ' ' , <<<"$MODELS")" \
+                --tokens "$(tr ' ' , <<<"$TOKENS")" --tp "$1" --ep "$2" --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
+                --json "$OUT/torch-train-tp$1ep$2.json" >> "$OUT/train.log" 2>&1
+            summary+=("torch --train tp$1 ep$2: exit $?")
+        done
+        python3 bench/report.py "$OUT"/torch-train-tp*.json "$OUT/comet-train.jsonl" > "$OUT/train-report.md" 2>&1
+        cat "$OUT/train-report.md"
+        ;;
+    pygpu) # the Python package on the GPUs: pip install (CUDA build against torch's NCCL), pytest
+           # (the CUDA autograd tests), the 2-GPU torchrun script (world_from_group, sub-groups, patch_model)
+        python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
+        summary+=("pip install: exit $?")
+        (cd /tmp && timeout 300 python3 -m pytest -q "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
+        summary+=("pytest: exit $? $(grep -E 'passed|failed' "$OUT/pytest.log" | tail -n 1)")
+        timeout 300 torchrun --standalone --nproc-per-node 2 python/tests/gpu/ep_torchrun.py > "$OUT/torchrun.log" 2>&1
+        summary+=("ep_torchrun: exit $? $(grep -E '^ep_torchrun:' "$OUT/torchrun.log" | tail -n 1)")
         ;;
     ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
         # drift under sustained load hits every variant alike; one summary line per run. COMET_BIN=DIR
