@@ -117,13 +117,20 @@ for step in $STEPS; do
         cat "$OUT/train-report.md"
         ;;
     pygpu) # the Python package on the GPUs: pip install (CUDA build against torch's NCCL), pytest
-           # (the CUDA autograd tests), the 2-GPU torchrun script (world_from_group, sub-groups, patch_model)
+           # (the CUDA autograd tests), the 2-GPU torchrun script (world_from_group, sub-groups, patch_model),
+           # the training step through Python and the op's overhead a call (bench/torch_comet.py)
         python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
         summary+=("pip install: exit $?")
         (cd /tmp && timeout 300 python3 -m pytest -q "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
         summary+=("pytest: exit $? $(grep -E 'passed|failed' "$OUT/pytest.log" | tail -n 1)")
         timeout 300 torchrun --standalone --nproc-per-node 2 python/tests/gpu/ep_torchrun.py > "$OUT/torchrun.log" 2>&1
         summary+=("ep_torchrun: exit $? $(grep -E '^ep_torchrun:' "$OUT/torchrun.log" | tail -n 1)")
+        for layout in "--ep 2" "--tp 2"; do # the training step through Python (bench/torch_comet.py), beside `train`'s C rows
+            timeout 600 torchrun --standalone --nproc-per-node 2 bench/torch_comet.py --models "$(tr ' ' , <<<"$MODELS")" \
+                --tokens "$(tr ' ' , <<<"$TOKENS")" $layout --json "$OUT/py-train${layout// /}.json" >> "$OUT/py-train.log" 2>&1
+            summary+=("torch_comet $layout: exit $?")
+        done
+        cat "$OUT/py-train.log"
         ;;
     ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
         # drift under sustained load hits every variant alike; one summary line per run. COMET_BIN=DIR

@@ -1,0 +1,182 @@
+"""torch_comet.py - comet through PyTorch: one MoE layer's training step
+(forward + backward) through comet.torch.MoEExperts on a world made from the
+torch.distributed group, timed the way `comet bench --train` times the C
+calls, so the Python layer's cost shows beside the C numbers; and the op's
+overhead per call on a tiny layer (eager, and replayed in a CUDA graph).
+
+Run with torchrun, one process per GPU:
+  torchrun --standalone --nproc-per-node 2 bench/torch_comet.py --models mixtral-8x7b --tokens 8192 --ep 2
+Prints a table on rank 0 and, with --json, writes records (marked "python")
+that bench/report.py can set beside `comet bench --train --json` rows.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import comet
+import comet.torch as ct
+
+MODELS = {  # name: (hidden, ffn per expert, experts, topk), as harness/workload.c and bench/torch_moe.py
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "qwen2-moe": (2048, 1408, 64, 4),
+    "phi-3.5-moe": (4096, 6400, 16, 2),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="mixtral-8x7b", help="comma-separated presets")
+    p.add_argument("--tokens", default="8192", help="comma-separated M (tokens over all ranks)")
+    p.add_argument("--tp", type=int, default=0)
+    p.add_argument("--ep", type=int, default=0)
+    p.add_argument("--save", default="activations", choices=("activations", "recompute"))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--overhead-calls", type=int, default=200, help="calls of the tiny layer (0: skip it)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default="", help="write the records here (rank 0)")
+    return p.parse_args()
+
+
+def routing(gen, t, e_num, topk, device):
+    """Uniform routing: topk distinct experts a token, softmax weights."""
+    idx = torch.rand(t, e_num, generator=gen, device=device).argsort(dim=1)[:, :topk].to(torch.int32)
+    w = torch.softmax(torch.randn(t, topk, generator=gen, device=device), dim=1)
+    return idx.contiguous(), w.contiguous()
+
+
+def slowest(ms, device):
+    """The slowest rank's value (a layer is as fast as its slowest rank)."""
+    t = torch.tensor([ms], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_steps(step, iters, warmup, device):
+    """Median ms of step() over iters after warmup, CUDA events around each."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def cell(world, model, m_tokens, tp, ep, rank, args, device):
+    hd, ffn, e_num, topk = MODELS[model]
+    w = tp * ep
+    t = m_tokens // w
+    gen = torch.Generator(device=device).manual_seed(args.seed + rank)
+    e_local, f_local = e_num // ep, ffn // tp
+    w1 = (torch.randn(e_local, 2 * f_local, hd, generator=gen, device=device) * hd ** -0.5).bfloat16()
+    w2 = (torch.randn(e_local, hd, f_local, generator=gen, device=device) * f_local ** -0.5).bfloat16()
+    mod = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save, world=world, topk=topk,
+                        max_tokens_per_rank=t).requires_grad_()
+    x = torch.randn(t, hd, generator=gen, device=device).bfloat16().requires_grad_()
+    idx, wts = routing(gen, t, e_num, topk, device)
+    wts.requires_grad_()
+    dy = torch.randn(t, hd, generator=gen, device=device).bfloat16()
+
+    def step():
+        for p in (x, wts, mod.w1, mod.w2):
+            p.grad = None
+        mod(x, idx, wts).backward(dy)
+
+    def forward():
+        with torch.no_grad():
+            mod(x, idx, wts)
+
+    step_ms = slowest(time_steps(step, args.iters, args.warmup, device), device)
+    fwd_ms = slowest(time_steps(forward, args.iters, args.warmup, device), device)
+    mod.close()
+    flop = 3 * 2 * 3 * m_tokens * topk * hd * ffn  # forward 2*(3 GEMMs of H x F) a routed row; training 3x
+    return {"model": model, "tokens": m_tokens, "tp": tp, "ep": ep, "save": args.save, "python": True, "train": True,
+            "step_ms": step_ms, "fwd_ms": fwd_ms, "tflops": flop / w / (step_ms * 1e-3) / 1e12}
+
+
+def overhead(args, device):
+    """us per call of the op on a tiny one-rank layer: eager, and replayed in a CUDA graph."""
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    hd, f, e, k, t = 256, 256, 8, 2, 64
+    w1 = torch.randn(e, 2 * f, hd, generator=gen, device=device).bfloat16()
+    w2 = torch.randn(e, hd, f, generator=gen, device=device).bfloat16()
+    x = torch.randn(t, hd, generator=gen, device=device).bfloat16()
+    idx, wts = routing(gen, t, e, k, device)
+    n = args.overhead_calls
+    with torch.no_grad():
+        ct.moe_experts(x, idx, wts, w1, w2)  # the layer made and its kernels loaded
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            ct.moe_experts(x, idx, wts, w1, w2)
+        b.record()
+        b.synchronize()
+        eager = a.elapsed_time(b) * 1e3 / n
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ct.moe_experts(x, idx, wts, w1, w2)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            ct.moe_experts(x, idx, wts, w1, w2)
+        g.replay()
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(n):
+            g.replay()
+        b.record()
+        b.synchronize()
+        graph = a.elapsed_time(b) * 1e3 / n
+    return {"overhead": True, "eager_us": eager, "graph_us": graph, "tokens": t, "hidden": hd}
+
+
+def main():
+    args = parse()
+    dist.init_process_group("nccl")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    tp = args.tp or (1 if not args.ep else size // args.ep)
+    ep = args.ep or size // tp
+    if tp * ep != size:
+        raise SystemExit("torch_comet.py: tp %d x ep %d is not the world's %d ranks" % (tp, ep, size))
+    world = ct.world_from_group()
+    records = []
+    for model in args.models.split(","):
+        for m in (int(v) for v in args.tokens.split(",")):
+            records.append(cell(world, model, m, tp, ep, rank, args, device))
+            if rank == 0:
+                r = records[-1]
+                print("%-14s M=%-6d TP=%d EP=%d %-11s step %8.3f ms  forward %8.3f ms  %6.1f TFLOP/s a GPU"
+                      % (model, m, tp, ep, r["save"], r["step_ms"], r["fwd_ms"], r["tflops"]), flush=True)
+    if args.overhead_calls and rank == 0:
+        r = overhead(args, device)
+        records.append(r)
+        print("the op on a tiny layer (T=%d, H=%d): %.1f us a call eager, %.1f us replayed in a CUDA graph"
+              % (r["tokens"], r["hidden"], r["eager_us"], r["graph_us"]), flush=True)
+    dist.barrier()
+    world.close()
+    if rank == 0 and args.json:
+        meta = {"device": torch.cuda.get_device_name(device), "gpus": size, "torch": torch.__version__,
+                "comet": comet.version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "commit": os.environ.get("COMET_COMMIT", "unknown")}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
