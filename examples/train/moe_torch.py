@@ -94,16 +94,25 @@ class TorchExperts(torch.nn.Module):
         self.num_experts, self.tp, self.ep, self.rank, self.group = num_experts, tp, ep, rank, group
         self.el, self.fl = w1.shape[0], w2.shape[2]
         self.grouped = grouped_mm_works(w1.device)
+        self.split_k = False  # tests: each GEMM summed in another order (fp32 halves of K, the second first)
+
+    def _mm(self, a, w):
+        """a @ w.t() in bf16; with split_k the fp32 sum of the two halves of K, the second half first, then
+        rounded to bf16: the same GEMM summed in another order (what two correct kernels may differ by)."""
+        if not self.split_k:
+            return a @ w.t()
+        k = a.shape[1] // 2
+        return (a[:, k:].float() @ w[:, k:].float().t() + a[:, :k].float() @ w[:, :k].float().t()).to(a.dtype)
 
     def experts(self, rows, counts):
-        if self.grouped:
+        if self.grouped and not self.split_k:
             offs = torch.cumsum(counts, 0).to(torch.int32)
             g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
             return torch._grouped_mm(F.silu(g[:, :self.fl]) * g[:, self.fl:], self.w2.transpose(1, 2), offs=offs)
         outs = []
         for e, r in enumerate(torch.split(rows, counts.tolist())):
-            g = r @ self.w1[e].t()
-            outs.append((F.silu(g[:, :self.fl]) * g[:, self.fl:]) @ self.w2[e].t())
+            g = self._mm(r, self.w1[e])
+            outs.append(self._mm(F.silu(g[:, :self.fl]) * g[:, self.fl:], self.w2[e]))
         return torch.cat(outs)
 
     def forward(self, x, idx, w):

