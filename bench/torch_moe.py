@@ -21,7 +21,9 @@ gradients of x, topk_w (fp32), w1 and w2 (bf16, the parameters' dtype; set
 to None before every step, so written, not accumulated). The all-to-alls are
 autograd Functions around dist.all_to_all_single (backward: the all-to-all
 with the splits swapped), TP's all-gathers backward a reduce-scatter and its
-reduce-scatter an all-gather. Forward, backward and step ms (CUDA events:
+reduce-scatter an all-gather. On CUDA each expert's rows are padded to a
+multiple of 8 (zero rows, as torchtitan does) for torch._grouped_mm's backward,
+whose dW GEMM needs 16-byte aligned group offsets. Forward, backward and step ms (CUDA events:
 before the forward, between, after the backward; median over the iters of
 the slowest rank's), the step's TFLOP/s (3x the forward's FLOPs). Before
 timing, one step on 8 sampled tokens a rank is checked against an fp32
@@ -158,6 +160,27 @@ def routing(gen, t, e_num, topk, skew, zero, device):
     return idx, w
 
 
+GROUP_ALIGN = 8  # rows: 16 bytes of bf16
+
+
+def pad_groups(rows, counts):
+    """rows grouped by expert (counts) into a buffer where every group starts at a multiple of GROUP_ALIGN
+    rows, zero rows between: torch._grouped_mm's backward runs a grouped GEMM over the rows (dW: the groups
+    along its K dimension), whose TMA loads need each group's start 16-byte aligned there (torchtitan pads
+    bf16 groups to 8 rows for it). The last group runs to a size known on the host (no sync), so no row
+    lies past offs[-1] (those the grouped GEMMs leave unwritten, dX included). Returns the buffer (with
+    autograd: index_copy), offs (int32), and each row's place in it (index_select gives the rows back)."""
+    n, g = rows.shape[0], counts.numel()
+    size = (n + (GROUP_ALIGN - 1) * g + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    end_pad, end = torch.cumsum(padded, 0), torch.cumsum(counts, 0)
+    grp = torch.repeat_interleave(torch.arange(g, device=rows.device), counts, output_size=n)
+    dst = torch.arange(n, device=rows.device) + (end_pad - padded - (end - counts))[grp]
+    offs = end_pad.to(torch.int32)
+    offs[-1] = size
+    return rows.new_zeros(size, rows.shape[1]).index_copy(0, dst, rows), offs, dst
+
+
 def expert_ffn(x, w1, w2):
     """fp32 evaluation of one expert: act(x W1^T) W2^T, W1 = [gate; up]."""
     f = w1.shape[0] // 2
@@ -197,7 +220,12 @@ class Layer:
         ev = self.gemm_events
         if ev is not None:
             ev[0].record()
-        if self.loop:  # --device cpu: one matmul per expert
+        if self.train and not self.loop:  # CUDA autograd: groups padded for the backward's grouped GEMMs
+            padded, offs, dst = pad_groups(rows, counts)
+            g = torch._grouped_mm(padded, self.w1.transpose(1, 2), offs=offs)
+            a = F.silu(g[:, :self.fl]) * g[:, self.fl:]
+            o = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs).index_select(0, dst)
+        elif self.loop:  # --device cpu: one matmul per expert
             bounds = [0] + offs.tolist()
             outs = []
             for e in range(len(bounds) - 1):
@@ -277,12 +305,14 @@ class Layer:
 
     def check_train(self, x, idx, w, dy, n=8):
         """one step on n sampled tokens of every rank against an fp32 autograd evaluation of those tokens
-        (every rank's, all-gathered; each expert they use as fp32 leaves): relative errors (norm) of y,
-        dx, d_topk_w and this rank's dw1, dw2 slices"""
+        (every rank's, all-gathered): relative errors (norm) of y, dx, d_topk_w and this rank's dw1, dw2
+        slices. The loss <y, dy> is linear in y, so the evaluation runs expert by expert (one expert's
+        fp32 weights alive at a time: all of them with their gradients are over 80 GB for DeepSeek-V3),
+        and dw1, dw2 are compared expert by expert in fp64 (an expert the sample leaves out: against 0)"""
         pick = torch.linspace(0, x.shape[0] - 1, n, device=x.device).long()
         xs, idxs, ws, dys = x[pick].contiguous(), idx[pick].contiguous(), w[pick].contiguous(), dy[pick].contiguous()
         y, dx, dtw = self.step(xs, idxs, ws, dys)
-        dw1, dw2 = self.w1.grad.float(), self.w2.grad.float()
+        dw1, dw2 = self.w1.grad, self.w2.grad  # bf16, as the step wrote them
         self.w1.grad = self.w2.grad = None
 
         def gather(v):
@@ -295,29 +325,45 @@ class Layer:
         gx, gidx, gw, gdy = gather(xs), gather(idxs), gather(ws), gather(dys)
         fx = gx.float().requires_grad_()
         fw = gw.float().requires_grad_()
+        fdy = gdy.float()
         f, s0, h = self.ffn, self.tp_rank * self.fl, self.hidden
         y_ref = torch.zeros(fx.shape[0], h, device=x.device)
-        leaves = {}
-        for e in torch.unique(gidx).tolist():
+        e0 = self.ep_rank * self.el
+        sq = {"dw1": [0.0, 0.0], "dw2": [0.0, 0.0]}  # sum of squares: difference, reference
+
+        def add(name, got, want):
+            got = got.double()
+            sq[name][0] += float((got - want.double()).square().sum()) if want is not None else float(got.square().sum())
+            sq[name][1] += float(want.double().square().sum()) if want is not None else 0.0
+
+        used = set(torch.unique(gidx).tolist())
+        for e in sorted(used):
             tok, slot = (gidx == e).nonzero(as_tuple=True)
-            w1e = self.w1_full[e].float().requires_grad_()
-            w2e = self.w2_full[e].float().requires_grad_()
-            leaves[e] = (w1e, w2e)
+            mine_e = e0 <= e < e0 + self.el
+            w1e = self.w1_full[e].float().requires_grad_(mine_e)
+            w2e = self.w2_full[e].float().requires_grad_(mine_e)
             g = fx[tok] @ w1e.t()
-            o = (F.silu(g[:, :f]) * g[:, f:]) @ w2e.t()
-            y_ref = y_ref.index_add(0, tok, fw[tok, slot].unsqueeze(-1) * o)
-        (y_ref * gdy.float()).sum().backward()
+            o = fw[tok, slot].unsqueeze(-1) * ((F.silu(g[:, :f]) * g[:, f:]) @ w2e.t())
+            y_ref.index_add_(0, tok, o.detach())
+            (o * fdy[tok]).sum().backward()  # into fx.grad, fw.grad and (this rank's experts) w1e, w2e
+            if mine_e:
+                g1 = w1e.grad
+                add("dw1", dw1[e - e0], torch.cat([g1[s0:s0 + self.fl], g1[f + s0:f + s0 + self.fl]]))
+                add("dw2", dw2[e - e0], w2e.grad[:, s0:s0 + self.fl])
+            del w1e, w2e, g, o
+        for le in range(self.el):  # experts no sampled token chose: their gradients must be 0
+            if e0 + le not in used:
+                add("dw1", dw1[le], None)
+                add("dw2", dw2[le], None)
+
+        def rel(name):
+            d, r = sq[name]
+            return (d / r) ** 0.5 if r > 0 else d ** 0.5
+
         lo = self.rank * xs.shape[0]
         mine = slice(lo, lo + xs.shape[0])
-        dw1_ref, dw2_ref = torch.zeros_like(dw1), torch.zeros_like(dw2)
-        e0 = self.ep_rank * self.el
-        for e, (w1e, w2e) in leaves.items():
-            if e0 <= e < e0 + self.el:
-                g1 = w1e.grad
-                dw1_ref[e - e0] = torch.cat([g1[s0:s0 + self.fl], g1[f + s0:f + s0 + self.fl]])
-                dw2_ref[e - e0] = w2e.grad[:, s0:s0 + self.fl]
-        return {"y": rel_err(y.detach().float(), y_ref[mine].detach()), "dx": rel_err(dx.float(), fx.grad[mine]),
-                "d_topk_w": rel_err(dtw, fw.grad[mine]), "dw1": rel_err(dw1, dw1_ref), "dw2": rel_err(dw2, dw2_ref)}
+        return {"y": rel_err(y.detach().float(), y_ref[mine]), "dx": rel_err(dx.float(), fx.grad[mine]),
+                "d_topk_w": rel_err(dtw, fw.grad[mine]), "dw1": rel("dw1"), "dw2": rel("dw2")}
 
     def forward_ep(self, x, idx, w):
         t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
