@@ -59,6 +59,7 @@ typedef struct {
     int graph;         /* --graph: replay one captured forward (GPUs, one process) */
     int train;         /* --train: time training steps (forward saving activations, then backward) */
     int recompute;     /* --recompute (with --train): the forward saves nothing, the backward recomputes */
+    int grad_check;    /* --grad-check (with --train): check the gradients on GPUs whatever the weights' size */
 } cli_options_t;
 
 /* Everything one bench or check run produced. In a launched world rank 0

@@ -77,7 +77,9 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     dw1, dw2 written); forward, backward and step ms, the step's rate (3x\n"
                    "                     the forward's FLOPs); the gradients first checked against the\n"
                    "                     reference on sampled tokens (every token on the CPU engine, bitwise)\n"
-                   "  --recompute        with --train: the forward saves nothing, the backward recomputes\n",
+                   "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
+                   "  --grad-check       with --train on GPUs: check the gradients also where a rank's\n"
+                   "                     weights pass 1 GiB (the host reference then takes minutes)\n",
                 flag_help, output_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
@@ -114,7 +116,7 @@ static const flag_t flags[] = {
     {"--n-comm", FOR_ALL, 1},       {"--chunk", FOR_ALL, 1},      {"--seed", FOR_ALL, 1},
     {"--backend", FOR_ALL, 1},      {"--iters", FOR_ALL, 1},      {"--warmup", FOR_ALL, 1},
     {"--json", FOR_BENCH | FOR_CHECK, 1}, {"--trace", FOR_BENCH | FOR_CHECK, 1},
-    {"--train", FOR_BENCH, 0},      {"--recompute", FOR_BENCH, 0},
+    {"--train", FOR_BENCH, 0},      {"--recompute", FOR_BENCH, 0},  {"--grad-check", FOR_BENCH, 0},
     {"--comm-hidden", FOR_BENCH, 0}, {"--graph", FOR_BENCH, 0},   {"--out", FOR_TUNE, 1},
     {"--help", FOR_ALL, 0},
 };
@@ -368,6 +370,8 @@ static int parse_flags(const char *cmd, int argc, char **argv, cli_options_t *o)
             o->train = 1;
         } else if (strcmp(f, "--recompute") == 0) {
             o->recompute = 1;
+        } else if (strcmp(f, "--grad-check") == 0) {
+            o->grad_check = 1;
         } else if (strcmp(f, "--json") == 0) {
             o->json = v;
         } else if (strcmp(f, "--out") == 0) {
@@ -575,6 +579,10 @@ int cli_configure(cli_result_t *r) {
     }
     if (o->recompute && !o->train) {
         fprintf(stderr, "comet: --recompute is a variant of --train (add --train)\n");
+        return -1;
+    }
+    if (o->grad_check && !o->train) {
+        fprintf(stderr, "comet: --grad-check is a variant of --train (add --train)\n");
         return -1;
     }
     if (o->train && o->hidden_metric) {
