@@ -28,8 +28,8 @@
 #   `w1`, `w2`, `y` of `T` tokens in the block's shapes (zero weights,
 #   calloc'd: the pages are never written), then destroys the world.
 # - python blocks: run in the Python environment with the installed package
-#   (from a scratch folder); a block that imports torch is skipped, saying
-#   so, where torch is not installed there.
+#   (from a scratch folder); a block that imports torch (or transformers) is
+#   skipped, saying so, where that is not installed there.
 # - paths: every repository path named in README.md and docs/*.md (`docs/`,
 #   `bench/`, `src/`, `tools/`, `examples/`, `python/`, `harness/`, `dev/`,
 #   `include/`, `tests/`; globs expanded) and every relative markdown link
@@ -234,6 +234,9 @@ for f in $(ls "$tmp"/blocks/ | grep -vE '\.line$' | sort); do
     python)
         if grep -qE '^\s*(import|from)\s+torch\b|^\s*import .*\btorch\b' "$f" && ! "$venv/bin/python3" -c 'import torch' >/dev/null 2>&1; then
             skip "README:$first: Python block (imports torch, which this environment lacks)"; continue
+        fi
+        if grep -qE '^\s*(import|from)\s+transformers\b|^\s*import .*\btransformers\b' "$f" && ! "$venv/bin/python3" -c 'import transformers' >/dev/null 2>&1; then
+            skip "README:$first: Python block (imports transformers, which this environment lacks)"; continue
         fi
         t0=$SECONDS
         if out=$(cd "$tmp/work" && timeout 300 "$venv/bin/python3" "$f" 2>&1); then
