@@ -13,8 +13,8 @@ one-rank comet world (W = 1, TP = EP = 1) on the tensors' device.
   comet.h's semantics).
 - CUDA tensors run comet's CUDA backend on the tensors' device and the
   current stream, in a build with the CUDA backend (`pip install .` where
-  nvcc and torch's NCCL are found). NOT YET RUN here: written to the C
-  API's contract; the CUDA tests run where torch and comet see a GPU. The
+  nvcc and torch's NCCL are found; python/tests run their CUDA cases and
+  python/tests/gpu the 2-GPU ones where torch and comet see GPUs). The
   forward is asynchronous; routing content (expert ids in range, distinct
   per row) is checked on the device and reported by synchronize().
 
