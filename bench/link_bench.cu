@@ -2,7 +2,7 @@
  * link_bench.cu - how fast one GPU can move rows from or to its peer over
  * NVLink, the facts behind the overlapped dispatch's transport (the pulling
  * CTAs of the overlapped mode read only 5-7 GB/s each beside GEMM0:
- * bench/results/2026-11-22-overlap-h200x2-session4.md). Both GPUs move
+ * bench/results/modes/2026-11-22-overlapped-layer0-h200x2.md). Both GPUs move
  * `MiB` to each other at once, in four ways:
  *   pull  - CTAs load 16-byte words from the peer's buffer (PULL_UNROLL in
  *           flight a thread, as the layer's dispatch) and store them locally;

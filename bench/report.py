@@ -29,9 +29,9 @@ the cells both have (uniform routing, no element wrong). A cell with
 several rows of one mode (rounds of an A/B, variants the rows do not
 record) shows their median and how many.
 
-  python3 bench/report.py bench/results/2026-11-22-torch-*.json
-  python3 bench/report.py bench/results/*.json bench/results/*.jsonl
-  python3 bench/report.py bench/reference-issue5.json bench/results/<day>-comet-<commit>.jsonl
+  python3 bench/report.py bench/results/baselines/2026-11-22-torch-*.json
+  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl
+  python3 bench/report.py bench/reference-issue5.json bench/results/forward/<day>-forward-24cells-<machine>.jsonl
   python3 bench/report.py --help
 
 Training rows (`comet bench --train`: "train": 1; torch_moe.py --train:
@@ -254,8 +254,8 @@ Benchmark results as markdown tables: PyTorch baselines (torch_moe.py --json),
 comet rows (comet bench --json FILE, JSON lines) and, with a reference table
 (bench/reference-issue5.json), the README's grid against it.
 
-  python3 bench/report.py bench/results/<day>-torch-*.json
-  python3 bench/report.py bench/results/*.json bench/results/*.jsonl
+  python3 bench/report.py bench/results/baselines/<day>-torch-*.json
+  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl
   python3 bench/report.py bench/reference-issue5.json results.jsonl
 
 environment: GEMM_PEAK_TFLOPS (default 804) and LINK_GBPS (default 348), the

@@ -2,18 +2,21 @@
 # run_torch_baseline.sh - the PyTorch baseline sweep of the issue tables on the
 # local GPUs: every model preset at M in {4096, 8192, 16384}, on 2 GPUs as
 # (TP,EP) = (1,2) and (2,1), and on one GPU. JSON and a markdown table go to
-# ${OUT:-bench/results}. Uses the python3 that has torch. TRAIN=1: the
-# training step instead (forward + backward with autograd, torch_moe.py
-# --train; ../shared/docs/training.md section 6), files named -torch-train-.
+# ${OUT:-bench/results/baselines}. Uses the python3 that has torch. TRAIN=1:
+# the training step instead (forward + backward with autograd, torch_moe.py
+# --train; ../shared/docs/training.md section 6), files named -torch-train-,
+# in ${OUT:-bench/results/training}. bench/results/README.md says how a kept
+# file is named and indexed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-bench/results}
-mkdir -p "$out"
+
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export COMET_COMMIT=${COMET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 day=$(date -u +%Y-%m-%d)
 train=() what=torch
-if [ "${TRAIN:-0}" = 1 ]; then train=(--train); what=torch-train; fi
+out=${OUT:-bench/results/baselines}
+if [ "${TRAIN:-0}" = 1 ]; then train=(--train); what=torch-train; out=${OUT:-bench/results/training}; fi
+mkdir -p "$out"
 models=${MODELS:-mixtral-8x7b,qwen2-moe,phi-3.5-moe,deepseek-v3}
 tokens=${TOKENS:-4096,8192,16384}
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')

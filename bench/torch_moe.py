@@ -215,7 +215,7 @@ class Layer:
         elementwise passes. (Until the seventeenth session it went through fp32,
         silu(gate.float()) * up.float(), then to bf16: five passes with fp32
         intermediates, which made this layer slower than the issue's reference:
-        bench/results/2026-11-22-torch-activation-h200x2.md.)"""
+        bench/results/baselines/2026-11-22-torch-activation-h200x2.md.)"""
         offs = torch.cumsum(counts, 0).to(torch.int32)
         ev = self.gemm_events
         if ev is not None:

@@ -234,5 +234,5 @@ for step in $STEPS; do
 done
 printf '%s\n' "${summary[@]}"
 # the regimes step's PyTorch rows (torch-<iters>-*.json) pair with comet's over as many forwards
-[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
+[ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/baselines/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
     bench/reference-issue5.json "$OUT/comet.jsonl"

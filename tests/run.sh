@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # run.sh BUILD_DIR - run every test binary, the CLI checks, the example
-# built against `make install` (tests/test_example.sh) and the Python
-# package's tests (tests/test_python.sh: pytest over BUILD_DIR's
-# libcomet.so), then print one closing line "total: N passed, N failed"
-# (exit 1 if anything failed).
+# built against `make install` (tests/test_example.sh), the tree's layout
+# (tests/test_layout.sh), the paths into bench/results
+# (tests/test_results_links.sh) and the Python package's tests
+# (tests/test_python.sh: pytest over BUILD_DIR's libcomet.so), then print
+# one closing line "total: N passed, N failed" (exit 1 if anything failed).
 set -u
 build=${1:-build}
 passed=0 failed=0 skipped=0
@@ -27,8 +28,9 @@ for src in tests/test_*.cu; do # GPU tests need nvcc to be built at all
     [ -x "$build/tests/$name" ] || { echo "$name: skipped (not built: no nvcc, or a sanitizer build)"; skipped=$((skipped + 1)); }
 done
 # The CLI, the example against `make install` (test_example.sh), the tree's layout (test_layout.sh),
+# every bench/results path the repository names and the results index (test_results_links.sh),
 # the Python package (test_python.sh).
-for script in tests/test_cli.sh tests/test_example.sh tests/test_layout.sh tests/test_python.sh; do
+for script in tests/test_cli.sh tests/test_example.sh tests/test_layout.sh tests/test_results_links.sh tests/test_python.sh; do
     name=$(basename "$script" .sh)
     out=$("$script" "$build" 2>&1)
     printf '%s\n' "$out"
