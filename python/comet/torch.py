@@ -159,7 +159,7 @@ def _world(device: torch.device) -> comet.World:
                 raise RuntimeError("moe_experts: CUDA tensors need a build of comet with the CUDA backend and a GPU it "
                                    "sees; this libcomet.so sees none (%s)" % comet.build_info().get(
                                        "reason", "comet.build_info()"))
-            with torch.cuda.device(device):  # UNTESTED: a one-rank world on this device
+            with torch.cuda.device(device):  # a one-rank world on this device
                 world = comet.World.from_unique_id(0, 1, comet.get_unique_id(), device.index)
         _worlds[key] = world
     return world
@@ -228,7 +228,8 @@ def synchronize(device=None) -> None:
     """Wait for the last forward or backward of every layer on `device`
     (None: all) and raise what comet found (CUDA: comet.InvalidRouting for
     expert ids out of range or repeated in a row). On CPU tensors every error
-    is raised by the op itself; this returns at once. UNTESTED on CUDA."""
+    is raised by the op itself; this returns at once (python/tests/test_torch.py
+    checks both)."""
     device = None if device is None else str(torch.device(device))
     with _cache_lock:
         entries = [e for k, e in _cached.items() if device is None or k[0] == device]
