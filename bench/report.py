@@ -120,7 +120,10 @@ def train_tables(torch_rows, comet_rows):
 
 
 def ran_of(r):
-    """the protocol that ran: seq (the sequential chain) or the overlapped mode's n_comm"""
+    """the protocol that ran: seq (the sequential chain) or the overlapped mode's n_comm; the CPU
+    engine (gemm "cpu"), which always overlaps its workers, as itself"""
+    if r.get("gemm") == "cpu":
+        return f"CPU engine, n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "CPU engine"
     return f"n_comm {r['n_comm']}" if r.get("n_comm", 0) > 0 else "seq"
 
 
