@@ -93,7 +93,12 @@ static void command_usage(const char *cmd, FILE *f) {
         fprintf(f, "usage: comet check [flags]\n\nRun one configuration once and compare its output with the reference:\n"
                    "bitwise on the CPU engine (exit status 0 only if every element matches); on GPUs 16\n"
                    "sampled tokens a rank, within the tolerance of a different fp32 summation order\n"
-                   "(exit status 0 only if none is off).\n\nflags:\n%s%s",
+                   "(exit status 0 only if none is off).\n\nflags:\n%s%s"
+                   "  --train            check a training step instead: the training forward, then the\n"
+                   "                     backward's dx, d_topk_w, dw1 and dw2 against comet_reference_backward\n"
+                   "                     (every token on the CPU engine, bitwise; 8 sampled tokens a rank on GPUs)\n"
+                   "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
+                   "  --grad-check       with --train on GPUs: also where a rank's weights pass 1 GiB\n",
                 flag_help, output_help);
 }
 
@@ -116,7 +121,8 @@ static const flag_t flags[] = {
     {"--n-comm", FOR_ALL, 1},       {"--chunk", FOR_ALL, 1},      {"--seed", FOR_ALL, 1},
     {"--backend", FOR_ALL, 1},      {"--iters", FOR_ALL, 1},      {"--warmup", FOR_ALL, 1},
     {"--json", FOR_BENCH | FOR_CHECK, 1}, {"--trace", FOR_BENCH | FOR_CHECK, 1},
-    {"--train", FOR_BENCH, 0},      {"--recompute", FOR_BENCH, 0},  {"--grad-check", FOR_BENCH, 0},
+    {"--train", FOR_BENCH | FOR_CHECK, 0}, {"--recompute", FOR_BENCH | FOR_CHECK, 0},
+    {"--grad-check", FOR_BENCH | FOR_CHECK, 0},
     {"--comm-hidden", FOR_BENCH, 0}, {"--graph", FOR_BENCH, 0},   {"--out", FOR_TUNE, 1},
     {"--help", FOR_ALL, 0},
 };
