@@ -224,7 +224,7 @@ static void free_private(cpu_layer_t *L) {
     free(L->a), free(L->h), free(L->o);
     free(L->block_ready), free(L->l1_done), free(L->l1_base);
     free(L->bw.dh), free(L->bw.dxr), free(L->bw.dtw), free(L->bw.w1t), free(L->bw.w2t);
-    free(L->bw.gu_tmp), free(L->bw.sum_tmp);
+    free(L->bw.gu_tmp), free(L->bw.sum_tmp), free(L->bw.scale_tmp);
     pthread_mutex_destroy(&L->err_mu);
     free(L);
 }

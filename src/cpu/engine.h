@@ -46,6 +46,8 @@ typedef struct cpu_layer cpu_layer_t;
  * 1's columns [c0, c1) of H (one chunk). */
 typedef void (*cpu_rows_fn)(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t c0, int64_t c1);
 
+#define WG_KB 4 /* output rows of a weight-gradient task (engine_backward.c) */
+
 /* The backward's buffers, taken at its first call (engine_backward.c), and
  * its call in flight. */
 typedef struct {
@@ -54,7 +56,8 @@ typedef struct {
     float *dtw;              /* (max_rows_padded): each row's <G, a> */
     comet_bf16_t *w1t, *w2t; /* the weights' transposes (comet_cpu_transpose_weights) */
     comet_bf16_t *gu_tmp;    /* (workers, w1_rows): a recomputed row's gu */
-    float *sum_tmp;          /* (workers, max(H, F_local)): one output row's weight-gradient sums */
+    float *sum_tmp;          /* (workers, WG_KB, max(H, F_local)): a task's weight-gradient sums */
+    float *scale_tmp;        /* (workers, max_rows_padded, WG_KB, 4): a task's row scales, broadcast; 64-aligned */
     /* the call */
     const comet_bf16_t *gu, *act; /* saved state: gu (rows, w1_rows) and a (rows, F_local); NULL: computed again */
     const comet_backward_args_t *args;

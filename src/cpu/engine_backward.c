@@ -39,8 +39,10 @@ static comet_status_t take_buffers(comet_layer_t *l) {
     if (!B->w1t) B->w1t = cpu_take(L, el * hd * r1 * bf, 0);
     if (!B->w2t) B->w2t = cpu_take(L, el * fl * hd * bf, 0);
     if (!B->gu_tmp) B->gu_tmp = cpu_take(L, workers * r1 * bf, 0);
-    if (!B->sum_tmp) B->sum_tmp = cpu_take(L, workers * (hd > fl ? hd : fl) * sizeof(float), 0);
-    if (B->dh && B->dxr && B->dtw && B->w1t && B->w2t && B->gu_tmp && B->sum_tmp) return COMET_SUCCESS;
+    if (!B->sum_tmp) B->sum_tmp = cpu_take(L, workers * WG_KB * (hd > fl ? hd : fl) * sizeof(float), 0);
+    if (!B->scale_tmp) B->scale_tmp = cpu_take(L, workers * rows * WG_KB * 4 * sizeof(float) + 64, 1);
+    if (B->dh && B->dxr && B->dtw && B->w1t && B->w2t && B->gu_tmp && B->sum_tmp && B->scale_tmp)
+        return COMET_SUCCESS;
     return comet_fail(COMET_ERR_OUT_OF_MEMORY, "rank %d: no memory for the backward's buffers", l->rank);
 }
 
@@ -96,32 +98,86 @@ static void backward_layer1(comet_layer_t *l, int worker, const comet_plan_block
         comet_cpu_dgrad_row(d, B->dh + row * r1, w1t_e, c0, c1, B->dxr + row * hd);
 }
 
-/* The weight gradients (step 7), after layer 1's tiles: task i of a local
- * expert's w1_rows + H is row i of its dW1, then row i - w1_rows of its
- * dW2, each summed over the expert's rows in plan order, then stored. */
+/* The weight gradients (step 7), after layer 1's tiles, in tasks of WG_KB
+ * output rows: task i of a local expert's ceil(w1_rows / WG_KB) + ceil(H /
+ * WG_KB) is rows [WG_KB i, WG_KB (i + 1)) of its dW1, then those of its dW2
+ * (the rest of the task index), each element summed over the expert's rows
+ * in plan order from 0 (comet_cpu_wgrad_add's arithmetic, one element at a
+ * time: s * v rounded, then added), then stored. The tile below keeps WG_KB x
+ * 8 sums in registers while it streams the expert's rows once per 8 columns
+ * (the row-by-row form read every row once per output row and kept its sums
+ * in memory). */
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline v4f bf16x4(const comet_bf16_t *p) {
+    const v4f r = {comet_bf16_to_f32(p[0]), comet_bf16_to_f32(p[1]), comet_bf16_to_f32(p[2]),
+                   comet_bf16_to_f32(p[3])};
+    return r;
+}
+
+/* sums[j * n + i] = sum over r in [0, rows) of s[r][j] * v[r * stride + i],
+ * for j < WG_KB, i < n; s[r][j] the row's scale for output row j broadcast
+ * (rows x WG_KB vectors). */
+static void wgrad_tile(float *sums, const v4f *s, const comet_bf16_t *v, int64_t stride, int64_t rows, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v4f a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+        const comet_bf16_t *vr = v + i;
+        const v4f *sr = s;
+        for (int64_t r = 0; r < rows; r++, vr += stride, sr += WG_KB) {
+            const v4f x0 = bf16x4(vr), x1 = bf16x4(vr + 4);
+            a00 += sr[0] * x0, a01 += sr[0] * x1;
+            a10 += sr[1] * x0, a11 += sr[1] * x1;
+            a20 += sr[2] * x0, a21 += sr[2] * x1;
+            a30 += sr[3] * x0, a31 += sr[3] * x1;
+        }
+        memcpy(sums + 0 * n + i, &a00, 16), memcpy(sums + 0 * n + i + 4, &a01, 16);
+        memcpy(sums + 1 * n + i, &a10, 16), memcpy(sums + 1 * n + i + 4, &a11, 16);
+        memcpy(sums + 2 * n + i, &a20, 16), memcpy(sums + 2 * n + i + 4, &a21, 16);
+        memcpy(sums + 3 * n + i, &a30, 16), memcpy(sums + 3 * n + i + 4, &a31, 16);
+    }
+    for (; i < n; i++)
+        for (int j = 0; j < WG_KB; j++) {
+            float acc = 0.0f;
+            for (int64_t r = 0; r < rows; r++) acc += s[r * WG_KB + j][0] * comet_bf16_to_f32(v[r * stride + i]);
+            sums[j * n + i] = acc;
+        }
+}
+
 static void backward_wgrad(comet_layer_t *l, int worker) {
     cpu_layer_t *L = l->backend_state;
     const cpu_backward_t *B = &L->bw;
     const comet_backward_args_t *a = B->args;
     const comet_dims_t *d = &l->dims;
     const comet_plan_t *p = &L->plan;
-    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, per = r1 + hd;
-    float *sum = B->sum_tmp + (int64_t)worker * (hd > fl ? hd : fl);
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows;
+    const int64_t t1 = (r1 + WG_KB - 1) / WG_KB, per = t1 + (hd + WG_KB - 1) / WG_KB;
+    float *sums = B->sum_tmp + (int64_t)worker * WG_KB * (hd > fl ? hd : fl);
+    v4f *s = (v4f *)B->scale_tmp + (int64_t)worker * d->max_rows_padded * WG_KB;
     for (int64_t i = worker; i < d->experts_local * per; i += L->n_compute) {
         const int64_t e = i / per, k = i % per;
-        const int64_t r0 = p->expert_start[e], r_end = r0 + p->expert_count[e];
-        if (k < r1) { /* dW1_e[k, :] = sum dH_r[k] x_r */
-            memset(sum, 0, sizeof(float) * (size_t)hd);
-            for (int64_t r = r0; r < r_end; r++)
-                comet_cpu_wgrad_add(sum, comet_bf16_to_f32(B->dh[r * r1 + k]), L->a + r * hd, hd);
-            comet_cpu_store_grad(&a->dw1, (e * r1 + k) * hd, sum, hd, a->accumulate);
-        } else { /* dW2_e[c, :] = sum bf16(w_r dy_r[c]) a_r */
-            const int64_t c = k - r1;
-            memset(sum, 0, sizeof(float) * (size_t)fl);
-            for (int64_t r = r0; r < r_end; r++)
-                comet_cpu_wgrad_add(sum, comet_cpu_wgrad_scale(p->rows[r].weight, L->o[r * hd + c]), B->act + r * fl,
-                                    fl);
-            comet_cpu_store_grad(&a->dw2, (e * hd + c) * fl, sum, fl, a->accumulate);
+        const int64_t r0 = p->expert_start[e], rows = p->expert_count[e];
+        if (k < t1) { /* dW1_e[k0 + j, :] = sum dH_r[k0 + j] x_r */
+            const int64_t k0 = k * WG_KB, kn = r1 - k0 < WG_KB ? r1 - k0 : WG_KB;
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < WG_KB; j++) {
+                    const float v = j < kn ? comet_bf16_to_f32(B->dh[(r0 + r) * r1 + k0 + j]) : 0.0f;
+                    s[r * WG_KB + j] = (v4f){v, v, v, v};
+                }
+            wgrad_tile(sums, s, L->a + r0 * hd, hd, rows, hd);
+            for (int64_t j = 0; j < kn; j++)
+                comet_cpu_store_grad(&a->dw1, (e * r1 + k0 + j) * hd, sums + j * hd, hd, a->accumulate);
+        } else { /* dW2_e[c0 + j, :] = sum bf16(w_r dy_r[c0 + j]) a_r */
+            const int64_t c0 = (k - t1) * WG_KB, cn = hd - c0 < WG_KB ? hd - c0 : WG_KB;
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < WG_KB; j++) {
+                    const float v = j < cn ? comet_cpu_wgrad_scale(p->rows[r0 + r].weight, L->o[(r0 + r) * hd + c0 + j])
+                                           : 0.0f;
+                    s[r * WG_KB + j] = (v4f){v, v, v, v};
+                }
+            wgrad_tile(sums, s, B->act + r0 * fl, fl, rows, fl);
+            for (int64_t j = 0; j < cn; j++)
+                comet_cpu_store_grad(&a->dw2, (e * hd + c0 + j) * fl, sums + j * fl, fl, a->accumulate);
         }
     }
 }
