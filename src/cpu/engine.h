@@ -55,8 +55,9 @@ typedef struct {
     comet_bf16_t *dxr;       /* (max_rows_padded, H): each row's dX */
     float *dtw;              /* (max_rows_padded): each row's <G, a> */
     comet_bf16_t *w1t, *w2t; /* the weights' transposes (comet_cpu_transpose_weights) */
-    comet_bf16_t *gu_tmp;    /* (workers, w1_rows): a recomputed row's gu */
-    float *sum_tmp;          /* (workers, WG_KB, max(H, F_local)): a task's weight-gradient sums */
+    comet_bf16_t *gu_tmp;    /* (workers, 2, w1_rows): two recomputed rows' gu */
+    float *sum_tmp;          /* (workers, WG_KB, max(H, F_local)): a task's weight-gradient sums; also
+                                layer 0's dots (4 F_local) and layer 1's (2 H): WG_KB >= 4 */
     float *scale_tmp;        /* (workers, max_rows_padded, WG_KB, 4): a task's row scales, broadcast; 64-aligned */
     /* the call */
     const comet_bf16_t *gu, *act; /* saved state: gu (rows, w1_rows) and a (rows, F_local); NULL: computed again */

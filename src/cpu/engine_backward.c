@@ -22,6 +22,7 @@
 #include "../core/validate.h"
 #include "../tuner/tuner.h"
 #include "cpu_math.h"
+#include "cpu_tiles.h"
 #include "engine.h"
 
 /* The backward's buffers, taken at its first call and kept for later ones
@@ -38,7 +39,7 @@ static comet_status_t take_buffers(comet_layer_t *l) {
     if (!B->dtw) B->dtw = cpu_take(L, rows * sizeof(float) + 1, 0);
     if (!B->w1t) B->w1t = cpu_take(L, el * hd * r1 * bf, 0);
     if (!B->w2t) B->w2t = cpu_take(L, el * fl * hd * bf, 0);
-    if (!B->gu_tmp) B->gu_tmp = cpu_take(L, workers * r1 * bf, 0);
+    if (!B->gu_tmp) B->gu_tmp = cpu_take(L, workers * 2 * r1 * bf, 0);
     if (!B->sum_tmp) B->sum_tmp = cpu_take(L, workers * WG_KB * (hd > fl ? hd : fl) * sizeof(float), 0);
     if (!B->scale_tmp) B->scale_tmp = cpu_take(L, workers * rows * WG_KB * 4 * sizeof(float) + 64, 1);
     if (B->dh && B->dxr && B->dtw && B->w1t && B->w2t && B->gu_tmp && B->sum_tmp && B->scale_tmp)
@@ -67,8 +68,23 @@ static comet_status_t check_saved_header(const comet_layer_t *l, const comet_ten
     return COMET_SUCCESS;
 }
 
-/* Layer 0, whole rows (the tile is [0, F_local)): steps 1, 2 and 4 and the
- * row's <G, a>. */
+/* GEMM0 again (step 1) for columns [0, F_local) of one row x0 or two (x1
+ * not NULL), as comet_cpu_gemm0_gu_row: gu and h. tmp: 4 F_local floats. */
+static void recompute_rows(const comet_dims_t *d, const comet_bf16_t *x0, const comet_bf16_t *x1,
+                           const comet_bf16_t *w1_e, comet_bf16_t *h0, comet_bf16_t *h1, comet_bf16_t *gu0,
+                           comet_bf16_t *gu1, float *tmp) {
+    const int64_t hd = d->hidden, fl = d->ffn_local;
+    float *g0 = tmp, *g1 = tmp + fl, *u0 = tmp + 2 * fl, *u1 = tmp + 3 * fl;
+    cpu_dots(x0, x1, w1_e, hd, 0, fl, hd, g0, g1);
+    if (d->activation == 0 /* COMET_ACT_SILU_GATED */) cpu_dots(x0, x1, w1_e + fl * hd, hd, 0, fl, hd, u0, u1);
+    for (int64_t n = 0; n < fl; n++) {
+        comet_cpu_gemm0_col(d, g0[n], d->activation == 0 ? u0[n] : 0.0f, n, h0, gu0);
+        if (x1) comet_cpu_gemm0_col(d, g1[n], d->activation == 0 ? u1[n] : 0.0f, n, h1, gu1);
+    }
+}
+
+/* Layer 0, whole rows (the tile is [0, F_local)), two rows at a time: steps
+ * 1, 2 and 4 and the row's <G, a>. */
 static void backward_layer0(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t n0, int64_t n1) {
     cpu_layer_t *L = l->backend_state;
     const cpu_backward_t *B = &L->bw;
@@ -76,26 +92,38 @@ static void backward_layer0(comet_layer_t *l, int worker, const comet_plan_block
     const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows;
     const comet_bf16_t *w1_e = L->w1 + (int64_t)blk->expert * r1 * hd;
     const comet_bf16_t *w2t_e = B->w2t + (int64_t)blk->expert * fl * hd;
+    float *tmp = B->sum_tmp + (int64_t)worker * WG_KB * (hd > fl ? hd : fl); /* 4 F_local floats */
+    comet_bf16_t *gu_tmp = B->gu_tmp + (int64_t)worker * 2 * r1;
+    const int64_t end = blk->row_start + blk->num_rows;
     (void)n0, (void)n1;
-    for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++) {
-        const comet_bf16_t *gu = B->gu ? B->gu + row * r1 : B->gu_tmp + (int64_t)worker * r1;
+    for (int64_t row = blk->row_start; row < end; row += 2) {
+        const int two = row + 1 < end;
+        const comet_bf16_t *gu = B->gu ? B->gu + row * r1 : gu_tmp;
         if (!B->gu) /* a into h, where B->act points */
-            comet_cpu_gemm0_gu_row(d, L->a + row * hd, w1_e, 0, fl, L->h + row * fl, B->gu_tmp + (int64_t)worker * r1);
-        B->dtw[row] = comet_cpu_backward_row(d, gu, B->act + row * fl, L->o + row * hd, L->plan.rows[row].weight,
-                                             w2t_e, B->dh + row * r1);
+            recompute_rows(d, L->a + row * hd, two ? L->a + (row + 1) * hd : NULL, w1_e, L->h + row * fl,
+                           L->h + (row + 1) * fl, gu_tmp, gu_tmp + r1, tmp);
+        cpu_dots(L->o + row * hd, two ? L->o + (row + 1) * hd : NULL, w2t_e, hd, 0, fl, hd, tmp, tmp + fl);
+        for (int i = 0; i <= two; i++)
+            B->dtw[row + i] = comet_cpu_backward_row_g(d, gu + i * r1, B->act + (row + i) * fl, tmp + i * fl,
+                                                       L->plan.rows[row + i].weight, B->dh + (row + i) * r1);
     }
 }
 
-/* Layer 1: dX's columns [c0, c1) (step 5). */
+/* Layer 1: dX's columns [c0, c1) (step 5), two rows at a time. */
 static void backward_layer1(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t c0, int64_t c1) {
     cpu_layer_t *L = l->backend_state;
     const cpu_backward_t *B = &L->bw;
     const comet_dims_t *d = &l->dims;
-    const int64_t hd = d->hidden, r1 = d->w1_rows;
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows;
     const comet_bf16_t *w1t_e = B->w1t + (int64_t)blk->expert * hd * r1;
-    (void)worker;
-    for (int64_t row = blk->row_start; row < blk->row_start + blk->num_rows; row++)
-        comet_cpu_dgrad_row(d, B->dh + row * r1, w1t_e, c0, c1, B->dxr + row * hd);
+    float *tmp = B->sum_tmp + (int64_t)worker * WG_KB * (hd > fl ? hd : fl); /* 2 (c1 - c0) floats */
+    const int64_t end = blk->row_start + blk->num_rows, m = c1 - c0;
+    for (int64_t row = blk->row_start; row < end; row += 2) {
+        const int two = row + 1 < end;
+        cpu_dots(B->dh + row * r1, two ? B->dh + (row + 1) * r1 : NULL, w1t_e, r1, c0, c1, r1, tmp, tmp + m);
+        for (int i = 0; i <= two; i++)
+            for (int64_t c = c0; c < c1; c++) B->dxr[(row + i) * hd + c] = comet_f32_to_bf16(tmp[i * m + c - c0]);
+    }
 }
 
 /* The weight gradients (step 7), after layer 1's tiles, in tasks of WG_KB
@@ -107,13 +135,7 @@ static void backward_layer1(comet_layer_t *l, int worker, const comet_plan_block
  * 8 sums in registers while it streams the expert's rows once per 8 columns
  * (the row-by-row form read every row once per output row and kept its sums
  * in memory). */
-typedef float v4f __attribute__((vector_size(16)));
-
-static inline v4f bf16x4(const comet_bf16_t *p) {
-    const v4f r = {comet_bf16_to_f32(p[0]), comet_bf16_to_f32(p[1]), comet_bf16_to_f32(p[2]),
-                   comet_bf16_to_f32(p[3])};
-    return r;
-}
+typedef cpu_v4f v4f;
 
 /* sums[j * n + i] = sum over r in [0, rows) of s[r][j] * v[r * stride + i],
  * for j < WG_KB, i < n; s[r][j] the row's scale for output row j broadcast
@@ -125,7 +147,8 @@ static void wgrad_tile(float *sums, const v4f *s, const comet_bf16_t *v, int64_t
         const comet_bf16_t *vr = v + i;
         const v4f *sr = s;
         for (int64_t r = 0; r < rows; r++, vr += stride, sr += WG_KB) {
-            const v4f x0 = bf16x4(vr), x1 = bf16x4(vr + 4);
+            v4f x0, x1;
+            cpu_bf16x8(vr, &x0, &x1);
             a00 += sr[0] * x0, a01 += sr[0] * x1;
             a10 += sr[1] * x0, a11 += sr[1] * x1;
             a20 += sr[2] * x0, a21 += sr[2] * x1;
