@@ -268,6 +268,7 @@ static comet_status_t cpu_layer_create(comet_layer_t *l) {
     for (int64_t b = 0; b < d->max_blocks; b++) atomic_init(&L->block_ready[b], 0);
     for (size_t c = 0; c < hd; c++) atomic_init(&L->l1_done[c], 0);
     atomic_init(&L->l0_done, 0);
+    atomic_init(&L->head_done, 0);
 
     /* Collective: every rank must bring the same config. */
     void *shared = NULL;
@@ -317,6 +318,15 @@ static void *compute_worker(void *arg) {
     const int64_t hd = d->hidden, fl = d->ffn_local, nb = p->totals->num_blocks;
     const int64_t nt0 = (fl + L->l0_tile - 1) / L->l0_tile;
     const int gemm = !(L->disable & COMET_DISABLE_GEMM);
+
+    /* The head (the backward's transposes), every worker's done before layer 0. */
+    if (L->head) {
+        L->head(l, wk->index);
+        atomic_fetch_add_explicit(&L->head_done, 1, memory_order_release);
+        if (wait_geq(l, &L->head_done, L->head_base + (uint64_t)L->n_compute, "gemm worker", wk->index,
+                     "the other workers' heads (%d workers)", L->n_compute))
+            return NULL;
+    }
 
     /* Layer 0: blocks in local-first order, l0_tile columns a tile. */
     uint64_t mine = 0;
@@ -593,6 +603,7 @@ comet_status_t cpu_run(comet_layer_t *l) {
     L->l0_tiles = nb * ((l->dims.ffn_local + L->l0_tile - 1) / L->l0_tile);
     COMET_TRY(run_workers(l));
     L->l0_base += (uint64_t)L->l0_tiles;
+    if (L->head) L->head_base += (uint64_t)L->n_compute;
     for (int c = 0; c < L->n_chunks; c++) L->l1_base[c] += (uint64_t)nb;
     atomic_store_explicit(&L->sh->rank[l->rank].done, L->epoch, memory_order_release);
     return COMET_SUCCESS;
@@ -662,7 +673,7 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     L->out = args->y.data;
     L->disable = args->disable;
     L->l0_tile = GEMM0_TILE_N;
-    L->layer0 = forward_layer0, L->layer1 = forward_layer1, L->tail = NULL;
+    L->head = NULL, L->layer0 = forward_layer0, L->layer1 = forward_layer1, L->tail = NULL;
     L->fwd_h = save ? (comet_bf16_t *)(saved + comet_saved_h_offset(d)) : L->h;
     L->fwd_gu = save ? (comet_bf16_t *)(saved + comet_saved_gu_offset(d)) : NULL;
     L->pull_dy = NULL;

@@ -87,6 +87,10 @@ struct cpu_layer {
     int disable;             /* COMET_DISABLE_* of this call (measurement only) */
     int64_t l0_tile;         /* layer-0 tile width (ffn columns) */
     int64_t l0_tiles;        /* layer-0 tiles of the call, for l0_base */
+    void (*head)(comet_layer_t *l, int worker); /* a compute worker's work before layer 0, or NULL: then
+                                                    every worker waits for every worker's (head_done) */
+    flag_t head_done;
+    uint64_t head_base;
     cpu_rows_fn layer0, layer1;
     void (*tail)(comet_layer_t *l, int worker); /* a compute worker's work after layer 1, or NULL */
     comet_bf16_t *fwd_h;     /* forward: where layer 0 stores h: h, or the saved state's */

@@ -68,6 +68,36 @@ static comet_status_t check_saved_header(const comet_layer_t *l, const comet_ten
     return COMET_SUCCESS;
 }
 
+/* The weights' transposes (comet_cpu_transpose_weights' w1t and w2t), the
+ * head of every compute worker: 32 x 32 tiles, task i of the local experts'
+ * w1 tiles then w2 tiles on worker i mod n_compute. */
+#define TR_TILE 32
+static void transpose_tile(const comet_bf16_t *src, comet_bf16_t *dst, int64_t rows, int64_t cols, int64_t r0,
+                           int64_t c0) {
+    const int64_t r1 = r0 + TR_TILE < rows ? r0 + TR_TILE : rows, c1 = c0 + TR_TILE < cols ? c0 + TR_TILE : cols;
+    for (int64_t c = c0; c < c1; c++)
+        for (int64_t r = r0; r < r1; r++) dst[c * rows + r] = src[r * cols + c];
+}
+
+static void backward_transpose(comet_layer_t *l, int worker) {
+    cpu_layer_t *L = l->backend_state;
+    const cpu_backward_t *B = &L->bw;
+    const comet_dims_t *d = &l->dims;
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, el = d->experts_local;
+    const int64_t t = (hd + TR_TILE - 1) / TR_TILE, t1 = (r1 + TR_TILE - 1) / TR_TILE,
+                  t2 = (fl + TR_TILE - 1) / TR_TILE;
+    const int64_t n1 = el * t1 * t, n = n1 + el * t * t2;
+    for (int64_t i = worker; i < n; i += L->n_compute) {
+        if (i < n1) { /* w1_e (w1_rows, H) -> w1t_e (H, w1_rows) */
+            const int64_t e = i / (t1 * t), rt = i / t % t1, ct = i % t;
+            transpose_tile(L->w1 + e * r1 * hd, B->w1t + e * hd * r1, r1, hd, rt * TR_TILE, ct * TR_TILE);
+        } else { /* w2_e (H, F_local) -> w2t_e (F_local, H) */
+            const int64_t j = i - n1, e = j / (t * t2), rt = j / t2 % t, ct = j % t2;
+            transpose_tile(L->w2 + e * hd * fl, B->w2t + e * fl * hd, hd, fl, rt * TR_TILE, ct * TR_TILE);
+        }
+    }
+}
+
 /* GEMM0 again (step 1) for columns [0, F_local) of one row x0 or two (x1
  * not NULL), as comet_cpu_gemm0_gu_row: gu and h. tmp: 4 F_local floats. */
 static void recompute_rows(const comet_dims_t *d, const comet_bf16_t *x0, const comet_bf16_t *x1,
@@ -227,11 +257,11 @@ comet_status_t cpu_layer_backward(comet_layer_t *l, const comet_backward_args_t 
     B->act = save ? (const comet_bf16_t *)(saved + comet_saved_h_offset(d)) : L->h;
     L->w1 = args->w1.data;
     L->w2 = args->w2.data;
-    comet_cpu_transpose_weights(d, L->w1, L->w2, B->w1t, B->w2t);
     L->out = args->dx.data;
     L->disable = 0;
     L->l0_tile = d->ffn_local;
-    L->layer0 = backward_layer0, L->layer1 = backward_layer1, L->tail = backward_wgrad;
+    L->head = backward_transpose, L->layer0 = backward_layer0, L->layer1 = backward_layer1;
+    L->tail = backward_wgrad;
     L->fwd_h = L->fwd_gu = NULL;
     L->pull_dy = L->o;
     L->combined = B->dxr, L->unit_weights = 1;
