@@ -37,7 +37,9 @@
  *   3. wait entry[q] >= k for all q; any failed status -> every rank returns
  *      an error having written nothing
  *   4. build the plan from every rank's staged routing
- *   5. layer 0: comm workers copy rows into a (backward: dy rows beside
+ *   5. (backward: the compute workers' head first, the weights'
+ *      transposes, every worker's done before any layer-0 tile)
+ *      layer 0: comm workers copy rows into a (backward: dy rows beside
  *      them), block by block in local-first order, and set block_ready[b] =
  *      k; compute workers run the layer-0 tiles in the same order, each after
  *      block_ready[b] >= k, then count l0_done. Forward: GEMM0 and the
@@ -52,8 +54,8 @@
  *      row's <G, a> into dtw_parts), then partial_flag = k; the home rank,
  *      once every rank flagged chunk c, sums the partials in ascending rank
  *      order into y (dx; with chunk 0, d_topk_w from dtw_parts, ascending
- *      tp). Backward: then the compute workers' weight-gradient tiles, one
- *      output row each, beside the combine
+ *      tp). Backward: then the compute workers' weight-gradient tiles, WG_KB
+ *      output rows each, beside the combine
  *   7. done = k
  * Comm workers do their tasks in the order send(0), send(1), recv(0),
  * send(2), recv(1), ...: a recv(c) waits only on sends(c) of peers, which no

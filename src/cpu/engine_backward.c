@@ -8,11 +8,14 @@
  * Layer 1, chunk by chunk: dX = dH W1_e, combined home as the forward's
  * partials with weights 1 (points 5, 6); with chunk 0 each row's <G, a>
  * goes home, which sums the TP ranks' parts in ascending tp (point 3). Then
- * each compute worker's weight-gradient tiles, beside the combine: one
- * output row of dW1 or dW2 each, the expert's rows summed in the plan's row
- * order (point 7), rounded once or added. Every step is cpu_math.h's, as in
- * reference_backward.c, so the outputs are bitwise the reference's whatever
- * the save mode, n_comm or chunk width.
+ * each compute worker's weight-gradient tiles, beside the combine: WG_KB
+ * output rows of dW1 or dW2 each, the expert's rows summed in the plan's row
+ * order (point 7), rounded once or added. Before layer 0 the compute workers
+ * transpose the weights (a head: every worker's tiles done first). Every
+ * step is cpu_math.h's, as in reference_backward.c, or its register tile in
+ * cpu_tiles.h (the same operations per element, in the same order), so the
+ * outputs are bitwise the reference's whatever the save mode, n_comm or
+ * chunk width.
  */
 #include <stdio.h>
 #include <string.h>
