@@ -29,6 +29,22 @@ static inline float comet_cpu_dot(const comet_bf16_t *a, const comet_bf16_t *b, 
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+/* Column n of one row's GEMM0 epilogue from its dots g (and u, gated): the
+ * activation in fp32, h_row[n] in bf16 (rounding point 1), and with gu_row
+ * not NULL gu_row's n (and F_local + n) in bf16. */
+static inline void comet_cpu_gemm0_col(const comet_dims_t *d, float g, float u, int64_t n, comet_bf16_t *h_row,
+                                       comet_bf16_t *gu_row) {
+    float h;
+    if (d->activation == 0 /* COMET_ACT_SILU_GATED */) {
+        h = comet_silu(g) * u;
+        if (gu_row) gu_row[d->ffn_local + n] = comet_f32_to_bf16(u);
+    } else {
+        h = comet_gelu(g);
+    }
+    if (gu_row) gu_row[n] = comet_f32_to_bf16(g);
+    h_row[n] = comet_f32_to_bf16(h);
+}
+
 /* h[n0:n1) of one row: GEMM0 against one expert's w1 (w1_rows, H), the
  * activation in fp32, stored bf16 (rounding point 1); with gu_row (w1_rows)
  * not NULL also the pre-activation's columns n0..n1-1 in bf16, gu = [g|u]
@@ -38,17 +54,9 @@ static inline void comet_cpu_gemm0_gu_row(const comet_dims_t *d, const comet_bf1
                                           comet_bf16_t *gu_row) {
     const int64_t hd = d->hidden;
     for (int64_t n = n0; n < n1; n++) {
-        float g = comet_cpu_dot(x_row, w1_e + n * hd, hd);
-        float h;
-        if (d->activation == 0 /* COMET_ACT_SILU_GATED */) {
-            float u = comet_cpu_dot(x_row, w1_e + (d->ffn_local + n) * hd, hd);
-            h = comet_silu(g) * u;
-            if (gu_row) gu_row[d->ffn_local + n] = comet_f32_to_bf16(u);
-        } else {
-            h = comet_gelu(g);
-        }
-        if (gu_row) gu_row[n] = comet_f32_to_bf16(g);
-        h_row[n] = comet_f32_to_bf16(h);
+        const float g = comet_cpu_dot(x_row, w1_e + n * hd, hd);
+        const float u = d->activation == 0 ? comet_cpu_dot(x_row, w1_e + (d->ffn_local + n) * hd, hd) : 0.0f;
+        comet_cpu_gemm0_col(d, g, u, n, h_row, gu_row);
     }
 }
 
@@ -90,6 +98,23 @@ static inline void comet_cpu_transpose_weights(const comet_dims_t *d, const come
     }
 }
 
+/* Column n of one row's step 4 from its G (step 2's dot): dh_row's n (and
+ * F_local + n, gated) from gu_row, the row's routing weight w and G. */
+static inline void comet_cpu_backward_col(const comet_dims_t *d, const comet_bf16_t *gu_row, float w, float G,
+                                          int64_t n, comet_bf16_t *dh_row) {
+    const int64_t fl = d->ffn_local;
+    const float dA = w * G;
+    const float g = comet_bf16_to_f32(gu_row[n]);
+    if (d->activation == 0 /* COMET_ACT_SILU_GATED */) {
+        float dg, du;
+        comet_silu_gated_backward(g, comet_bf16_to_f32(gu_row[fl + n]), dA, &dg, &du);
+        dh_row[n] = comet_f32_to_bf16(dg);
+        dh_row[fl + n] = comet_f32_to_bf16(du);
+    } else {
+        dh_row[n] = comet_f32_to_bf16(dA * comet_gelu_grad(g));
+    }
+}
+
 /* One row's backward through its expert slice, steps 2 and 4, from step 1's
  * gu_row (w1_rows) and a_row (F_local: the forward's h), both as
  * comet_cpu_gemm0_gu_row stores them (computed again, or saved by the
@@ -102,17 +127,22 @@ static inline float comet_cpu_backward_row(const comet_dims_t *d, const comet_bf
     const int64_t hd = d->hidden, fl = d->ffn_local;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t n = 0; n < fl; n++) {
-        const float G = comet_cpu_dot(dy_row, w2t_e + n * hd, hd), dA = w * G;
-        const float g = comet_bf16_to_f32(gu_row[n]);
-        if (d->activation == 0 /* COMET_ACT_SILU_GATED */) {
-            float dg, du;
-            comet_silu_gated_backward(g, comet_bf16_to_f32(gu_row[fl + n]), dA, &dg, &du);
-            dh_row[n] = comet_f32_to_bf16(dg);
-            dh_row[fl + n] = comet_f32_to_bf16(du);
-        } else {
-            dh_row[n] = comet_f32_to_bf16(dA * comet_gelu_grad(g));
-        }
+        const float G = comet_cpu_dot(dy_row, w2t_e + n * hd, hd);
+        comet_cpu_backward_col(d, gu_row, w, G, n, dh_row);
         acc[n & 7] += G * comet_bf16_to_f32(a_row[n]);
+    }
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* The same from the row's G (F_local), comet_cpu_dot(dy_row, w2t_e + n H, H)
+ * for each n, computed by the caller. */
+static inline float comet_cpu_backward_row_g(const comet_dims_t *d, const comet_bf16_t *gu_row,
+                                             const comet_bf16_t *a_row, const float *G, float w,
+                                             comet_bf16_t *dh_row) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t n = 0; n < d->ffn_local; n++) {
+        comet_cpu_backward_col(d, gu_row, w, G[n], n, dh_row);
+        acc[n & 7] += G[n] * comet_bf16_to_f32(a_row[n]);
     }
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }

@@ -37,7 +37,9 @@
  *   3. wait entry[q] >= k for all q; any failed status -> every rank returns
  *      an error having written nothing
  *   4. build the plan from every rank's staged routing
- *   5. layer 0: comm workers copy rows into a (backward: dy rows beside
+ *   5. (backward: the compute workers' head first, the weights'
+ *      transposes, every worker's done before any layer-0 tile)
+ *      layer 0: comm workers copy rows into a (backward: dy rows beside
  *      them), block by block in local-first order, and set block_ready[b] =
  *      k; compute workers run the layer-0 tiles in the same order, each after
  *      block_ready[b] >= k, then count l0_done. Forward: GEMM0 and the
@@ -52,8 +54,8 @@
  *      row's <G, a> into dtw_parts), then partial_flag = k; the home rank,
  *      once every rank flagged chunk c, sums the partials in ascending rank
  *      order into y (dx; with chunk 0, d_topk_w from dtw_parts, ascending
- *      tp). Backward: then the compute workers' weight-gradient tiles, one
- *      output row each, beside the combine
+ *      tp). Backward: then the compute workers' weight-gradient tiles, WG_KB
+ *      output rows each, beside the combine
  *   7. done = k
  * Comm workers do their tasks in the order send(0), send(1), recv(0),
  * send(2), recv(1), ...: a recv(c) waits only on sends(c) of peers, which no
@@ -224,7 +226,7 @@ static void free_private(cpu_layer_t *L) {
     free(L->a), free(L->h), free(L->o);
     free(L->block_ready), free(L->l1_done), free(L->l1_base);
     free(L->bw.dh), free(L->bw.dxr), free(L->bw.dtw), free(L->bw.w1t), free(L->bw.w2t);
-    free(L->bw.gu_tmp), free(L->bw.sum_tmp);
+    free(L->bw.gu_tmp), free(L->bw.sum_tmp), free(L->bw.scale_tmp);
     pthread_mutex_destroy(&L->err_mu);
     free(L);
 }
@@ -268,6 +270,7 @@ static comet_status_t cpu_layer_create(comet_layer_t *l) {
     for (int64_t b = 0; b < d->max_blocks; b++) atomic_init(&L->block_ready[b], 0);
     for (size_t c = 0; c < hd; c++) atomic_init(&L->l1_done[c], 0);
     atomic_init(&L->l0_done, 0);
+    atomic_init(&L->head_done, 0);
 
     /* Collective: every rank must bring the same config. */
     void *shared = NULL;
@@ -317,6 +320,15 @@ static void *compute_worker(void *arg) {
     const int64_t hd = d->hidden, fl = d->ffn_local, nb = p->totals->num_blocks;
     const int64_t nt0 = (fl + L->l0_tile - 1) / L->l0_tile;
     const int gemm = !(L->disable & COMET_DISABLE_GEMM);
+
+    /* The head (the backward's transposes), every worker's done before layer 0. */
+    if (L->head) {
+        L->head(l, wk->index);
+        atomic_fetch_add_explicit(&L->head_done, 1, memory_order_release);
+        if (wait_geq(l, &L->head_done, L->head_base + (uint64_t)L->n_compute, "gemm worker", wk->index,
+                     "the other workers' heads (%d workers)", L->n_compute))
+            return NULL;
+    }
 
     /* Layer 0: blocks in local-first order, l0_tile columns a tile. */
     uint64_t mine = 0;
@@ -593,6 +605,7 @@ comet_status_t cpu_run(comet_layer_t *l) {
     L->l0_tiles = nb * ((l->dims.ffn_local + L->l0_tile - 1) / L->l0_tile);
     COMET_TRY(run_workers(l));
     L->l0_base += (uint64_t)L->l0_tiles;
+    if (L->head) L->head_base += (uint64_t)L->n_compute;
     for (int c = 0; c < L->n_chunks; c++) L->l1_base[c] += (uint64_t)nb;
     atomic_store_explicit(&L->sh->rank[l->rank].done, L->epoch, memory_order_release);
     return COMET_SUCCESS;
@@ -662,7 +675,7 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     L->out = args->y.data;
     L->disable = args->disable;
     L->l0_tile = GEMM0_TILE_N;
-    L->layer0 = forward_layer0, L->layer1 = forward_layer1, L->tail = NULL;
+    L->head = NULL, L->layer0 = forward_layer0, L->layer1 = forward_layer1, L->tail = NULL;
     L->fwd_h = save ? (comet_bf16_t *)(saved + comet_saved_h_offset(d)) : L->h;
     L->fwd_gu = save ? (comet_bf16_t *)(saved + comet_saved_gu_offset(d)) : NULL;
     L->pull_dy = NULL;

@@ -46,6 +46,8 @@ typedef struct cpu_layer cpu_layer_t;
  * 1's columns [c0, c1) of H (one chunk). */
 typedef void (*cpu_rows_fn)(comet_layer_t *l, int worker, const comet_plan_block_t *blk, int64_t c0, int64_t c1);
 
+#define WG_KB 4 /* output rows of a weight-gradient task (engine_backward.c) */
+
 /* The backward's buffers, taken at its first call (engine_backward.c), and
  * its call in flight. */
 typedef struct {
@@ -53,8 +55,10 @@ typedef struct {
     comet_bf16_t *dxr;       /* (max_rows_padded, H): each row's dX */
     float *dtw;              /* (max_rows_padded): each row's <G, a> */
     comet_bf16_t *w1t, *w2t; /* the weights' transposes (comet_cpu_transpose_weights) */
-    comet_bf16_t *gu_tmp;    /* (workers, w1_rows): a recomputed row's gu */
-    float *sum_tmp;          /* (workers, max(H, F_local)): one output row's weight-gradient sums */
+    comet_bf16_t *gu_tmp;    /* (workers, 2, w1_rows): two recomputed rows' gu */
+    float *sum_tmp;          /* (workers, WG_KB, max(H, F_local)): a task's weight-gradient sums; also
+                                layer 0's dots (4 F_local) and layer 1's (2 H): WG_KB >= 4 */
+    float *scale_tmp;        /* (workers, max_rows_padded, WG_KB, 4): a task's row scales, broadcast; 64-aligned */
     /* the call */
     const comet_bf16_t *gu, *act; /* saved state: gu (rows, w1_rows) and a (rows, F_local); NULL: computed again */
     const comet_backward_args_t *args;
@@ -83,6 +87,10 @@ struct cpu_layer {
     int disable;             /* COMET_DISABLE_* of this call (measurement only) */
     int64_t l0_tile;         /* layer-0 tile width (ffn columns) */
     int64_t l0_tiles;        /* layer-0 tiles of the call, for l0_base */
+    void (*head)(comet_layer_t *l, int worker); /* a compute worker's work before layer 0, or NULL: then
+                                                    every worker waits for every worker's (head_done) */
+    flag_t head_done;
+    uint64_t head_base;
     cpu_rows_fn layer0, layer1;
     void (*tail)(comet_layer_t *l, int worker); /* a compute worker's work after layer 1, or NULL */
     comet_bf16_t *fwd_h;     /* forward: where layer 0 stores h: h, or the saved state's */
