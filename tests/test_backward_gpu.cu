@@ -12,7 +12,10 @@
  * written; a second backward gives the same bits, and so does the other save
  * mode; accumulating adds the gradients to what the buffers held; on the
  * Hopper path (a preset's shape scaled down) 100 more backwards on a stream
- * and a graph-captured backward replayed give the first one's bits. A bad
+ * and a graph-captured backward replayed give the first one's bits; a
+ * forward after the backwards gives the first forward's y; the saved state
+ * is NaN before the forward fills it (rows it leaves alone count for
+ * nothing). A bad
  * expert id on one rank, or saved state from another forward, gives the
  * documented status on every rank and leaves every gradient untouched.
  * Without a GPU it prints "skipped (no GPU)".
@@ -124,6 +127,7 @@ static void *rank_main(void *arg) {
     size_t sb = 0;
     comet_layer_saved_bytes(layer, COMET_SAVE_ACTIVATIONS, &sb);
     void *saved = dev_copy(NULL, sb);
+    cudaMemset(saved, 0xff, sb); /* NaN in every row the forward leaves alone (padding): they must not count */
     free(idx_h);
     /* the forward, saving (or not) */
     comet_forward_args_t f = COMET_FORWARD_ARGS_INIT;
@@ -139,6 +143,8 @@ static void *rank_main(void *arg) {
     if (j->stale_saved) f.x.shape[0] = f.y.shape[0] = 0, f.topk_idx.shape[0] = f.topk_w.shape[0] = 0; /* T differs */
     comet_status_t st = comet_layer_forward(layer, &f);
     if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
+    uint16_t *y_first = (uint16_t *)malloc(nx * 2 + 2);
+    cudaMemcpy(y_first, y, nx * 2, cudaMemcpyDeviceToHost);
     /* poison the outputs (NaN; accumulate: the start pattern) */
     cudaMemset(dx, 0xff, nx * 2);
     cudaMemset(dtw, 0xff, nk * 4);
@@ -213,6 +219,22 @@ static void *rank_main(void *arg) {
         if (graph) cudaGraphDestroy(graph);
         cudaStreamDestroy(st);
     }
+    if (j->repeat && j->sync_st == COMET_SUCCESS && !j->stale_saved) {
+        /* a forward after the backwards: the first forward's y, bitwise (the layer's state is the call's) */
+        cudaMemset(y, 0xff, nx * 2);
+        f.save = COMET_SAVE_NONE;
+        comet_status_t s2 = comet_layer_forward(layer, &f);
+        if (s2 == COMET_SUCCESS) s2 = comet_layer_sync(layer);
+        uint16_t *y_again = (uint16_t *)malloc(nx * 2 + 2);
+        cudaMemcpy(y_again, y, nx * 2, cudaMemcpyDeviceToHost);
+        if (s2 != COMET_SUCCESS || memcmp(y_first, y_again, nx * 2)) {
+            j->same_repeat = 0;
+            snprintf(j->msg, sizeof j->msg, "a forward after the backward: %s, y %s", comet_status_string(s2),
+                     s2 == COMET_SUCCESS ? "differs from the first forward's" : "not computed");
+        }
+        free(y_again);
+    }
+    free(y_first);
     cudaFree(x), cudaFree(idx), cudaFree(wts), cudaFree(w1), cudaFree(w2), cudaFree(y), cudaFree(dy);
     cudaFree(dx), cudaFree(dtw), cudaFree(dw1), cudaFree(dw2), cudaFree(saved);
     comet_layer_destroy(layer);
