@@ -650,4 +650,9 @@ if __name__ == "__main__":
         main()
     finally:
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            # every rank done with the group before any tears it down (gloo's threads otherwise
+            # may abort a rank still closing: "terminate called without an active exception")
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
