@@ -20,13 +20,7 @@ import torch.distributed as dist
 
 import comet
 import comet.torch as ct
-
-MODELS = {  # name: (hidden, ffn per expert, experts, topk), as harness/workload.c and bench/torch_moe.py
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "qwen2-moe": (2048, 1408, 64, 4),
-    "phi-3.5-moe": (4096, 6400, 16, 2),
-    "deepseek-v3": (7168, 2048, 256, 8),
-}
+from torch_moe import MODELS, routing  # the presets and routing of the PyTorch baseline (same directory)
 
 
 def parse():
@@ -42,13 +36,6 @@ def parse():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default="", help="write the records here (rank 0)")
     return p.parse_args()
-
-
-def routing(gen, t, e_num, topk, device):
-    """Uniform routing: topk distinct experts a token, softmax weights."""
-    idx = torch.rand(t, e_num, generator=gen, device=device).argsort(dim=1)[:, :topk].to(torch.int32)
-    w = torch.softmax(torch.randn(t, topk, generator=gen, device=device), dim=1)
-    return idx.contiguous(), w.contiguous()
 
 
 def slowest(ms, device):
@@ -84,7 +71,8 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     mod = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save, world=world, topk=topk,
                         max_tokens_per_rank=t).requires_grad_()
     x = torch.randn(t, hd, generator=gen, device=device).bfloat16().requires_grad_()
-    idx, wts = routing(gen, t, e_num, topk, device)
+    idx, wts = routing(gen, t, e_num, topk, 0.0, 0, device)  # uniform
+    idx = idx.to(torch.int32).contiguous()
     wts.requires_grad_()
     dy = torch.randn(t, hd, generator=gen, device=device).bfloat16()
 
@@ -112,7 +100,8 @@ def overhead(args, device):
     w1 = torch.randn(e, 2 * f, hd, generator=gen, device=device).bfloat16()
     w2 = torch.randn(e, hd, f, generator=gen, device=device).bfloat16()
     x = torch.randn(t, hd, generator=gen, device=device).bfloat16()
-    idx, wts = routing(gen, t, e, k, device)
+    idx, wts = routing(gen, t, e, k, 0.0, 0, device)
+    idx = idx.to(torch.int32).contiguous()
     n = args.overhead_calls
     with torch.no_grad():
         ct.moe_experts(x, idx, wts, w1, w2)  # the layer made and its kernels loaded

@@ -81,9 +81,7 @@ comet_status_t comet_layer_backward(comet_layer_t *l, const comet_backward_args_
 comet_status_t comet_layer_saved_bytes(const comet_layer_t *l, int save, size_t *bytes) {
     comet_clear_error();
     if (!l || !bytes) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "layer or bytes is NULL");
-    if (save != COMET_SAVE_NONE && save != COMET_SAVE_ACTIVATIONS && save != COMET_SAVE_RECOMPUTE)
-        return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "save %d is not COMET_SAVE_NONE, COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE", save);
+    COMET_TRY(comet_check_save_mode(save, "save"));
     *bytes = comet_saved_bytes(&l->dims, save);
     return COMET_SUCCESS;
 }

@@ -192,10 +192,15 @@ static comet_status_t check_tensor(const comet_tensor_t *t, const char *name, co
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_check_saved(const comet_dims_t *d, int save, const comet_tensor_t *saved) {
+comet_status_t comet_check_save_mode(int save, const char *what) {
     if (save != COMET_SAVE_NONE && save != COMET_SAVE_ACTIVATIONS && save != COMET_SAVE_RECOMPUTE)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "args.save %d is not COMET_SAVE_NONE, COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE", save);
+                          "%s %d is not COMET_SAVE_NONE, COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE", what, save);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_check_saved(const comet_dims_t *d, int save, const comet_tensor_t *saved) {
+    COMET_TRY(comet_check_save_mode(save, "args.save"));
     if (save != COMET_SAVE_ACTIVATIONS) return COMET_SUCCESS;
     const size_t need = comet_saved_bytes(d, save);
     if (saved->dtype != COMET_DTYPE_UINT8 || saved->ndim != 1)

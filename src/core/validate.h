@@ -42,6 +42,9 @@ comet_status_t comet_dims_from_config(const comet_layer_config_t *cfg, int world
 comet_status_t comet_check_forward_args(const comet_dims_t *d, const comet_forward_args_t *args,
                                         int check_routing, int64_t *num_tokens);
 
+/* save is a comet_save_t (what: its name in the message). */
+comet_status_t comet_check_save_mode(int save, const char *what);
+
 /* A training call's save mode (comet_save_t) and, for
  * COMET_SAVE_ACTIVATIONS, its saved tensor: 1-d uint8 of at least
  * comet_saved_bytes (src/core/saved.h). */
