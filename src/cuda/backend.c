@@ -652,6 +652,7 @@ static comet_status_t cuda_layer_forward(comet_layer_t *l, const comet_forward_a
         proto.n_comm = c.n_comm;
         c.push = proto.combine == COMET_COMBINE_PUSH;
         c.disable = args->disable; /* both chains honour it with the Hopper GEMM */
+        if (c.store_gu) c.saved = (unsigned char *)args->saved.data; /* GEMM0 stores gu and h there */
     }
     c.protocol = comet_cuda_protocol_word(&proto, 0);
     if (L->trace) {

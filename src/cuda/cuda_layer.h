@@ -147,7 +147,11 @@ typedef struct {
                                     * does not write dH over the gu it reads), or NULL: in dh */
     float *dwp;                    /* (max_rows_padded, ceil(F_local / 64)): <G, a> per row and column tile
                                     * (64 columns a tile on the SIMT tiles, 256 on the Hopper GEMM) */
-    int store_gu;                  /* GEMM0 also stores gu (bf16) into dh */
+    int store_gu;                  /* GEMM0 also stores gu (bf16): into dh, or a saving forward's on the
+                                    * Hopper GEMM into `saved` */
+    unsigned char *saved;          /* a saving forward on the Hopper GEMM: the caller's saved state, where
+                                    * GEMM0 stores gu and h and GEMM1 reads h (part of replay.c's key);
+                                    * else NULL (the SIMT tiles store into dh and h, k_save copies) */
     uint32_t *train_sched;         /* device, 4 words zeroed at create: the Hopper G's and dX's tile counters */
     void *wgrad[2];                /* host: the backward's dW2 and dW1 on the Hopper GEMM (comet_cuda_wgrad_prepare) */
     /* this call's protocol and weights (its tensors: comet_cuda_call_t) */

@@ -780,6 +780,24 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
     }
 }
 
+/* G: the rows of gu (gate and, gated, up) and h that a tile's epilogue reads, prefetched into L2 by
+ * the producer GM_PF_SLICES k-slices before the tile's main loop ends (one bulk prefetch a row and
+ * plane, a hint: unaligned rows are left alone), so that the epilogue's loads hit L2 instead of
+ * waiting on DRAM while the tensor cores idle. */
+#define GM_PF_SLICES 16
+__device__ __noinline__ void gm_prefetch_dact(const gm_params_t &p, const comet_plan_block_t &blk, int col0,
+                                                 int col_end, const int mode) {
+    const uint32_t bytes = (uint32_t)(col_end - col0) * 2u & ~15u;
+    if (p.n % 8 || p.gu_ld % 8 || bytes == 0) return;
+    const comet_bf16_t *g = p.gu + (int64_t)blk.row_start * p.gu_ld + col0, *h = p.hin + (int64_t)blk.row_start * p.n + col0;
+    for (int r = blk.num_rows; r > 0; r--, g += p.gu_ld, h += p.n) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
+        if (mode == GM_MODE_DGATED)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g + p.up_off), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(h), "r"(bytes) : "memory");
+    }
+}
+
 /* G's epilogue for one consumer (gm_dact_half): each plane half by half, 32 words of pk at a time
  * (the whole tile's 64 spilled beside the loads), stored through the staging buffer (all 64 rows:
  * padding rows get zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256],
@@ -894,6 +912,9 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     }
                     gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
+                    if ((mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) &&
+                        k == tl.k0 + (tl.nk > GM_PF_SLICES ? tl.nk - GM_PF_SLICES : 0))
+                        gm_prefetch_dact(p, blk, tl.col0, tl.col_end, mode);
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
                     const CUtensorMap *gmap = narrow ? &tmbh : &tmb; /* gated: gate and up boxes */
                     if (tb) { /* K rows k.. of 64-column boxes, coordinates (column, K row, expert) */
@@ -1252,7 +1273,9 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
     CUtensorMap ta, tc, tg;
     int bad = 0;
     if (which == GM_GEMM0 && t) {
-        bad = !t->gu || gm_map_planes(&tg, t->gu, mr, fl, planes);
+        bad = !t->gu || gm_map_planes(&tg, t->gu, mr, fl, planes) || (t->h && gm_map(&tc, t->h, mr, fl, 64, 0));
+    } else if (which == GM_GEMM1 && t) {
+        bad = t->h && gm_map(&ta, t->h, mr, fl, 128, 1);
     } else if (which == GM_G) {
         bad = !t || !t->gu || !t->dy || !t->dh || !t->dwp || !(t->h || a->h) || !sched_bwd;
         if (!bad) bad = gm_map(&ta, t->dy, mr, hd, 128, 1) || gm_map_planes(&tc, t->dh, mr, fl, planes);
@@ -1297,7 +1320,7 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
         p.tile_cols = p.mode == GM_MODE_GATED ? 128 : 256;
         p.chunk_cols = p.n;
         p.order = hk.l0_order ? plan.l0_order : NULL;
-        p.c = which == GM_G ? t->dh : a->h;
+        p.c = which == GM_G ? t->dh : t && t->h ? t->h : a->h;
         p.gu = t ? t->gu : NULL;
         if (which == GM_G) {
             p.hin = t->h ? t->h : a->h;
@@ -1349,11 +1372,11 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
     const CUtensorMap *m[5];
     int kern;
     if (which == GM_GEMM0) {
-        const CUtensorMap *mm[5] = {&g->a0, &g->b0, &g->b0h, &g->c0, t ? &tg : &g->c0};
+        const CUtensorMap *mm[5] = {&g->a0, &g->b0, &g->b0h, t && t->h ? &tc : &g->c0, t ? &tg : &g->c0};
         memcpy(m, mm, sizeof m);
         kern = gated ? GM_K_GATED : GM_K_GELU;
     } else if (which == GM_GEMM1) {
-        const CUtensorMap *mm[5] = {&g->a1, &g->b1, &g->b1h, &g->c1, &g->c1};
+        const CUtensorMap *mm[5] = {t && t->h ? &ta : &g->a1, &g->b1, &g->b1h, &g->c1, &g->c1};
         memcpy(m, mm, sizeof m);
         kern = GM_K_GEMM1;
     } else if (which == GM_G) {
@@ -1388,6 +1411,11 @@ extern "C" int comet_gemm0_train_launch(const comet_gemm_t *g, const comet_gemm_
 
 extern "C" int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks) {
     return gm_launch(g, GM_GEMM1, NULL, stream, hooks);
+}
+
+extern "C" int comet_gemm1_train_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                                        const comet_gemm_hooks_t *hooks) {
+    return t ? gm_launch(g, GM_GEMM1, t, stream, hooks) : (int)cudaErrorInvalidValue;
 }
 
 extern "C" int comet_gemm_g_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,

@@ -98,7 +98,9 @@ typedef struct {
 typedef struct {
     comet_bf16_t *gu;       /* (max_rows_padded, w1_rows) pre-activation, [g|u] gated (gate at column n,
                              * up at F_local + n), g GELU: GEMM0 stores it, G reads it */
-    const comet_bf16_t *h;  /* G: the forward's h (max_rows_padded, F_local); NULL: args.h */
+    comet_bf16_t *h;        /* the forward's h (max_rows_padded, F_local), NULL: args.h: GEMM0 (train)
+                             * stores it there, GEMM1 (train) and G read it (a saving forward's h goes
+                             * straight into the caller's saved state) */
     const comet_bf16_t *dy; /* G's A: (max_rows_padded, H), dy's gathered rows */
     comet_bf16_t *dh;       /* G's output and dX's A: (max_rows_padded, w1_rows), [dg|du] gated, dg GELU */
     float *dwp;             /* G: (max_rows_padded, comet_gemm_dwp_tiles(&d)) fp32 partials of <G, h> */
@@ -211,9 +213,12 @@ int comet_gemm0_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hoo
  * kernel spins on a flag can deadlock). Returns a cudaError_t as int. */
 int comet_gemm_warm(void);
 int comet_gemm1_launch(const comet_gemm_t *g, void *stream, const comet_gemm_hooks_t *hooks);
-/* GEMM0 that also stores the pre-activation into t->gu (h into args.h, the same bits as
- * comet_gemm0_launch's); GEMM0's tile counters and hooks. */
+/* GEMM0 that also stores the pre-activation into t->gu (h into t->h or args.h, the same bits
+ * as comet_gemm0_launch's); GEMM0's tile counters and hooks. */
 int comet_gemm0_train_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
+                             const comet_gemm_hooks_t *hooks);
+/* GEMM1 reading h from t->h (NULL: args.h); GEMM1's tile counters and hooks. */
+int comet_gemm1_train_launch(const comet_gemm_t *g, const comet_gemm_train_t *t, void *stream,
                              const comet_gemm_hooks_t *hooks);
 /* The backward's G (t: dy, gu, h, dh, dwp) and dX (t: dh, dx), as above; hooks as GEMM0's (G:
  * block_ready, epoch, l0_order, skip, num_ctas, pdl, timeout) and GEMM1's (dX: the same but

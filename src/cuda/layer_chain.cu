@@ -78,14 +78,18 @@ extern "C" int comet_cuda_layer_warm(void) {
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
  * programmatically dependent on the kernel before it, hooks->pdl, must follow
  * that kernel directly: its begin mark goes before that kernel instead).
- * GEMM0 of a training call (c->store_gu) also stores gu into c->dh. */
+ * GEMM0 of a training call (c->store_gu) also stores gu: a saving forward's
+ * gu and h straight into the caller's saved state (c->saved; GEMM1 reads h
+ * there), the backward's recompute gu into c->dh. */
 static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
     if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0, -1);
     const comet_gemm_t *g = (const comet_gemm_t *)c->gemm;
     comet_gemm_train_t t;
     memset(&t, 0, sizeof t);
-    t.gu = c->dh, t.sched = c->train_sched;
-    const int ge = which        ? comet_gemm1_launch(g, stream, hooks)
+    t.gu = c->saved ? (comet_bf16_t *)(c->saved + comet_saved_gu_offset(&c->d)) : c->dh, t.sched = c->train_sched;
+    t.h = c->saved ? (comet_bf16_t *)(c->saved + comet_saved_h_offset(&c->d)) : NULL;
+    const int ge = which         ? (c->saved ? comet_gemm1_train_launch(g, &t, stream, hooks)
+                                             : comet_gemm1_launch(g, stream, hooks))
                    : c->store_gu ? comet_gemm0_train_launch(g, &t, stream, hooks)
                                  : comet_gemm0_launch(g, stream, hooks);
     if (ge != cudaSuccess) return ge;
@@ -117,8 +121,8 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
     k_plan<<<1, 32, 0, stream>>>(c);
     const int e = forward_chain(&c, stream);
     if (e != cudaSuccess) return e;
-    if (c.store_gu) { /* training: gu (GEMM0 stored it in dh) and h into the caller's saved state */
-        k_save<<<grid, 256, 0, stream>>>(c);
+    if (c.store_gu) { /* training: gu and h in the caller's saved state (the SIMT tiles' copied there) */
+        if (!c.saved) k_save<<<grid, 256, 0, stream>>>(c);
         k_save_header<<<1, 1, 0, stream>>>(c);
     }
     k_exit<<<1, 1, 0, stream>>>(c);
@@ -301,14 +305,14 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         t.sched = c.train_sched;
         const int saved = call->save == COMET_SAVE_ACTIVATIONS;
         t.gu = saved ? (comet_bf16_t *)(call->saved + comet_saved_gu_offset(d)) : c.gu;
-        t.h = saved ? (const comet_bf16_t *)(call->saved + comet_saved_h_offset(d)) : NULL; /* NULL: c.h */
+        t.h = saved ? (comet_bf16_t *)(call->saved + comet_saved_h_offset(d)) : NULL; /* NULL: c.h */
         t.dy = c.o, t.dh = c.dh, t.dwp = c.dwp, t.dx = c.o;
         int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
         if (ge == cudaSuccess) ge = comet_gemm_g_launch(g, &t, stream, &hooks);
         if (ge != cudaSuccess) return ge;
         dwp_tiles = comet_gemm_dwp_tiles(d);
         k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
-        k_scale_dy<<<grid, 256, 0, stream>>>(c);
+        k_scale_dy<<<grid * SCALE_DY_BLOCKS_PER_SM, 256, 0, stream>>>(c);
         ge = launch_wgrad(&c, 0, stream);
         if (ge != cudaSuccess) return ge;
         hooks.push = c.push;
@@ -318,7 +322,7 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
         k_bwd_g<<<dim3((unsigned)dwp_tiles, blocks_y), 256, 0, stream>>>(c);
         k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
-        k_scale_dy<<<grid, 256, 0, stream>>>(c);
+        k_scale_dy<<<grid * SCALE_DY_BLOCKS_PER_SM, 256, 0, stream>>>(c);
         k_wgrad<<<dim3(th, tf, el), 256, 0, stream>>>(c, 0);
         k_bwd_dx<<<dim3(th, blocks_y), 256, 0, stream>>>(c);
     }

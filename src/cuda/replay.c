@@ -10,8 +10,9 @@
  *
  * How: a call's tensors (comet_cuda_call_t) reach the device through
  * k_enter's parameters alone; every other kernel reads them from the
- * layer's state. So the chain is a function of the context (protocol,
- * n_comm, disable bits, weights, buffers: the key, compared
+ * layer's state (but a saving forward's saved state, which GEMM0's tensor
+ * maps address: it is in the context). So the chain is a function of the
+ * context (protocol, n_comm, disable bits, weights, buffers, saved state: the key, compared
  * bytewise, key_of), captured once per context on this cache's own stream
  * (thread-local capture mode: the other ranks' threads go on) and
  * instantiated; each call then sets the k_enter node's parameters
