@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""plot.py - the curves of train.py runs (their --log JSON lines), side by side:
+"""plot.py - the curves of train.py runs (their --json-log JSON lines), side by side:
 
     python examples/train/plot.py comet.jsonl torch.jsonl -o plots/
 
@@ -37,7 +37,7 @@ def smooth(v, n):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0].split(" - ", 1)[1])
-    p.add_argument("logs", nargs="+", help="train.py --log files (comet's and torch's)")
+    p.add_argument("logs", nargs="+", help="train.py --json-log files (comet's and torch's)")
     p.add_argument("-o", "--out", default="plots", help="output folder (default plots/)")
     p.add_argument("--labels", help="comma-separated labels, one a log")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window (default: steps / 20)")

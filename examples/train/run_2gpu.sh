@@ -14,6 +14,6 @@ shift $(( $# > 2 ? 2 : $# ))
 mkdir -p "$out"
 for experts in comet torch; do
     torchrun --standalone --nproc-per-node 2 "$here/train.py" --config "$config" --experts "$experts" \
-        --log "$out/$experts.jsonl" "$@" 2>&1 | tee "$out/$experts.txt"
+        --json-log "$out/$experts.jsonl" "$@" 2>&1 | tee "$out/$experts.txt"
 done
 python3 "$here/plot.py" "$out/comet.jsonl" "$out/torch.jsonl" -o "$out" | tee "$out/summary.txt"

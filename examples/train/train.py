@@ -4,13 +4,13 @@ run by comet or by a Megatron-style PyTorch layer, from the same init, data
 order and seed, so the two runs compare step by step.
 
   one process (CPU or one GPU):
-    python examples/train/train.py --config tiny --experts comet --log comet.jsonl
+    python examples/train/train.py --config tiny --experts comet --json-log comet.jsonl
   two GPUs (data parallel for everything but the experts, expert parallel
   over both GPUs for the experts):
     torchrun --standalone --nproc-per-node 2 examples/train/train.py \\
-        --config mixtral-2gpu --experts comet --log mixtral-comet.jsonl
+        --config mixtral-2gpu --experts comet --json-log mixtral-comet.jsonl
     torchrun --standalone --nproc-per-node 2 examples/train/train.py \\
-        --config mixtral-2gpu --experts torch --log mixtral-torch.jsonl
+        --config mixtral-2gpu --experts torch --json-log mixtral-torch.jsonl
     python examples/train/plot.py mixtral-comet.jsonl mixtral-torch.jsonl -o plots/
 
 The model: byte tokens (vocab 256), token embedding, per block RMSNorm ->
@@ -299,7 +299,7 @@ def expert_weights(c: Config, layer: int, seed: int, tp: int, ep: int, rank: int
 # ---------------------------------------------------------------------------
 # Arguments.
 # ---------------------------------------------------------------------------
-def parse(argv=None):
+def parser():
     p = argparse.ArgumentParser(
         prog="train.py", description=__doc__.split("\n\n")[0].split(" - ", 1)[1],
         epilog="presets: " + "; ".join(
@@ -326,7 +326,7 @@ def parse(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
-    p.add_argument("--log", help="JSON-lines log (rank 0): a header, a train record a step, val records, a summary")
+    p.add_argument("--json-log", metavar="FILE", help="JSON-lines log (rank 0): a header, a train record a step, val records, a summary")
     p.add_argument("--log-every", type=int, default=0, help="progress line every N steps (default: ~20 lines a run)")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint here (every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0)
@@ -341,7 +341,11 @@ def parse(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0, help="a GPU's peak for MFU (default 989)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--torch-split-k", action="store_true", help=argparse.SUPPRESS)  # tests: TorchExperts.split_k
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv=None):
+    return parser().parse_args(argv)
 
 
 def describe(c: Config) -> str:
@@ -513,7 +517,7 @@ def main(argv=None):
     fpt = flops_per_token(c)
     tokens_step = world * c.batch * c.seq
     peak_cublas = cublas_tflops(device) if dev_type == "cuda" else None
-    log = Logger(args.log, rank)
+    log = Logger(args.json_log, rank)
     header = dict(type="header", config_name=args.config, config=dataclasses.asdict(c), experts=args.experts,
                   world=world, tp=tp, ep=ep, device=str(torch.cuda.get_device_name(device) if dev_type == "cuda"
                                                          else "cpu"),

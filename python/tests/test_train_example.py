@@ -18,7 +18,8 @@
      global batch) for 5 steps, within 1e-3: the gradient averaging and the
      expert gradients' 1/W (comet needs GPUs for more than one process);
   4. the CLI: --help, the progress line and the JSON-lines log (and plot.py
-     on the two logs where matplotlib is installed).
+     on the two logs where matplotlib is installed), and every option of
+     train.py reaching it through torchrun's parser.
 
 The tolerance. The two runs differ only in rounding: comet computes the
 activation in fp32 and rounds h once, the PyTorch layer rounds g to bf16
@@ -88,8 +89,8 @@ def run(*args, corpus=()):
 def runs(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     t = time.time()
-    out = {"comet": run("--experts", "comet", "--log", str(tmp / "comet.jsonl"), corpus=corpus),
-           "torch": run("--experts", "torch", "--log", str(tmp / "torch.jsonl"), corpus=corpus),
+    out = {"comet": run("--experts", "comet", "--json-log", str(tmp / "comet.jsonl"), corpus=corpus),
+           "torch": run("--experts", "torch", "--json-log", str(tmp / "torch.jsonl"), corpus=corpus),
            "split": run("--experts", "torch", "--torch-split-k", corpus=corpus),
            "stopped": run("--experts", "comet", "--stop-after", "10", "--save", str(tmp / "ck"), corpus=corpus),
            "resumed": run("--experts", "comet", "--resume", str(tmp / "ck"), corpus=corpus),
@@ -143,7 +144,7 @@ def test_two_ranks_gloo_torch(corpus, tmp_path):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--config", "tiny", "--device", "cpu", "--quiet",
-               "--experts", "torch", "--steps", "5", "--batch-size", "4", "--log", str(tmp_path / "two.jsonl"),
+               "--experts", "torch", "--steps", "5", "--batch-size", "4", "--json-log", str(tmp_path / "two.jsonl"),
                *corpus]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -183,3 +184,12 @@ def test_plot(runs, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("loss.png", "speed.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_options_pass_through_torchrun():
+    """torchrun parses the options after the script too and refuses one that abbreviates several of its
+    own (an option `--log` met `--log-dir` and `--logs-specs`): every train.py option reaches train.py."""
+    torchrun = pytest.importorskip("torch.distributed.run")
+    opts = [o for a in train.parser()._actions for o in a.option_strings if o.startswith("--")]
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", "2", "train.py"] + opts)
+    assert args.training_script_args == opts

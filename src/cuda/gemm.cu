@@ -780,24 +780,6 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
     }
 }
 
-/* G: the rows of gu (gate and, gated, up) and h that a tile's epilogue reads, prefetched into L2 by
- * the producer GM_PF_SLICES k-slices before the tile's main loop ends (one bulk prefetch a row and
- * plane, a hint: unaligned rows are left alone), so that the epilogue's loads hit L2 instead of
- * waiting on DRAM while the tensor cores idle. */
-#define GM_PF_SLICES 16
-__device__ __noinline__ void gm_prefetch_dact(const gm_params_t &p, const comet_plan_block_t &blk, int col0,
-                                                 int col_end, const int mode) {
-    const uint32_t bytes = (uint32_t)(col_end - col0) * 2u & ~15u;
-    if (p.n % 8 || p.gu_ld % 8 || bytes == 0) return;
-    const comet_bf16_t *g = p.gu + (int64_t)blk.row_start * p.gu_ld + col0, *h = p.hin + (int64_t)blk.row_start * p.n + col0;
-    for (int r = blk.num_rows; r > 0; r--, g += p.gu_ld, h += p.n) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(bytes) : "memory");
-        if (mode == GM_MODE_DGATED)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g + p.up_off), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(h), "r"(bytes) : "memory");
-    }
-}
-
 /* G's epilogue for one consumer (gm_dact_half): each plane half by half, 32 words of pk at a time
  * (the whole tile's 64 spilled beside the loads), stored through the staging buffer (all 64 rows:
  * padding rows get zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256],
@@ -912,9 +894,6 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                     }
                     gm_mbar_expect_tx(&full[s], tl.b >= 0 ? GM_A_BYTES + bbytes : 0); /* no block: no bytes */
                     if (tl.b < 0) continue;
-                    if ((mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) &&
-                        k == tl.k0 + (tl.nk > GM_PF_SLICES ? tl.nk - GM_PF_SLICES : 0))
-                        gm_prefetch_dact(p, blk, tl.col0, tl.col_end, mode);
                     gm_tma_load(st, &tma, k * GM_BK, blk.row_start, &full[s]);
                     const CUtensorMap *gmap = narrow ? &tmbh : &tmb; /* gated: gate and up boxes */
                     if (tb) { /* K rows k.. of 64-column boxes, coordinates (column, K row, expert) */
