@@ -105,18 +105,19 @@ def train_tables(torch_rows, comet_rows):
                   f"{r['check_rel_err']:.1e}, {r.get('grad_rel_err', 0):.1e} |")
         return
     print("| model | M | TP | EP | skew | save | mode | comet fwd ms | comet bwd ms | comet step ms | PyTorch fwd ms | "
-          "PyTorch bwd ms | PyTorch step ms | speedup | comet TFLOP/s/GPU | check y (wrong/checked) | "
-          "gradients (wrong/checked) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "PyTorch bwd ms | PyTorch step ms | speedup | comet TFLOP/s/GPU | saved MiB: comet / PyTorch | "
+          "check y (wrong/checked) | gradients (wrong/checked) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(ct, key=lambda r: (key(r), r.get("save", ""), r.get("n_comm", 0))):
         same = [b for b in tt if key(b) == key(r) and b.get("iters", 20) == r.get("iters", 20)]
         b = same[-1] if same and r.get("skew", 0.0) == 0 else None
         tb = (f"{b['fwd_ms']:.3f} | {b['bwd_ms']:.3f} | {b['ms']:.3f} | {b['ms'] / r['ms']:.2f}x" if b
               else "- | - | - | -")
         mode = mode_of(r) + (f": {ran_of(r)}" if r.get("tuned") else "")
+        mib = lambda row: f"{row['saved_bytes'] / 2**20:.1f}" if row and "saved_bytes" in row else "-"
         print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r.get('save', 'activations')} | "
               f"{mode} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['ms']:.3f} | {tb} | {r['rate']:.0f} | "
-              f"{r['wrong']}/{r['checked']} | {r.get('grad_wrong', 0)}/{r.get('grad_checked', 0)} |")
+              f"{mib(r)} / {mib(b)} | {r['wrong']}/{r['checked']} | {r.get('grad_wrong', 0)}/{r.get('grad_checked', 0)} |")
 
 
 def ran_of(r):

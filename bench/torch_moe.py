@@ -29,7 +29,9 @@ the slowest rank's), the step's TFLOP/s (3x the forward's FLOPs). Before
 timing, one step on 8 sampled tokens a rank is checked against an fp32
 autograd evaluation of those tokens (every rank's, all-gathered): relative
 error (norm) of y, dx, d_topk_w and of the rank's dw1, dw2 slices. Records
-carry "train": true.
+carry "train": true and "saved_bytes": what autograd keeps from one forward
+for its backward on the largest rank (the distinct storages of its saved
+tensors, the weights and the step's inputs left out).
   torchrun --nproc-per-node 2 bench/torch_moe.py --train --models qwen2-moe --tokens 4096 --ep 2
 --device cpu (gloo; a per-expert matmul loop where torch._grouped_mm's
 backward does not run on the CPU) is only for testing this script without
@@ -464,6 +466,27 @@ class WallEvent:
         pass
 
 
+def autograd_saved_bytes(layer, x, idx, w, dy):
+    """bytes autograd keeps from one training forward for its backward, this rank: the distinct storages its
+    saved tensors hold, the weights and the step's inputs x and topk_w left out (every layer keeps those;
+    comet's counterpart is comet_layer_saved_bytes)"""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (layer.w1, layer.w2, x, w)}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in inputs:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer.forward(x, idx, w)
+    y.backward(dy)
+    layer.w1.grad = layer.w2.grad = None
+    return sum(kept.values())
+
+
 def train_one(args, layer, name, m, sets, rank, world, device):
     """--train: one configuration's training steps (the check first), its record"""
     hidden, ffn, topk = layer.hidden, layer.ffn, layer.topk
@@ -476,6 +499,7 @@ def train_one(args, layer, name, m, sets, rank, world, device):
         gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + 500 + rank)
         dys.append(torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16))
     errs = layer.check_train(*sets[0], dys[0])
+    saved = autograd_saved_bytes(layer, *sets[0], dys[0])
     for i in range(args.warmup):
         layer.step(*sets[i % len(sets)], dys[i % len(sets)])
     fwd, bwd, step = [], [], []
@@ -494,14 +518,16 @@ def train_one(args, layer, name, m, sets, rank, world, device):
     ms = median_max_over_ranks(step, world, device)
     flops = 3 * 2.0 * m * topk * hidden * ffn * 3 / world  # per GPU: 3x the forward's
     grad_err = max(errs[g] for g in ("dx", "d_topk_w", "dw1", "dw2"))
+    saved = int(median_max_over_ranks([float(saved)], world, device))  # the largest rank's
     rec = {"model": name, "M": m, "tp": layer.tp, "ep": layer.ep, "topk": topk, "experts": layer.e_num,
            "hidden": hidden, "ffn": ffn, "skew": args.skew, "zero_experts": args.zero_experts, "train": True,
-           "ms": ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "tflops": flops / (ms * 1e9),
+           "ms": ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "tflops": flops / (ms * 1e9), "saved_bytes": saved,
            "check_rel_err": errs["y"], "grad_rel_err": grad_err, "grad_rel_errs": errs,
            "iters": args.iters, "warmup": args.warmup}
     if rank == 0:
         print(f"{name:14s} M={m:6d} TP={layer.tp} EP={layer.ep}  train: forward {fwd_ms:8.3f} ms  backward "
-              f"{bwd_ms:8.3f} ms  step {ms:8.3f} ms ({rec['tflops']:6.1f} TFLOP/s)  check rel err y {errs['y']:.2e}, "
+              f"{bwd_ms:8.3f} ms  step {ms:8.3f} ms ({rec['tflops']:6.1f} TFLOP/s, saved {saved / 2**20:.1f} MiB)  "
+              f"check rel err y {errs['y']:.2e}, "
               + ", ".join(f"{g} {errs[g]:.2e}" for g in ("dx", "d_topk_w", "dw1", "dw2")), flush=True)
     assert errs["y"] < 2e-2, f"{name} M={m}: y's relative error {errs['y']} against the fp32 evaluation"
     assert grad_err < 5e-2, f"{name} M={m}: gradients' relative errors {errs} against the fp32 autograd evaluation"

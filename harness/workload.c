@@ -1000,6 +1000,7 @@ static void *rank_main(void *arg) {
     comet_layer_t *layer = NULL;
     comet_status_t st = comet_layer_create(&layer, job->world, job->rank, &job->p->cfg);
     if (st == COMET_SUCCESS && job->rank == 0) comet_layer_memory(layer, &run->memory);
+    if (st == COMET_SUCCESS && job->rank == 0 && run->train) st = comet_layer_saved_bytes(layer, run->train, &run->saved_bytes);
     comet_forward_args_t a = job->p->args[job->rank];
     if (run->n_comm) a.n_comm = run->n_comm;
     if (job->rank < 64 && run->n_comm_of_rank[job->rank]) a.n_comm = run->n_comm_of_rank[job->rank];

@@ -176,6 +176,8 @@ typedef struct {
                              * 0: no check), its gradients compared with comet_reference_backward's
                              * on the same tokens into train_check */
     double ms_fwd, ms_bwd;  /* out, with train */
+    size_t saved_bytes;     /* out, with train: comet_layer_saved_bytes of rank 0's layer (train's save mode;
+                             * sized for the worst case of rows: every token of every rank routed here) */
     struct comet_train_check {
         int64_t tokens;       /* tokens checked, over the ranks this process runs */
         int64_t elements[4];  /* checked: [0] dx, [1] d_topk_w, [2] dw1, [3] dw2 */

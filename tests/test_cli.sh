@@ -122,15 +122,17 @@ expect bench-json-custom 0 '"model": "qwen2-moe", .*"hidden": 64, .*"custom": 1[
 # --train: training steps on the CPU engine, the gradients bitwise the reference's, a JSON row marked train
 expect train 0 '^mixtral-8x7b .* ok \(0 of [0-9]+\), ok \(0 of [0-9]+ elements differ\)' -- "$comet" bench --backend cpu --train --tokens 32 --scale 64 --iters 2 --warmup 1
 expect train-recompute 0 'the forward saving nothing \(--recompute\)' -- "$comet" bench --backend cpu --train --recompute --tp 2 --ep 1 --tokens 32 --scale 64 --iters 2 --warmup 1
+expect train-saved 0 '^saved state per layer and micro-batch: [0-9.]*[1-9][0-9.]* MiB \(gu and h of every row' -- "$comet" bench --backend cpu --train --tokens 32 --scale 64 --iters 1 --warmup 0
+expect train-saved-recompute 0 '^saved state per layer and micro-batch: 0.0 MiB \(recompute: nothing' -- "$comet" bench --backend cpu --train --recompute --tokens 32 --scale 64 --iters 1 --warmup 0
 expect recompute-alone 2 '--recompute is a variant of --train' -- "$comet" bench --backend cpu --recompute
 expect grad-check-alone 2 '--grad-check is a variant of --train' -- "$comet" bench --backend cpu --grad-check
 expect check-train 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --train --tokens 32 --scale 64
 expect train-comm-hidden 2 '--comm-hidden times forwards; it does not go with --train' -- "$comet" bench --backend cpu --train --comm-hidden
 tj=$(mktemp /tmp/comet-train-XXXXXX)
 "$comet" bench --backend cpu --train --model qwen2-moe --tokens 24 --scale 32 --iters 2 --warmup 0 --json "$tj" >/dev/null 2>&1
-expect train-json 0 '"train": 1, "save": "activations", "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
+expect train-json 0 '"train": 1, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
 if command -v python3 >/dev/null; then
-    expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
+    expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| [0-9.]+ / - \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
 fi
 rm -f "$tj"
 if command -v python3 >/dev/null; then # bench/report.py: a custom row is its own model, not the preset's

@@ -163,6 +163,9 @@ static void print_train_notes(const cli_result_t *r) {
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s; the saved state, weights and gradients "
            "besides)\n",
            r->memory.symmetric_bytes / 1048576.0, r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
+    printf("saved state per layer and micro-batch: %.1f MiB (%s; sized for the worst case of rows: every token of "
+           "every rank routed to this one)\n",
+           r->saved_bytes / 1048576.0, o->recompute ? "recompute: nothing" : "gu and h of every row");
     if (o->command == CLI_BENCH)
         printf("(ms: medians of %d steps of the slowest rank, after %d warm-up steps; step = forward + backward of "
                "each call)\n",
@@ -271,9 +274,9 @@ static int append_json(const cli_result_t *r, const char *path) {
     if (o->train) { /* a training row: ms and rate are the step's */
         const struct comet_train_check *g = &r->grad;
         fprintf(f,
-                ", \"train\": 1, \"save\": \"%s\", \"fwd_ms\": %.6f, \"bwd_ms\": %.6f, \"grad_wrong\": %lld, "
-                "\"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
-                o->recompute ? "recompute" : "activations", r->fwd_ms, r->bwd_ms, (long long)r->grad_wrong,
+                ", \"train\": 1, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_ms\": %.6f, \"bwd_ms\": %.6f, "
+                "\"grad_wrong\": %lld, \"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
+                o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_ms, r->bwd_ms, (long long)r->grad_wrong,
                 (long long)r->grad_checked, g->worst[0], g->worst[1], g->worst[2], g->worst[3]);
     }
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */

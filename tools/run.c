@@ -202,7 +202,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     r->graph = run.graph, r->input_sets = run.input_sets;
     r->replays = run.replays, r->captures = run.captures;
     if (o->train) {
-        r->fwd_ms = run.ms_fwd, r->bwd_ms = run.ms_bwd, r->grad = run.train_check;
+        r->fwd_ms = run.ms_fwd, r->bwd_ms = run.ms_bwd, r->grad = run.train_check, r->saved_bytes = run.saved_bytes;
         for (int g = 0; g < 4; g++)
             r->grad_wrong += r->use_cuda ? r->grad.wrong[g] : r->grad.differ[g], r->grad_checked += r->grad.elements[g];
     }
