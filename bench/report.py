@@ -114,6 +114,8 @@ def train_tables(torch_rows, comet_rows):
         tb = (f"{b['fwd_ms']:.3f} | {b['bwd_ms']:.3f} | {b['ms']:.3f} | {b['ms'] / r['ms']:.2f}x" if b
               else "- | - | - | -")
         mode = mode_of(r) + (f": {ran_of(r)}" if r.get("tuned") else "")
+        if "fwd_n_comm" in r and r.get("gemm") != "cpu":  # n_comm is the backward's; the training forward's its own
+            mode += f" (forward: {ran_of(dict(r, n_comm=r['fwd_n_comm']))})"
         mib = lambda row: f"{row['saved_bytes'] / 2**20:.1f}" if row and "saved_bytes" in row else "-"
         print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r.get('save', 'activations')} | "
               f"{mode} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['ms']:.3f} | {tb} | {r['rate']:.0f} | "

@@ -680,6 +680,7 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
         const double t0 = wall_ms();
         st = comet_layer_forward(layer, &f);
         const double t1 = wall_ms();
+        if (st == COMET_SUCCESS && r == 0) st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         const double t2 = wall_ms();
         job->ms[i] = t2 - t0, job->ms_f[i] = t1 - t0, job->ms_b[i] = t2 - t1;
@@ -970,6 +971,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         cudaEventRecord(ev[0], stream);
         st = comet_layer_forward(layer, &f);
         cudaEventRecord(ev[1], stream);
+        if (st == COMET_SUCCESS && job->rank == 0) st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         cudaEventRecord(ev[2], stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
@@ -1089,6 +1091,8 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
                           "runner: training steps take no disable, interleave, graph, pipeline or compare_repeats");
     run->ms_fwd = run->ms_bwd = 0;
     memset(&run->train_check, 0, sizeof run->train_check);
+    const comet_protocol_t init = COMET_PROTOCOL_INIT;
+    run->fwd_protocol = init;
     train_ctx_t *tc = NULL;
     if (run->train) {
         const comet_status_t ts = train_prepare(p, run, &tc);

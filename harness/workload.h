@@ -176,6 +176,8 @@ typedef struct {
                              * 0: no check), its gradients compared with comet_reference_backward's
                              * on the same tokens into train_check */
     double ms_fwd, ms_bwd;  /* out, with train */
+    comet_protocol_t fwd_protocol; /* out, with train: the protocol of rank 0's last training forward
+                             * (`protocol` is then its last backward's) */
     size_t saved_bytes;     /* out, with train: comet_layer_saved_bytes of rank 0's layer (train's save mode;
                              * sized for the worst case of rows: every token of every rank routed here) */
     struct comet_train_check {

@@ -130,7 +130,7 @@ expect check-train 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --ba
 expect train-comm-hidden 2 '--comm-hidden times forwards; it does not go with --train' -- "$comet" bench --backend cpu --train --comm-hidden
 tj=$(mktemp /tmp/comet-train-XXXXXX)
 "$comet" bench --backend cpu --train --model qwen2-moe --tokens 24 --scale 32 --iters 2 --warmup 0 --json "$tj" >/dev/null 2>&1
-expect train-json 0 '"train": 1, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
+expect train-json 0 '"train": 1, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_n_comm": [0-9]+, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
 if command -v python3 >/dev/null; then
     expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| [0-9.]+ / - \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
 fi

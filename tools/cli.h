@@ -81,7 +81,8 @@ typedef struct {
     /* the timed forwards (cli_run; comet_run_t's) */
     double ms;                       /* median of the slowest rank's calls */
     double side_ms[4];               /* --comm-hidden: gemm only, comm only, whole, neither */
-    comet_protocol_t protocol;       /* what rank 0's last forward ran */
+    comet_protocol_t protocol;       /* what rank 0's last forward ran (--train: its last backward) */
+    comet_protocol_t fwd_protocol;   /* --train: what rank 0's last training forward ran */
     comet_memory_t memory;           /* what rank 0's layer held */
     int graph, input_sets;           /* as the run had them */
     int64_t replays, captures;       /* CUDA: rank 0's forwards replayed as one graph, its captures */

@@ -155,11 +155,13 @@ static void print_train_notes(const cli_result_t *r) {
                    (long long)g->elements[k]);
         printf(")\n");
     }
-    const comet_protocol_t *proto = &r->protocol;
-    if (proto->struct_size)
-        printf("protocol of the last backward: %s, n_comm %d, %s GEMM, chosen by %s\n",
-               proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
-               gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+    for (int k = 0; k < 2; k++) {
+        const comet_protocol_t *proto = k ? &r->protocol : &r->fwd_protocol;
+        if (proto->struct_size)
+            printf("protocol of the last %s: %s, n_comm %d, %s GEMM, chosen by %s\n", k ? "backward" : "training forward",
+                   proto->mode == COMET_MODE_OVERLAPPED ? "overlapped" : "sequential", proto->n_comm,
+                   gemm_names[proto->gemm], chosen_names[proto->chosen_by]);
+    }
     printf("memory per rank: %.1f MiB symmetric, %.1f MiB private (%s; the saved state, weights and gradients "
            "besides)\n",
            r->memory.symmetric_bytes / 1048576.0, r->memory.private_bytes / 1048576.0, r->use_cuda ? "device" : "host");
@@ -274,9 +276,10 @@ static int append_json(const cli_result_t *r, const char *path) {
     if (o->train) { /* a training row: ms and rate are the step's */
         const struct comet_train_check *g = &r->grad;
         fprintf(f,
-                ", \"train\": 1, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_ms\": %.6f, \"bwd_ms\": %.6f, "
-                "\"grad_wrong\": %lld, \"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
-                o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_ms, r->bwd_ms, (long long)r->grad_wrong,
+                ", \"train\": 1, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_n_comm\": %d, \"fwd_ms\": %.6f, "
+                "\"bwd_ms\": %.6f, \"grad_wrong\": %lld, \"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
+                o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_protocol.n_comm, r->fwd_ms, r->bwd_ms,
+                (long long)r->grad_wrong,
                 (long long)r->grad_checked, g->worst[0], g->worst[1], g->worst[2], g->worst[3]);
     }
     if (r->watch.n) { /* the GPUs' clocks over the timed forwards, NVML's GPU order */

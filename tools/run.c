@@ -203,6 +203,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     r->replays = run.replays, r->captures = run.captures;
     if (o->train) {
         r->fwd_ms = run.ms_fwd, r->bwd_ms = run.ms_bwd, r->grad = run.train_check, r->saved_bytes = run.saved_bytes;
+        r->fwd_protocol = run.fwd_protocol;
         for (int g = 0; g < 4; g++)
             r->grad_wrong += r->use_cuda ? r->grad.wrong[g] : r->grad.differ[g], r->grad_checked += r->grad.elements[g];
     }
