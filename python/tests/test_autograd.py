@@ -29,6 +29,8 @@ backward: comet_reference_backward, include/comet.h, "Backward
      trace_autograd_ops where the torch has it): bitwise as eager.
   5. CUDA tensors: close to the CPU's gradients (skipped without a GPU, or
      where the CUDA backend has no backward yet: comet.Unsupported).
+  6. The backward makes no gradient for the saved state (no tensor of its
+     size), and a y whose gradient arrives as None gives zero gradients.
 Skipped as a whole without torch."""
 
 import pytest
@@ -176,6 +178,50 @@ def test_module_parameters_train_on_cpu():
     (m(x, idx, w).float() * r).sum().backward()
     want = op_grads(x, idx, w, w1, w2, r, "silu_gated")
     assert bits_equal(m.w1.grad, want[2]) and bits_equal(m.w2.grad, want[3])
+
+
+def test_backward_makes_no_gradient_for_the_saved_state():
+    """The saved state (uint8, comet_layer_saved_bytes) has no gradient:
+    the backward allocates no tensor of its size (autograd materializing a
+    zero gradient for it filled that many bytes every backward), and a y
+    that took no part in the loss still gives zero gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, idx, w, w1, w2, r = problem(T=9, seed=7)
+    xl, wl = leaf(x), leaf(w)
+    y = ct.moe_experts(xl, idx, wl, w1, w2)
+    n = ct._entry(0, x, idx, w1, w2, "silu_gated").saved_bytes
+
+    class Sizes(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append((str(func), t.dtype, t.numel()))
+            return out
+
+    with Sizes():
+        (y.float() * r).sum().backward()
+    assert not [s for s in Sizes.seen if s[1] == torch.uint8 or s[2] == n], Sizes.seen
+    want = op_grads(x, idx, w, w1, w2, r, "silu_gated")
+    assert bits_equal(xl.grad, want[0]) and bits_equal(wl.grad, want[1])
+
+    class Drop(torch.autograd.Function):  # b, with no gradient for a: a's backward gets None
+        @staticmethod
+        def forward(ctx, a, b):
+            return b.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, g
+
+    # a y whose gradient reaches the op as None (not materialized): the gradients of dy = 0
+    xl.grad, wl.grad = None, None
+    Drop.apply(ct.moe_experts(xl, idx, wl, w1, w2), r.sum()).backward()
+    assert xl.grad is None or torch.equal(xl.grad.float(), torch.zeros(x.shape))
+    assert wl.grad is None or torch.equal(wl.grad, torch.zeros(w.shape))
 
 
 def test_opcheck_both_ops():
