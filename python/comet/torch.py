@@ -441,8 +441,9 @@ def _backward(ctx, grad, _grad_saved):
             dy, x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save, ctx.layer)
         return dx, None, d_topk_w, dw1, dw2, None, None, None, None, None
     # main grads: dW1, dW2 go into them in fp32; w1 and w2 get no gradient (w.grad stays None, as Megatron's
-    # gradient-accumulation fusion). A weight that does not require grad has its dW added to a scratch buffer.
-    g1, g2 = (g if ctx.needs_input_grad[i] else torch.zeros_like(g)
+    # gradient-accumulation fusion). A weight that does not require grad has its dW added to a scratch buffer,
+    # never read: left uninitialized (zeroing it cost a write of the fp32 weight's bytes every backward).
+    g1, g2 = (g if ctx.needs_input_grad[i] else torch.empty_like(g)
               for i, g in ((3, ctx.main_grads[0]), (4, ctx.main_grads[1])))
     dx, d_topk_w = torch.ops.comet.moe_experts_backward_accumulate(
         dy, x, topk_idx, topk_w, w1, w2, saved, g1, g2, ctx.activation, ctx.save, ctx.layer)
