@@ -126,6 +126,8 @@ DISABLE_GEMM = _capi.COMET_DISABLE_GEMM  # measurement only: no GEMM arithmetic 
 
 
 def _enum(cls, value, what):
+    if type(value) is cls:  # already a member (the common case, per tensor of every call): as cls(value)
+        return value
     if isinstance(value, str):
         try:
             return cls[value.upper()]
@@ -151,7 +153,7 @@ class TensorDesc:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "shape", tuple(map(int, self.shape)))
         object.__setattr__(self, "data", int(self.data or 0))
         if not 1 <= len(self.shape) <= _capi.COMET_MAX_DIMS:
             raise ValueError("a comet tensor has 1 to %d dims, got shape %s" % (_capi.COMET_MAX_DIMS, self.shape))
