@@ -677,6 +677,7 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
     for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
         note_progress(job, i);
         mark_timed(job, i);
+        b.disable = run->interleave ? interleave_side(i) : 0; /* the backward's sides; the forward runs whole */
         const double t0 = wall_ms();
         st = comet_layer_forward(layer, &f);
         const double t1 = wall_ms();
@@ -963,6 +964,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < run->repeats; i++) {
         const train_set_t *ts = &sets[i % nsets];
         last = &ts->in;
+        b.disable = run->interleave ? interleave_side(i) : 0; /* the backward's sides; the forward runs whole */
         f.x.data = b.x.data = ts->in.x, f.topk_idx.data = b.topk_idx.data = ts->in.idx;
         f.topk_w.data = b.topk_w.data = ts->in.w, f.y.data = ts->in.y;
         b.dy.data = ts->dy, b.dx.data = ts->dx, b.d_topk_w.data = ts->dtw;
@@ -1086,9 +1088,9 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (run->train && (run->train != COMET_SAVE_ACTIVATIONS && run->train != COMET_SAVE_RECOMPUTE))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "runner: train is COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE (%d)",
                           run->train);
-    if (run->train && (run->disable || run->interleave || run->graph || run->pipeline || run->compare_repeats))
+    if (run->train && (run->disable || run->graph || run->pipeline || run->compare_repeats))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "runner: training steps take no disable, interleave, graph, pipeline or compare_repeats");
+                          "runner: training steps take no disable, graph, pipeline or compare_repeats");
     run->ms_fwd = run->ms_bwd = 0;
     memset(&run->train_check, 0, sizeof run->train_check);
     const comet_protocol_t init = COMET_PROTOCOL_INIT;
@@ -1164,9 +1166,15 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         for (int s = first; s <= last; s++)
             if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
     for (int side = 0; run->interleave && side < SIDES; side++) { /* call warmup + i: side (warmup + i) % SIDES */
+        const double *src = run->train ? ms_b : ms; /* a training step's sides are its backward's */
         int n = 0;
-        for (int i = 0; i < timed; i++)
-            if ((warmup + i) % SIDES == side) side_ms[n++] = slowest[i];
+        for (int i = 0; i < timed; i++) {
+            if ((warmup + i) % SIDES != side) continue;
+            side_ms[n] = 0;
+            for (int s = first; s <= last; s++)
+                if (src[s * run->repeats + warmup + i] > side_ms[n]) side_ms[n] = src[s * run->repeats + warmup + i];
+            n++;
+        }
         qsort(side_ms, (size_t)n, sizeof(double), cmp_double);
         run->ms_side[side_slot(side)] = side_ms[n / 2]; /* n >= 1: SIDES timed calls or more */
     }

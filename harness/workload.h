@@ -137,7 +137,8 @@ typedef struct {
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
                              * call i leaves out, by i % 4: communication (COMET_DISABLE_COMM), the
                              * GEMMs (COMET_DISABLE_GEMM), both, nothing, so clock drift reaches the
-                             * four alike; repeats a multiple of 4 ends on a whole call, whose y is kept */
+                             * four alike; repeats a multiple of 4 ends on a whole call, whose y is kept
+                             * (with train: the backward's sides, the forward always whole) */
     double ms_side[4];      /* out, with interleave: each side's median over its timed calls, slowest
                              * rank of this process: [0] GEMMs only, [1] communication only, [2] whole,
                              * [3] neither (the steps every side keeps: staging, plan, launches, flags) */
@@ -168,7 +169,8 @@ typedef struct {
      * accumulated); ms_median is the step's (forward + backward, the slowest rank's per call),
      * ms_fwd and ms_bwd the medians of its two parts. GPU: events before the forward, between and
      * after the backward, one comet_layer_sync a step; inputs, dy and dx rotated as input_sets says.
-     * Not with disable, interleave, graph, pipeline or compare_repeats (refused). y of the last
+     * Not with disable, graph, pipeline or compare_repeats (refused); with interleave the sides are the
+     * backward's (ms_side from ms_bwd; the check step runs whole). y of the last
      * call is kept, so comet_problem_check checks the training forward's y. */
     int train;
     int64_t train_sample;   /* with train: before the timed steps, one step on this many tokens of

@@ -440,10 +440,13 @@ typedef struct {
     void *stream;            /* [in]  cudaStream_t (CUDA backend); ignored by the CPU backend */
     int n_comm;              /* [in]  as the forward's: 0 = the tuner's choice, > 0 communication workers
                               *       (CPU) or CTAs (CUDA), COMET_SEQUENTIAL = the sequential chain */
+    int disable;             /* [in]  measurement only, as the forward's: COMET_DISABLE_* bits (COMM: no
+                              *       rows pulled, combined or summed; GEMM: no GEMM arithmetic, the
+                              *       weight gradients' included); the gradients are then undefined */
 } comet_backward_args_t;
 
 #define COMET_BACKWARD_ARGS_INIT \
-    {sizeof(comet_backward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, {0}, NULL, 0}
+    {sizeof(comet_backward_args_t), {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, 0, 0, {0}, NULL, 0, 0}
 
 /* What a training forward keeps for its backward. Several micro-batches may
  * be in flight (pipeline schedules, gradient accumulation, activation

@@ -1099,6 +1099,7 @@ static void check_invalid(int mode) {
     BAD(last, r_->topk_w.dtype = COMET_DTYPE_BF16, SHAPE, "topk_w bf16");
     BAD(last, r_->accumulate = 2, ARG, "accumulate 2");
     BAD(last, r_->accumulate = -1, ARG, "accumulate -1");
+    BAD(last, r_->disable = 4, ARG, "disable 4 (unknown bits)");
     if (mode == DW_BF16) {
         /* accumulate with bf16 dw: "1: added to (both fp32)", a dtype mismatch */
         BAD(last, r_->accumulate = 1, SHAPE, "accumulate 1 with bf16 dw1 and dw2");

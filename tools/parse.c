@@ -69,7 +69,8 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     with whole calls (no graph), and report the communication hidden\n"
                    "                     from those medians: (t_gemm_only + t_comm_only - t) / t_comm_only,\n"
                    "                     and the same with the steps every side keeps (t_neither)\n"
-                   "                     subtracted from each (GPUs: the Hopper GEMM)\n"
+                   "                     subtracted from each (GPUs: the Hopper GEMM; with --train the\n"
+                   "                     backward's sides, the forward run whole)\n"
                    "  --graph            GPUs: capture one forward in a CUDA graph and time its replays (no\n"
                    "                     launch overhead, as a graph-captured training step sees it)\n"
                    "  --train            time training steps instead: the training forward (saving its\n"
@@ -589,10 +590,6 @@ int cli_configure(cli_result_t *r) {
     }
     if (o->grad_check && !o->train) {
         fprintf(stderr, "comet: --grad-check is a variant of --train (add --train)\n");
-        return -1;
-    }
-    if (o->train && o->hidden_metric) {
-        fprintf(stderr, "comet: --comm-hidden times forwards; it does not go with --train\n");
         return -1;
     }
     if (o->train && cli_speaks(launch)) {

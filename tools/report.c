@@ -114,6 +114,7 @@ static void print_row(const cli_result_t *r) {
 }
 
 static void print_clocks(const gpu_watch_t *watch);
+static void print_hidden(const cli_result_t *r);
 
 /* --train's row: forward, backward and step ms, the step's rate, the
  * forward's y check and the gradients' check. */
@@ -176,6 +177,7 @@ static void print_train_notes(const cli_result_t *r) {
         printf("inputs: %d sets of x, routing, y, dy and dx a rank, rotated step by step\n", r->input_sets);
         print_clocks(&r->watch);
     }
+    print_hidden(r);
 }
 
 /* The GPUs' clocks over the timed forwards: one value for every GPU of this
@@ -198,6 +200,23 @@ static void print_clocks(const gpu_watch_t *watch) {
     }
     char text[96];
     printf(", clock limited by %s\n", gpu_power_reasons(why, text, sizeof text));
+}
+
+/* --comm-hidden's line (with --train: the backward's sides, the forward run whole). */
+static void print_hidden(const cli_result_t *r) {
+    const cli_options_t *o = &r->opt;
+    const double *side = r->side_ms;
+    const char *what = o->train ? "communication hidden in the backward" : "communication hidden";
+    if (o->hidden_metric && !r->sides_differ) {
+        printf("%s: not measured (the SIMT GEMM fallback runs every call whole)\n", what);
+    } else if (o->hidden_metric) {
+        char net[64] = "not measurable (comm only <= neither)";
+        if (r->comm_hidden_net != -1) snprintf(net, sizeof net, "%.1f%%", 100 * r->comm_hidden_net);
+        printf("%s: %.1f%%, %s net of the steps every side keeps (gemm only %.3f ms, comm only "
+               "%.3f ms, neither %.3f ms, both %.3f ms; medians of %d %s each, the four interleaved)\n",
+               what, 100 * r->comm_hidden, net, side[0], side[1], side[3], side[2], o->iters,
+               o->train ? "backwards" : "calls");
+    }
 }
 
 /* The notes under the row. */
@@ -232,16 +251,7 @@ static void print_notes(const cli_result_t *r) {
                r->replays || r->captures ? ""
                : r->protocol.gemm == COMET_GEMM_SIMT ? " (the SIMT GEMM: each forward launched kernel by kernel)"
                                                      : " (graph replay off: each forward launched kernel by kernel)");
-    const double *side = r->side_ms;
-    if (o->hidden_metric && !r->sides_differ) {
-        printf("communication hidden: not measured (the SIMT GEMM fallback runs every call whole)\n");
-    } else if (o->hidden_metric) {
-        char net[64] = "not measurable (comm only <= neither)";
-        if (r->comm_hidden_net != -1) snprintf(net, sizeof net, "%.1f%%", 100 * r->comm_hidden_net);
-        printf("communication hidden: %.1f%%, %s net of the steps every side keeps (gemm only %.3f ms, comm only "
-               "%.3f ms, neither %.3f ms, both %.3f ms; medians of %d calls each, the four interleaved)\n",
-               100 * r->comm_hidden, net, side[0], side[1], side[3], side[2], o->iters);
-    }
+    print_hidden(r);
 }
 
 /* --json: the result as one line appended to path. Returns 0, or 1 (printed). */

@@ -108,7 +108,8 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
     if (o->hidden_metric) {
         comet_run_t sides = *run;
         sides.trace = NULL, sides.graph = 0, sides.interleave = 1, sides.repeats = 4 * run->repeats;
-        *failed = "--comm-hidden's interleaved forwards";
+        sides.train_sample = 0; /* the gradients are checked by the real run */
+        *failed = o->train ? "--comm-hidden's interleaved training steps" : "--comm-hidden's interleaved forwards";
         pg.what = "--comm-hidden's sides", pg.warmup = 4 * o->warmup;
         const comet_status_t st = comet_problem_run(p, w, &sides, 4 * o->warmup);
         progress_end(&pg);

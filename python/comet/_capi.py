@@ -154,6 +154,7 @@ class comet_backward_args_t(_Versioned):
         ("saved", comet_tensor_t),
         ("stream", ctypes.c_void_p),
         ("n_comm", ctypes.c_int),
+        ("disable", ctypes.c_int),
     ]
 
 

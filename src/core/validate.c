@@ -282,6 +282,8 @@ comet_status_t comet_check_backward_args(const comet_dims_t *d, const comet_back
     if (a->n_comm < COMET_SEQUENTIAL)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.n_comm %d < %d (COMET_SEQUENTIAL)", a->n_comm,
                           COMET_SEQUENTIAL);
+    if (a->disable & ~(COMET_DISABLE_COMM | COMET_DISABLE_GEMM))
+        return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args.disable %#x has unknown bits", (unsigned)a->disable);
     COMET_TRY(comet_check_saved(d, a->save, &a->saved));
     /* the forward's inputs, with dx where the forward has y */
     comet_forward_args_t f = COMET_FORWARD_ARGS_INIT;

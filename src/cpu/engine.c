@@ -323,7 +323,7 @@ static void *compute_worker(void *arg) {
 
     /* The head (the backward's transposes), every worker's done before layer 0. */
     if (L->head) {
-        L->head(l, wk->index);
+        if (gemm) L->head(l, wk->index);
         atomic_fetch_add_explicit(&L->head_done, 1, memory_order_release);
         if (wait_geq(l, &L->head_done, L->head_base + (uint64_t)L->n_compute, "gemm worker", wk->index,
                      "the other workers' heads (%d workers)", L->n_compute))
@@ -364,7 +364,7 @@ static void *compute_worker(void *arg) {
         if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM1, p->l0_order[i % nb], c, t0);
         atomic_fetch_add_explicit(&L->l1_done[c], 1, memory_order_release);
     }
-    if (L->tail) L->tail(l, wk->index);
+    if (L->tail && gemm) L->tail(l, wk->index);
     return NULL;
 }
 

@@ -261,7 +261,7 @@ comet_status_t cpu_layer_backward(comet_layer_t *l, const comet_backward_args_t 
     L->w1 = args->w1.data;
     L->w2 = args->w2.data;
     L->out = args->dx.data;
-    L->disable = 0;
+    L->disable = args->disable;
     L->l0_tile = d->ffn_local;
     L->head = backward_transpose, L->layer0 = backward_layer0, L->layer1 = backward_layer1;
     L->tail = backward_wgrad;

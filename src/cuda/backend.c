@@ -729,7 +729,8 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
     if (!c.gemm) proto.gemm = COMET_GEMM_SIMT, proto.combine = COMET_COMBINE_PULL;
     proto.mode = COMET_MODE_SEQUENTIAL, proto.n_comm = 0, proto.chunk_cols = 0;
     proto.chosen_by = own == COMET_SUCCESS && args->n_comm != 0 ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
-    c.n_comm = 0, c.push = proto.combine == COMET_COMBINE_PUSH, c.disable = 0;
+    c.n_comm = 0, c.push = proto.combine == COMET_COMBINE_PUSH;
+    c.disable = c.gemm && own == COMET_SUCCESS ? args->disable : 0; /* honoured with the Hopper GEMM, as the forward's */
     c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0; /* the trace records forwards */
     c.protocol = comet_cuda_protocol_word(&proto, 1);
     const int e = comet_cuda_backward_launch(&c, &call, stream);

@@ -289,7 +289,11 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
     const unsigned blocks_y = (unsigned)(d->max_blocks < 65535 ? d->max_blocks : 65535);
     const int pe = plan_steps(&c, stream);
     if (pe != cudaSuccess) return pe;
-    k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
+    /* measurements (Hopper GEMM only, c.disable): communication = the pulls of x and dy, the combine and
+     * d_topk_w's sum over the TP ranks; the GEMMs = the recompute, G, dW2, dX, dW1 and the row steps
+     * between them (k_dw_rows, k_scale_dy) */
+    const int gemm_on = !(c.disable & COMET_DISABLE_GEMM), comm_on = !(c.disable & COMET_DISABLE_COMM);
+    if (comm_on) k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
     const unsigned el = (unsigned)d->experts_local;
     const unsigned th = (unsigned)((d->hidden + TILE - 1) / TILE), tf = (unsigned)((d->ffn_local + TILE - 1) / TILE);
     const unsigned t1 = (unsigned)((d->w1_rows + TILE - 1) / TILE);
@@ -307,17 +311,19 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         t.gu = saved ? (comet_bf16_t *)(call->saved + comet_saved_gu_offset(d)) : c.gu;
         t.h = saved ? (comet_bf16_t *)(call->saved + comet_saved_h_offset(d)) : NULL; /* NULL: c.h */
         t.dy = c.o, t.dh = c.dh, t.dwp = c.dwp, t.dx = c.o;
-        int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
-        if (ge == cudaSuccess) ge = comet_gemm_g_launch(g, &t, stream, &hooks);
-        if (ge != cudaSuccess) return ge;
         dwp_tiles = comet_gemm_dwp_tiles(d);
-        k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
-        k_scale_dy<<<grid * SCALE_DY_BLOCKS_PER_SM, 256, 0, stream>>>(c);
-        ge = launch_wgrad(&c, 0, stream);
-        if (ge != cudaSuccess) return ge;
-        hooks.push = c.push;
-        ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
-        if (ge != cudaSuccess) return ge;
+        if (gemm_on) {
+            int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
+            if (ge == cudaSuccess) ge = comet_gemm_g_launch(g, &t, stream, &hooks);
+            if (ge != cudaSuccess) return ge;
+            k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
+            k_scale_dy<<<grid * SCALE_DY_BLOCKS_PER_SM, 256, 0, stream>>>(c);
+            ge = launch_wgrad(&c, 0, stream);
+            if (ge != cudaSuccess) return ge;
+            hooks.push = c.push && comm_on;
+            ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
+            if (ge != cudaSuccess) return ge;
+        }
     } else {
         if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
         k_bwd_g<<<dim3((unsigned)dwp_tiles, blocks_y), 256, 0, stream>>>(c);
@@ -330,9 +336,9 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
     else
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
-    k_dtopkw<<<grid, 256, 0, stream>>>(c);
+    if (comm_on) k_dtopkw<<<grid, 256, 0, stream>>>(c);
     if (c.gemm) {
-        const int ge = launch_wgrad(&c, 1, stream);
+        const int ge = gemm_on ? launch_wgrad(&c, 1, stream) : cudaSuccess;
         if (ge != cudaSuccess) return ge;
     } else {
         k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);
