@@ -38,6 +38,25 @@
  * over each phase's second half: TFLOP/s, SM clock, power and GFLOP per
  * joule through NVML (harness/gpu_power.h; "n/a" without it), printed as a
  * third table and written as the JSON key "sustained".
+ * Weight gradients (GEMM_BENCH_WGRAD=0 leaves them out; default on): the
+ * backward's two k-grouped GEMMs on the same plan (rows, experts, EP/TP
+ * slice), through comet's weight-gradient kernel (src/cuda/gemm_wgrad.h, bf16
+ * out) beside a cuBLAS loop per expert (cublasGemmEx, bf16 in, fp32 compute,
+ * bf16 out, one GEMM per expert on its valid rows, A^T through the op flags;
+ * an expert without rows has its slice zeroed, as ours writes it) and cuBLAS
+ * dense (one GEMM with K = valid rows from row 0, the same FLOPs):
+ *     dW2_e (m = H, n = F_local):   a = w dy rows (rows x H), b = h rows (rows x F_local)
+ *     dW1_e (m = w1_rows, n = H):   a = dH rows (rows x w1_rows), b = x rows (rows x H)
+ * per expert C_e (m x n) = sum over e's rows r of a[r]^T b[r]; TFLOP/s count
+ * 2*rows*m*n (valid rows). Fresh random inputs (nonzero; padding rows random
+ * too, which ours must skip), run after the forward GEMMs' buffers are freed;
+ * before the timed rounds both outputs are poisoned (0xff: NaN), ours and the
+ * loop run once, and ours is checked against the loop: relative error
+ * ||ours - loop|| / ||loop|| over every element of every expert <= 1e-2 (both
+ * fp32 sums rounded once to bf16: ~2e-3 expected) and no element non-finite.
+ * A failed check is flagged in the table and makes the exit status 1 (after
+ * the table and the JSON). Printed as its own table (rows led by the GEMM's
+ * name) and written as the JSON keys dw2_* and dw1_* of each model.
  * Usage: gemm_bench [tokens] [model ...]   (default 8192, the four presets and the two dense shapes)
  */
 #include <cublas_v2.h>
@@ -50,6 +69,7 @@
 
 #include "../src/core/validate.h"
 #include "../src/cuda/gemm.h"
+#include "../src/cuda/gemm_wgrad.h"
 #include "../harness/workload.h"
 
 #include "bench_check.h"
@@ -57,6 +77,7 @@
 
 #define NREP 10
 #define NCURVE 6 /* num_ctas points of the GEMM_BENCH_CURVE=1 curve */
+#define WGRAD_TOL 1e-2 /* weight gradients: ||ours - cuBLAS loop|| / ||cuBLAS loop|| */
 
 typedef struct {
     const char *name;
@@ -81,6 +102,40 @@ __global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
     }
 }
 
+/* as k_fill, never 0 (the weight gradients' inputs) */
+__global__ void k_fill_nz(uint16_t *p, size_t n, uint32_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+        x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
+        p[i] = comet_f32_to_bf16((((float)(x & 0xffffff) + 0.5f) / 16777216.0f * 2.0f - 1.0f) * scale);
+    }
+}
+
+/* sums[0] += sum (got - ref)^2, sums[1] += sum ref^2 over n bf16 elements; *nonfinite += elements where
+ * either is not finite (those left out of the sums) */
+__global__ void k_relerr(const uint16_t *got, const uint16_t *ref, size_t n, double *sums,
+                         unsigned long long *nonfinite) {
+    double dd = 0, rr = 0;
+    unsigned long long nf = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = comet_bf16_to_f32(got[i]), f = comet_bf16_to_f32(ref[i]);
+        if (!isfinite(g) || !isfinite(f)) {
+            nf++;
+            continue;
+        }
+        const double d = (double)g - (double)f;
+        dd += d * d, rr += (double)f * (double)f;
+    }
+    for (int o = 16; o; o >>= 1) {
+        dd += __shfl_down_sync(0xffffffffu, dd, o);
+        rr += __shfl_down_sync(0xffffffffu, rr, o);
+        nf += __shfl_down_sync(0xffffffffu, nf, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicAdd(&sums[0], dd), atomicAdd(&sums[1], rr);
+        if (nf) atomicAdd(nonfinite, nf);
+    }
+}
 
 /* zeroes rows[0..nrows) of a row-major matrix of `width` bf16 columns */
 __global__ void k_zero_rows(uint16_t *p, const int32_t *rows, int nrows, int64_t width) {
@@ -107,6 +162,15 @@ static void cublas_nt(cublasHandle_t h, const void *A, const void *B, void *C, i
     const float one = 1.0f, zero = 0.0f;
     CKB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &zero, C,
                      CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* row-major C[m,n] = A[k,m]^T B[k,n] (A, B row-major, k rows: the reduction), bf16 out, fp32 compute.
+ * Column-major, cuBLAS sees B as B' (n x k, ld n), A as A' (m x k, ld m) and C as C' = C^T (n x m,
+ * ld n): C' = B^T A = B' A'^T, the transpose through the op flags. */
+static void cublas_wgrad(cublasHandle_t h, const void *A, const void *B, void *C, int m, int n, int k) {
+    const float one = 1.0f, zero = 0.0f;
+    CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, n, m, k, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, m, &zero, C,
+                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 static int cmp_f(const void *a, const void *b) {
@@ -138,6 +202,13 @@ typedef struct {
     double curve_tf[2][NCURVE];
     int nsus;                 /* sustained rounds (0: GEMM_BENCH_SUSTAIN off) */
     bsustain_t sus[2][2][2];  /* [gemm][ours, cuBLAS loop][round] */
+    int wgrad;                /* weight gradients run (GEMM_BENCH_WGRAD) */
+    const char *wskip[2];     /* != NULL: why this weight gradient was not run (comet_wgrad_check) */
+    int64_t wm[2], wn[2];     /* [dW2, dW1]: output rows and columns per expert */
+    double wtf[2][3], wms[2][3]; /* [dW2, dW1][ours, loop, dense] */
+    double wrel[2];           /* ||ours - loop|| / ||loop|| */
+    unsigned long long wnonfinite[2]; /* elements of ours or the loop not finite */
+    int wok[2];               /* check passed */
 } bresult_t;
 
 /* num_ctas points of the curve: SMs first, then fewer; drops values < 1 and repeats */
@@ -190,6 +261,132 @@ static void launch_variant(const bvar_t *b, int gm, int v) {
     } else {
         cublas_nt(b->cub, b->h, b->w2, b->oref, b->nrows, (int)H, (int)F, (int)F, (int)F, (int)H);
     }
+}
+
+/* What a timed weight-gradient variant launches: ours (v 0), cuBLAS per expert (1), cuBLAS dense, K = the
+ * valid rows from row 0 (2). */
+typedef struct {
+    comet_wgrad_t *g;
+    cublasHandle_t cub;
+    const uint16_t *a, *b; /* (max_rows_padded, m), (max_rows_padded, n) */
+    uint16_t *cref;        /* cuBLAS output (E, m, n) */
+    const int64_t *cnt;    /* [E] rows per expert */
+    const int32_t *start;  /* [E] padded row offsets */
+    int64_t E, m, n;
+    int nrows;
+} bwvar_t;
+
+static void launch_wvariant(const bwvar_t *b, int v) {
+    const int64_t m = b->m, n = b->n;
+    if (v == 0) {
+        CK((cudaError_t)comet_wgrad_launch(b->g, 0, NULL));
+    } else if (v == 1) {
+        for (int64_t e = 0; e < b->E; e++) {
+            uint16_t *c = b->cref + e * m * n;
+            if (!b->cnt[e]) CK(cudaMemsetAsync(c, 0, 2 * (size_t)(m * n), 0)); /* as ours writes it */
+            else
+                cublas_wgrad(b->cub, b->a + b->start[e] * m, b->b + b->start[e] * n, c, (int)m, (int)n,
+                             (int)b->cnt[e]);
+        }
+    } else {
+        cublas_wgrad(b->cub, b->a, b->b, b->cref, (int)m, (int)n, b->nrows);
+    }
+}
+
+/* The backward's two weight gradients on run_model's plan (d_ws on the device, cnt and start on the host):
+ * which 0 dW2 (m = H, n = F_local), 1 dW1 (m = w1_rows, n = H). Timed as run_model's GEMMs (median of NREP
+ * interleaved rounds); checked once first, outputs poisoned. */
+static void run_wgrad(const bmodel_t *m, const comet_dims_t *d, const void *d_ws, const int64_t *cnt,
+                      const int32_t *start, int nrows, cublasHandle_t cub, bresult_t *res) {
+    const int64_t H = d->hidden, F = d->ffn_local, E = d->experts_local, MR = d->max_rows_padded;
+    const int64_t ms_[2] = {H, d->w1_rows}, ns_[2] = {F, H};
+    res->wgrad = 1;
+    int64_t amax = 0, bmax = 0, cmax = 0;
+    for (int w = 0; w < 2; w++) {
+        res->wm[w] = ms_[w], res->wn[w] = ns_[w];
+        res->wskip[w] = comet_wgrad_check(ms_[w], ns_[w]);
+        if (res->wskip[w]) {
+            fprintf(stderr, "%s: %s skipped: %s\n", m->name, w ? "dW1" : "dW2", res->wskip[w]);
+            continue;
+        }
+        amax = ms_[w] > amax ? ms_[w] : amax, bmax = ns_[w] > bmax ? ns_[w] : bmax;
+        cmax = ms_[w] * ns_[w] > cmax ? ms_[w] * ns_[w] : cmax;
+    }
+    if (!cmax) return;
+    uint16_t *a, *b, *c, *cref;
+    double *d_sums;
+    unsigned long long *d_nf;
+    CK(cudaMalloc(&a, 2 * (size_t)(MR * amax)));
+    CK(cudaMalloc(&b, 2 * (size_t)(MR * bmax)));
+    CK(cudaMalloc(&c, 2 * (size_t)(E * cmax)));
+    CK(cudaMalloc(&cref, 2 * (size_t)(E * cmax)));
+    CK(cudaMalloc(&d_sums, 2 * sizeof(double)));
+    CK(cudaMalloc(&d_nf, sizeof(unsigned long long)));
+    cudaEvent_t ev[2];
+    CK(cudaEventCreate(&ev[0]));
+    CK(cudaEventCreate(&ev[1]));
+    for (int w = 0; w < 2; w++) {
+        if (res->wskip[w]) continue;
+        const int64_t wm = ms_[w], wn = ns_[w];
+        const size_t total = (size_t)(E * wm * wn);
+        /* fresh inputs, every row (padding rows too) random and nonzero */
+        k_fill_nz<<<1024, 256>>>(a, (size_t)(MR * wm), 11 + 2 * w, 1.0f);
+        CK(cudaGetLastError());
+        k_fill_nz<<<1024, 256>>>(b, (size_t)(MR * wn), 12 + 2 * w, 1.0f);
+        CK(cudaGetLastError());
+        comet_wgrad_args_t wa;
+        memset(&wa, 0, sizeof wa);
+        wa.d = *d, wa.plan_ws = d_ws, wa.m = wm, wa.n = wn, wa.a = a, wa.b = b, wa.c = c, wa.out = COMET_WGRAD_BF16;
+        comet_wgrad_t *g;
+        char err[256];
+        if (comet_wgrad_prepare(&wa, &g, err, sizeof err)) {
+            fprintf(stderr, "%s: wgrad prepare (%s): %s\n", m->name, w ? "dW1" : "dW2", err);
+            exit(1);
+        }
+        const bwvar_t bw = {g, cub, a, b, cref, cnt, start, E, wm, wn, nrows};
+        /* check: both outputs poisoned, one run each, ours against the loop over every element */
+        CK(cudaMemset(c, 0xff, 2 * total));
+        CK(cudaMemset(cref, 0xff, 2 * total));
+        launch_wvariant(&bw, 0);
+        launch_wvariant(&bw, 1);
+        CK(cudaMemset(d_sums, 0, 2 * sizeof(double)));
+        CK(cudaMemset(d_nf, 0, sizeof(unsigned long long)));
+        k_relerr<<<1024, 256>>>(c, cref, total, d_sums, d_nf);
+        CK(cudaGetLastError());
+        double sums[2];
+        CK(cudaMemcpy(sums, d_sums, sizeof sums, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(&res->wnonfinite[w], d_nf, sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        res->wrel[w] = sums[1] > 0 ? sqrt(sums[0] / sums[1]) : INFINITY;
+        res->wok[w] = res->wnonfinite[w] == 0 && res->wrel[w] <= WGRAD_TOL;
+        if (!res->wok[w])
+            fprintf(stderr, "%s: %s CHECK FAILED: relative error %.3e against the cuBLAS loop (tolerance %g), %llu "
+                    "elements not finite\n", m->name, w ? "dW1" : "dW2", res->wrel[w], WGRAD_TOL, res->wnonfinite[w]);
+        float t[3][NREP];
+        for (int rep = -2; rep < NREP; rep++)
+            for (int v = 0; v < 3; v++) {
+                CK(cudaEventRecord(ev[0]));
+                launch_wvariant(&bw, v);
+                CK(cudaEventRecord(ev[1]));
+                CK(cudaEventSynchronize(ev[1]));
+                if (rep >= 0) CK(cudaEventElapsedTime(&t[v][rep], ev[0], ev[1]));
+            }
+        CK(cudaGetLastError());
+        const double fl = 2.0 * nrows * (double)wm * (double)wn;
+        for (int v = 0; v < 3; v++) {
+            const double ms = median(t[v], NREP);
+            res->wms[w][v] = ms;
+            res->wtf[w][v] = fl / (ms * 1e-3) / 1e12;
+        }
+        comet_wgrad_destroy(g);
+    }
+    CK(cudaEventDestroy(ev[0]));
+    CK(cudaEventDestroy(ev[1]));
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    CK(cudaFree(c));
+    CK(cudaFree(cref));
+    CK(cudaFree(d_sums));
+    CK(cudaFree(d_nf));
 }
 
 static double wall_s(void) {
@@ -253,7 +450,8 @@ typedef struct {
 } brouting_t;
 
 static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublasHandle_t cub, int sms, int curve,
-                      double sustain, int pad_zero, const gpu_power_t *pw, bresult_t *res) {
+                      double sustain, int pad_zero, int wgrad, const gpu_power_t *pw, bresult_t *res) {
+    memset(res, 0, sizeof *res);
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     const int ep = m->experts == 1 ? 1 : br->ep, tp = m->experts == 1 ? 1 : br->tp; /* the dense shapes: one rank */
     const int world = ep * tp;
@@ -413,8 +611,11 @@ static void run_model(const bmodel_t *m, int64_t T, const brouting_t *br, cublas
     }
     comet_gemm_destroy(g);
     cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
-    cudaFree(d_ws), cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
+    cudaFree(a), cudaFree(w1), cudaFree(w2), cudaFree(h), cudaFree(hbuf), cudaFree(o);
     cudaFree(oref), cudaFree(d_valid), cudaFree(d_bad);
+    /* the backward's weight gradients on the same plan, in the memory the forward's buffers held */
+    if (wgrad) run_wgrad(m, &d, d_ws, cnt, pl.expert_start, nrows, cub, res);
+    cudaFree(d_ws);
     for (int s = 0; s < world; s++) free(idx[s]), free(w[s]);
     free(ws), free(valid_rows), free(cnt);
 }
@@ -429,11 +630,12 @@ int main(int argc, char **argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const char *cv = getenv("GEMM_BENCH_CURVE"), *ev = getenv("GEMM_BENCH_EP"), *tv = getenv("GEMM_BENCH_TP"),
-               *sv = getenv("GEMM_BENCH_SKEW"), *pv = getenv("GEMM_BENCH_SUSTAIN"), *zv = getenv("GEMM_BENCH_PAD_ZERO");
+               *sv = getenv("GEMM_BENCH_SKEW"), *pv = getenv("GEMM_BENCH_SUSTAIN"), *zv = getenv("GEMM_BENCH_PAD_ZERO"),
+               *wv = getenv("GEMM_BENCH_WGRAD");
     const int curve = cv && atoi(cv) != 0, sms = prop.multiProcessorCount;
     brouting_t br = {ev ? atoi(ev) : 1, tv ? atoi(tv) : 1, sv ? atof(sv) : 0.0};
     const double sustain = pv ? atof(pv) : 0.0;
-    const int pad_zero = zv && atoi(zv) != 0;
+    const int pad_zero = zv && atoi(zv) != 0, wgrad = !wv || atoi(wv) != 0;
     if (br.ep < 1 || br.tp < 1 || br.ep * br.tp > COMET_GEMM_MAX_PUSH || br.skew < 0 || T < 1 || !(sustain >= 0) ||
         sustain > 600) {
         fprintf(stderr, "gemm_bench: tokens >= 1, GEMM_BENCH_EP x GEMM_BENCH_TP in 1..%d, GEMM_BENCH_SKEW >= 0, "
@@ -455,8 +657,8 @@ int main(int argc, char **argv) {
         int want = argc <= 2;
         for (int a = 2; a < argc; a++) want |= strcmp(argv[a], models[i].name) == 0;
         if (!want) continue;
-        run_model(&models[i], models[i].tokens ? models[i].tokens : T, &br, cub, sms, curve, sustain, pad_zero, &pw,
-                  &res[nres]);
+        run_model(&models[i], models[i].tokens ? models[i].tokens : T, &br, cub, sms, curve, sustain, pad_zero, wgrad,
+                  &pw, &res[nres]);
         fprintf(stderr, "%s done\n", models[i].name);
         nres++;
     }
@@ -481,6 +683,29 @@ int main(int argc, char **argv) {
                    res[r].tf[gm][1], res[r].ms[gm][1], res[r].tf[gm][2], res[r].ms[gm][2],
                    res[r].tf[gm][0] / res[r].tf[gm][1], gm ? res[r].bad : 0ull, split);
         }
+    int wfail = 0;
+    if (wgrad) {
+        printf("\nweight gradients (backward), per expert C_e (m x n) = sum over its rows of a^T b, bf16 out; "
+               "TFLOP/s on valid rows (ms) | ours: comet_wgrad | cuBLAS loop per expert (A^T by op flags) | "
+               "cuBLAS dense K=rows; check: ours vs the loop, ||d|| / ||loop|| <= %g, none non-finite\n", WGRAD_TOL);
+        printf("%-4s %-13s %6s %6s %6s | %-22s | %-22s | %-22s | %s\n", "gemm", "model", "rows", "m", "n", "ours",
+               "cuBLAS loop", "cuBLAS dense", "ours/loop  rel err  check");
+        for (int r = 0; r < nres; r++)
+            for (int w = 0; w < 2 && res[r].wgrad; w++) {
+                const bresult_t *q = &res[r];
+                if (q->wskip[w]) {
+                    printf("%-4s %-13s %6d %6lld %6lld | skipped: %s\n", w ? "dW1" : "dW2", q->name, q->rows,
+                           (long long)q->wm[w], (long long)q->wn[w], q->wskip[w]);
+                    continue;
+                }
+                wfail |= !q->wok[w];
+                printf("%-4s %-13s %6d %6lld %6lld | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | %7.1f (%8.3f ms)    | "
+                       "%5.2f  %8.2e  %s\n", w ? "dW1" : "dW2", q->name, q->rows, (long long)q->wm[w],
+                       (long long)q->wn[w], q->wtf[w][0], q->wms[w][0], q->wtf[w][1], q->wms[w][1], q->wtf[w][2],
+                       q->wms[w][2], q->wtf[w][0] / q->wtf[w][1], q->wrel[w], q->wok[w] ? "ok" : "FAIL");
+                if (q->wnonfinite[w]) printf("     %llu elements not finite\n", q->wnonfinite[w]);
+            }
+    }
     if (curve) {
         printf("\nn_compute curve (GEMM_BENCH_CURVE=1): ours with num_ctas of %d SMs, median of %d; "
                "eff = (TFLOP/s / TFLOP/s at %d) / (num_ctas / %d)\n", sms, NREP, sms, sms);
@@ -521,6 +746,7 @@ int main(int argc, char **argv) {
     if (f) {
         fprintf(f, "{\"device\": \"%s\", \"date\": \"%s\", \"tokens\": %lld, \"ep\": %d, \"tp\": %d, \"skew\": %g, \"pad_zero\": %d, \"reps\": %d, ",
                 prop.name, date, (long long)T, br.ep, br.tp, br.skew, pad_zero, NREP);
+        if (wgrad) fprintf(f, "\"wgrad_out\": \"bf16\", \"wgrad_tol\": %g, ", WGRAD_TOL);
         if (curve) fprintf(f, "\"sms\": %d, ", sms);
         fprintf(f, "\"models\": [\n");
         for (int r = 0; r < nres; r++) {
@@ -533,6 +759,21 @@ int main(int argc, char **argv) {
                 for (int v = 0; v < 3; v++)
                     fprintf(f, ", \"gemm%d_%s_tflops\": %.1f, \"gemm%d_%s_ms\": %.4f", gm, vn[v], res[r].tf[gm][v], gm,
                             vn[v], res[r].ms[gm][v]);
+            for (int w = 0; w < 2 && res[r].wgrad; w++) {
+                const char *wn = w ? "dw1" : "dw2";
+                fprintf(f, ",\n   \"%s_m\": %lld, \"%s_n\": %lld", wn, (long long)res[r].wm[w], wn,
+                        (long long)res[r].wn[w]);
+                if (res[r].wskip[w]) {
+                    fprintf(f, ", \"%s_skipped\": \"%s\"", wn, res[r].wskip[w]);
+                    continue;
+                }
+                for (int v = 0; v < 3; v++)
+                    fprintf(f, ", \"%s_%s_tflops\": %.1f, \"%s_%s_ms\": %.4f", wn, vn[v], res[r].wtf[w][v], wn, vn[v],
+                            res[r].wms[w][v]);
+                if (isfinite(res[r].wrel[w])) fprintf(f, ", \"%s_rel_err\": %.3e", wn, res[r].wrel[w]);
+                else fprintf(f, ", \"%s_rel_err\": null", wn); /* the loop's output all zero or not finite */
+                fprintf(f, ", \"%s_nonfinite\": %llu, \"%s_ok\": %d", wn, res[r].wnonfinite[w], wn, res[r].wok[w]);
+            }
             if (res[r].ncurve) {
                 fprintf(f, ",\n   \"curve\": [");
                 for (int p = 0; p < res[r].ncurve; p++) {
@@ -566,5 +807,6 @@ int main(int argc, char **argv) {
         printf("wrote %s\n", path);
     }
     cublasDestroy(cub);
-    return 0;
+    if (wfail) fprintf(stderr, "gemm_bench: a weight-gradient check FAILED (table above)\n");
+    return wfail ? 1 : 0;
 }
