@@ -4,6 +4,7 @@
 #include "check.h"
 
 #include <stdarg.h>
+#include <stdlib.h>
 
 static int passed, failed, skipped;
 
@@ -32,4 +33,20 @@ int check_summary(const char *name) {
     else
         printf("%s: %d passed, %d failed\n", name, passed, failed);
     return failed ? 1 : 0;
+}
+
+int check_listed(const char *var, int v) {
+    const char *list = getenv(var);
+    if (!list || !*list) return 1;
+    for (const char *s = list; *s;) {
+        char *end;
+        const long n = strtol(s, &end, 10);
+        if (end == s) { /* not a number: skip one character */
+            s++;
+            continue;
+        }
+        if (n == v) return 1;
+        s = end;
+    }
+    return 0;
 }

@@ -17,6 +17,10 @@ void check_record(int ok, const char *file, int line, const char *expr, const ch
 int check_summary(const char *name);
 /* Prints "skipped (<why>)" and counts it in the summary. */
 void check_skip(const char *what, const char *why);
+/* Whether v is in the comma-separated list of numbers in environment
+ * variable var (unset or empty: every value is): the GPU tests' selectors of
+ * world sizes and layouts. */
+int check_listed(const char *var, int v);
 
 #define CHECK(cond, ...) check_record(!!(cond), __FILE__, __LINE__, #cond, __VA_ARGS__)
 

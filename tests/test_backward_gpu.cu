@@ -2,7 +2,8 @@
  * test_backward_gpu.cu - the CUDA backend's training calls against the CPU
  * specification: a training forward (COMET_SAVE_ACTIVATIONS, or none) then
  * comet_layer_backward (reading the saved state, or recomputing), on one GPU
- * and, where there are two, on two (TP2 and EP2), over random configurations
+ * and on 2, 4 and 8 where there are as many (every TP x EP of powers of two:
+ * TP2 and EP2; EP4, EP2 x TP2, TP4; ...), over random configurations
  * (gated and GELU, topk 1..8, E up to 64, T including 0 and 1 and different
  * per rank, skewed routing, experts with no tokens, bf16, fp32 and mixed
  * weight gradients, accumulation into fp32), every output poisoned before
@@ -18,7 +19,11 @@
  * nothing). A bad
  * expert id on one rank, or saved state from another forward, gives the
  * documented status on every rank and leaves every gradient untouched.
- * Without a GPU it prints "skipped (no GPU)".
+ * Without a GPU it prints "skipped (no GPU)". COMET_BWD_TEST_WORLDS and
+ * COMET_BWD_TEST_TPS (lists of numbers, e.g. "4" and "1,2"; default every
+ * size the GPUs allow) limit the layouts, and the bad-routing cases to
+ * those worlds, so that the larger worlds fit one device call; a list that
+ * leaves no layout fails.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -30,7 +35,7 @@
 #include "../src/core/numerics.h"
 #include "check.h"
 
-#define MAXW 2
+#define MAXW 8
 
 /* One rank's host tensors and device copies. */
 typedef struct {
@@ -357,7 +362,7 @@ static void failure_case(int w, int bad, int stale, const char *tag) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
     cfg.hidden = 64, cfg.ffn = 32 * w, cfg.num_experts = 4 * w, cfg.topk = 2, cfg.tp = 1, cfg.ep = w;
     cfg.max_tokens_per_rank = 40;
-    int64_t tokens[MAXW] = {33, 21};
+    int64_t tokens[MAXW] = {33, 21, 40, 7, 0, 40, 12, 40};
     comet_routing_opts_t ro = {0.0, 0, 5};
     comet_problem_t *p;
     comet_world_t *world;
@@ -417,9 +422,13 @@ int main(void) {
      * configurations a layout, the Hopper shape once with 3 repeats and a graph */
     const int small = getenv("COMET_BWD_TEST_SMALL") != NULL;
     comet_rng_t rng = {77};
-    const int max_w = gpus >= 2 ? 2 : 1;
+    int max_w = 1;
+    while (max_w * 2 <= gpus && max_w * 2 <= MAXW) max_w *= 2;
+    int layouts = 0;
     for (int w = 1; w <= max_w; w *= 2)
-        for (int tp = 1; tp <= w; tp++) {
+        for (int tp = 1; tp <= w; tp *= 2) {
+            if (!check_listed("COMET_BWD_TEST_WORLDS", w) || !check_listed("COMET_BWD_TEST_TPS", tp)) continue;
+            layouts++;
             const int ep = w / tp;
             char tag[200];
             for (int rep = 0; rep < (small ? 3 : 8); rep++) {
@@ -452,7 +461,7 @@ int main(void) {
             comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
             cfg.hidden = 256, cfg.ffn = 448 * tp, cfg.num_experts = 8, cfg.topk = 2, cfg.tp = tp, cfg.ep = ep;
             cfg.max_tokens_per_rank = 300;
-            int64_t tokens[MAXW] = {300, 211};
+            int64_t tokens[MAXW] = {300, 211, 0, 300, 157, 299, 1, 300};
             comet_routing_opts_t ro = {0.2, 0, 11};
             snprintf(tag, sizeof tag, "mixtral/16 W=%d TP=%d saved, 100 repeats and a graph", w, tp);
             run_case(&cfg, tokens, &ro, COMET_SAVE_ACTIVATIONS, 0, 0, small ? 3 : 100, tag);
@@ -467,8 +476,12 @@ int main(void) {
             snprintf(tag, sizeof tag, "mixtral/16 GELU W=%d TP=%d recompute", w, tp);
             run_case(&cfg, tokens, &ro, COMET_SAVE_RECOMPUTE, 0, 0, 0, tag);
         }
-    failure_case(1, 0, 0, "bad routing W=1");
-    if (gpus >= 2) failure_case(2, 1, 0, "bad routing on rank 1 of W=2");
-    failure_case(max_w, -1, 1, "saved state of another forward");
+    const char *worlds = getenv("COMET_BWD_TEST_WORLDS"), *tps = getenv("COMET_BWD_TEST_TPS");
+    CHECK(layouts > 0, "COMET_BWD_TEST_WORLDS=%s COMET_BWD_TEST_TPS=%s select no layout of 1..%d ranks: nothing ran",
+          worlds ? worlds : "", tps ? tps : "", max_w);
+    if (check_listed("COMET_BWD_TEST_WORLDS", 1)) failure_case(1, 0, 0, "bad routing W=1");
+    if (gpus >= 2 && check_listed("COMET_BWD_TEST_WORLDS", 2)) failure_case(2, 1, 0, "bad routing on rank 1 of W=2");
+    if (gpus >= 4 && check_listed("COMET_BWD_TEST_WORLDS", 4)) failure_case(4, 3, 0, "bad routing on rank 3 of W=4");
+    if (check_listed("COMET_BWD_TEST_WORLDS", max_w)) failure_case(max_w, -1, 1, "saved state of another forward");
     return check_summary("test_backward_gpu");
 }

@@ -390,26 +390,8 @@ static void bad_routing(int w) {
     comet_problem_destroy(p);
 }
 
-/* Whether v is in the comma-separated list of numbers in environment
- * variable var (unset or empty: every value is). */
-static int listed(const char *var, int v) {
-    const char *list = getenv(var);
-    if (!list || !*list) return 1;
-    for (const char *s = list; *s;) {
-        char *end;
-        const long n = strtol(s, &end, 10);
-        if (end == s) { /* not a number: skip one character */
-            s++;
-            continue;
-        }
-        if (n == v) return 1;
-        s = end;
-    }
-    return 0;
-}
-
 /* COMET_LAYER_TEST_WORLDS lists w (or is unset) */
-static int world_wanted(int w) { return listed("COMET_LAYER_TEST_WORLDS", w); }
+static int world_wanted(int w) { return check_listed("COMET_LAYER_TEST_WORLDS", w); }
 
 int main(void) {
     const int gpus = comet_device_count();
@@ -430,7 +412,7 @@ int main(void) {
     int layouts = 0; /* (world, TP) layouts the lists select */
     for (int w = 1; w <= max_w; w *= 2)
         for (int tp = 1; tp <= w; tp++) {
-            if (w % tp || !world_wanted(w) || !listed("COMET_LAYER_TEST_TPS", tp)) continue;
+            if (w % tp || !world_wanted(w) || !check_listed("COMET_LAYER_TEST_TPS", tp)) continue;
             const int ep = w / tp;
             layouts++;
             char tag[160];
