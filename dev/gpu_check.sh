@@ -98,20 +98,22 @@ for step in $STEPS; do
         done; done; done; done
         ;;
     train) # training steps: `comet bench --train` (training forward + backward) and the PyTorch
-           # layer's autograd step (bench/torch_moe.py --train, torchrun on 2 GPUs) in the same call
+           # layer's autograd step (bench/torch_moe.py --train, torchrun on every GPU) in the same call
            # (TRAIN_ARGS: more flags for comet, e.g. "--comm-hidden" or "--recompute"),
-           # each model x token count x layout (LAYOUTS as bench's, default EP2 and TP2); report.py pairs them
+           # each model x token count x layout (LAYOUTS as bench's, default EP and TP over every GPU: EP2
+           # and TP2 on two, EP4 and TP4 on four; the PyTorch layer runs those two); report.py pairs them
            # (600 s a run: the gradient check's CPU reference is single-threaded, ~1 min for Mixtral EP2 on
            # 8 tokens a rank, O(weights) transposes and dW stores besides: minutes for DeepSeek-V3)
-        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep 2;--tp 2}"
+        n=$(nvidia-smi -L | wc -l)
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep $n;--tp $n}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do
             line=$(timeout 600 build/comet bench --train ${TRAIN_ARGS:-} --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                 --json "$OUT/comet-train.jsonl" 2>&1 | tee -a "$OUT/train.log" | grep -A1 '^model' | tail -n 1)
             summary+=("train $m $t $layout: ${line:-FAILED (see train.log)}")
         done; done; done
-        for layout in "1 2" "2 1"; do
+        for layout in "1 $n" "$n 1"; do
             set -- $layout
-            timeout 600 torchrun --standalone --nproc-per-node 2 bench/torch_moe.py --train --models "$(tr ' ' , <<<"$MODELS")" \
+            timeout 600 torchrun --standalone --nproc-per-node "$n" bench/torch_moe.py --train --models "$(tr ' ' , <<<"$MODELS")" \
                 --tokens "$(tr ' ' , <<<"$TOKENS")" --tp "$1" --ep "$2" --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                 --json "$OUT/torch-train-tp$1ep$2.json" >> "$OUT/train.log" 2>&1
             summary+=("torch --train tp$1 ep$2: exit $?")
