@@ -94,20 +94,13 @@ static const bmodel_t models[] = {
     {"dense-8192", 8192, 8192, 1, 1, 8192},
 };
 
-__global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
+/* uniform in [-scale, scale) from a hash of (i, seed); nonzero: the grid shifted by half a step, so that
+ * no value is 0 (the weight gradients' inputs) */
+__global__ void k_fill(uint16_t *p, size_t n, uint32_t seed, float scale, int nonzero = 0) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         uint32_t x = (uint32_t)i * 2654435761u ^ seed;
         x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
-        p[i] = comet_f32_to_bf16(((float)(x & 0xffffff) / 16777216.0f * 2.0f - 1.0f) * scale);
-    }
-}
-
-/* as k_fill, never 0 (the weight gradients' inputs) */
-__global__ void k_fill_nz(uint16_t *p, size_t n, uint32_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
-        x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
-        p[i] = comet_f32_to_bf16((((float)(x & 0xffffff) + 0.5f) / 16777216.0f * 2.0f - 1.0f) * scale);
+        p[i] = comet_f32_to_bf16((((float)(x & 0xffffff) + (nonzero ? 0.5f : 0.0f)) / 16777216.0f * 2.0f - 1.0f) * scale);
     }
 }
 
@@ -330,9 +323,9 @@ static void run_wgrad(const bmodel_t *m, const comet_dims_t *d, const void *d_ws
         const int64_t wm = ms_[w], wn = ns_[w];
         const size_t total = (size_t)(E * wm * wn);
         /* fresh inputs, every row (padding rows too) random and nonzero */
-        k_fill_nz<<<1024, 256>>>(a, (size_t)(MR * wm), 11 + 2 * w, 1.0f);
+        k_fill<<<1024, 256>>>(a, (size_t)(MR * wm), 11 + 2 * w, 1.0f, 1);
         CK(cudaGetLastError());
-        k_fill_nz<<<1024, 256>>>(b, (size_t)(MR * wn), 12 + 2 * w, 1.0f);
+        k_fill<<<1024, 256>>>(b, (size_t)(MR * wn), 12 + 2 * w, 1.0f, 1);
         CK(cudaGetLastError());
         comet_wgrad_args_t wa;
         memset(&wa, 0, sizeof wa);

@@ -681,7 +681,7 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
         const double t0 = wall_ms();
         st = comet_layer_forward(layer, &f);
         const double t1 = wall_ms();
-        if (st == COMET_SUCCESS && r == 0) st = comet_layer_last_protocol(layer, &run->fwd_protocol);
+        if (st == COMET_SUCCESS && r == 0 && i == run->repeats - 1) st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         const double t2 = wall_ms();
         job->ms[i] = t2 - t0, job->ms_f[i] = t1 - t0, job->ms_b[i] = t2 - t1;
@@ -973,7 +973,8 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         cudaEventRecord(ev[0], stream);
         st = comet_layer_forward(layer, &f);
         cudaEventRecord(ev[1], stream);
-        if (st == COMET_SUCCESS && job->rank == 0) st = comet_layer_last_protocol(layer, &run->fwd_protocol);
+        if (st == COMET_SUCCESS && job->rank == 0 && i == run->repeats - 1)
+            st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         cudaEventRecord(ev[2], stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
@@ -1071,6 +1072,14 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Call `call`'s time on the slowest of ranks first..last: src holds each rank's `repeats` times in a row. */
+static double slowest_rank(const double *src, int repeats, int first, int last, int call) {
+    double m = 0;
+    for (int s = first; s <= last; s++)
+        if (src[s * repeats + call] > m) m = src[s * repeats + call];
+    return m;
+}
+
 comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet_run_t *run, int warmup) {
     const int w = p->world_size;
     if (w > 64) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "problem runner keeps at most 64 ranks");
@@ -1142,14 +1151,9 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     if (tc) { /* each part's median of the slowest rank's, the check summed over the ranks run here */
         for (int part = 0; part < 2; part++) {
             const double *src = part ? ms_b : ms_f;
-            for (int i = 0; i < timed; i++) {
-                slowest[i] = 0;
-                for (int s = first; s <= last; s++)
-                    if (src[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = src[s * run->repeats + warmup + i];
-            }
+            for (int i = 0; i < timed; i++) slowest[i] = slowest_rank(src, run->repeats, first, last, warmup + i);
             qsort(slowest, (size_t)timed, sizeof(double), cmp_double);
             *(part ? &run->ms_bwd : &run->ms_fwd) = slowest[timed / 2];
-            memset(slowest, 0, sizeof(double) * (size_t)timed);
         }
         struct comet_train_check *o = &run->train_check;
         for (int s = first; s <= last; s++) {
@@ -1162,19 +1166,12 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         }
         train_ctx_free(tc, w);
     }
-    for (int i = 0; i < timed; i++)
-        for (int s = first; s <= last; s++)
-            if (ms[s * run->repeats + warmup + i] > slowest[i]) slowest[i] = ms[s * run->repeats + warmup + i];
+    for (int i = 0; i < timed; i++) slowest[i] = slowest_rank(ms, run->repeats, first, last, warmup + i);
     for (int side = 0; run->interleave && side < SIDES; side++) { /* call warmup + i: side (warmup + i) % SIDES */
         const double *src = run->train ? ms_b : ms; /* a training step's sides are its backward's */
         int n = 0;
-        for (int i = 0; i < timed; i++) {
-            if ((warmup + i) % SIDES != side) continue;
-            side_ms[n] = 0;
-            for (int s = first; s <= last; s++)
-                if (src[s * run->repeats + warmup + i] > side_ms[n]) side_ms[n] = src[s * run->repeats + warmup + i];
-            n++;
-        }
+        for (int i = 0; i < timed; i++)
+            if ((warmup + i) % SIDES == side) side_ms[n++] = slowest_rank(src, run->repeats, first, last, warmup + i);
         qsort(side_ms, (size_t)n, sizeof(double), cmp_double);
         run->ms_side[side_slot(side)] = side_ms[n / 2]; /* n >= 1: SIDES timed calls or more */
     }

@@ -111,14 +111,20 @@ static void simt_gemm0(const comet_cuda_ctx_t *c, cudaStream_t stream) {
  * chain's, and returning early on it would leave the epoch half entered. */
 static void drop_earlier_error(void) { (void)cudaGetLastError(); }
 
-extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
-    cudaStream_t stream = (cudaStream_t)stream_ptr;
+/* Every call's entry (forward and backward): the epoch entered with this
+ * call's tensors, my inputs staged, the plan's first step. */
+static void enter_steps(const comet_cuda_ctx_t &c, const comet_cuda_call_t *call, int grid, cudaStream_t stream) {
     drop_earlier_error();
-    const comet_cuda_ctx_t c = *ctx;
-    const int grid = c.num_sms > 0 ? c.num_sms : 132;
     k_enter<<<1, 1, 0, stream>>>(c, *call);
     k_stage<<<grid, 256, 0, stream>>>(c);
     k_plan<<<1, 32, 0, stream>>>(c);
+}
+
+extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call, void *stream_ptr) {
+    cudaStream_t stream = (cudaStream_t)stream_ptr;
+    const comet_cuda_ctx_t c = *ctx;
+    const int grid = c.num_sms > 0 ? c.num_sms : 132;
+    enter_steps(c, call, grid, stream);
     const int e = forward_chain(&c, stream);
     if (e != cudaSuccess) return e;
     if (c.store_gu) { /* training: gu and h in the caller's saved state (the SIMT tiles' copied there) */
@@ -132,12 +138,8 @@ extern "C" int comet_cuda_forward_launch(const comet_cuda_ctx_t *ctx, const come
 extern "C" int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *call,
                                           void *stream_ptr) {
     cudaStream_t stream = (cudaStream_t)stream_ptr;
-    drop_earlier_error();
     const comet_cuda_ctx_t c = *ctx;
-    const int grid = c.num_sms > 0 ? c.num_sms : 132;
-    k_enter<<<1, 1, 0, stream>>>(c, *call);
-    k_stage<<<grid, 256, 0, stream>>>(c);
-    k_plan<<<1, 32, 0, stream>>>(c);
+    enter_steps(c, call, c.num_sms > 0 ? c.num_sms : 132, stream);
     const int e = backward_chain(&c, call, stream);
     if (e != cudaSuccess) return e;
     k_exit<<<1, 1, 0, stream>>>(c);
