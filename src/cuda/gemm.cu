@@ -733,6 +733,20 @@ __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float 
     return 1;
 }
 
+/* G's epilogue: the 4-byte word (two bf16) at ptr when in, else 0, loaded with .L2::256B: an L2
+ * miss fetches the aligned 256 bytes around it, so the other loads of the same row and plane hit
+ * L2 instead of each missing to DRAM on its own sector (G 2.06-2.12 -> 1.81-1.84 ms on H100 at
+ * Mixtral's 8192 rows; 16-byte loads with a quad transpose and an L2 prefetch by the producer's
+ * idle warps were slower: dev/NOTES.md). asm volatile, so plane 1's re-read of g is not merged
+ * with plane 0's, which would keep 64 words live. */
+__device__ __forceinline__ uint32_t gm_ld_b32(const comet_bf16_t *ptr, int in) {
+    uint32_t v;
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\nmov.b32 %0, 0;\n@p ld.global.nc.L2::256B.b32 %0, [%1];\n}\n"
+                 : "=r"(v)
+                 : "l"(ptr), "r"(in));
+    return v;
+}
+
 /* G's epilogue, one plane of dH for one half (128 columns, hf) of this consumer's 64 rows (row0..,
  * the first `rows` valid) x 256 columns, from G in d (fp32) and include/comet.h backward step 4:
  * dA = w G with the row's weight, then, from gu's bf16 values, plane 0 dg (gated SiLU: dA u s (1 +
@@ -754,7 +768,7 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
         for (int jj = 0; jj < 16; jj++) {
             const int j = hf * 16 + jj, col = cb + j * 8, in = valid && col < col_lim;
             const float G0 = d[4 * j + 2 * e], G1 = d[4 * j + 2 * e + 1], dA0 = w * G0, dA1 = w * G1;
-            const uint32_t g2 = in ? __ldg((const unsigned int *)(gp + col)) : 0u;
+            const uint32_t g2 = gm_ld_b32(gp + col, in);
             const float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
             float v0, v1;
             if (mode == GM_MODE_DGELU) {
@@ -762,7 +776,7 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
             } else {
                 const float s0 = gm_sigmoid(g0), s1 = gm_sigmoid(g1);
                 if (plane == 0) {
-                    const uint32_t u2 = in ? __ldg((const unsigned int *)(gp + p.up_off + col)) : 0u;
+                    const uint32_t u2 = gm_ld_b32(gp + p.up_off + col, in);
                     const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
                     v0 = dA0 * u0 * s0 * (1.0f + g0 * (1.0f - s0));
                     v1 = dA1 * u1 * s1 * (1.0f + g1 * (1.0f - s1));
@@ -772,7 +786,7 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
             }
             pk[2 * jj + e] = valid ? gm_pack(v0, v1) : 0u;
             if (plane == 0) {
-                const uint32_t h2 = in ? __ldg((const unsigned int *)(hp + col)) : 0u;
+                const uint32_t h2 = gm_ld_b32(hp + col, in);
                 acc[e] += G0 * __uint_as_float(h2 << 16);
                 acc[e] += G1 * __uint_as_float(h2 & 0xffff0000u);
             }
