@@ -5,6 +5,7 @@
 # NCCL 2.28.9, loaded from PyTorch's nvidia.nccl via LD_LIBRARY_PATH), then
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
+#   (pygpu: PYTEST_K, pytest -k of the CPU suite, e.g. "not compile": the CPU torch.compile tests take minutes on a fresh machine)
 #   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu example push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -126,7 +127,7 @@ for step in $STEPS; do
            # the training step through Python and the op's overhead a call (bench/torch_comet.py)
         python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
         summary+=("pip install: exit $?")
-        (cd /tmp && timeout 300 python3 -m pytest -q "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
+        (cd /tmp && timeout 300 python3 -m pytest -q ${PYTEST_K:+-k "$PYTEST_K"} "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
         summary+=("pytest: exit $? $(grep -E 'passed|failed' "$OUT/pytest.log" | tail -n 1)")
         timeout 300 torchrun --standalone --nproc-per-node 2 python/tests/gpu/ep_torchrun.py > "$OUT/torchrun.log" 2>&1
         summary+=("ep_torchrun: exit $? $(grep -E '^ep_torchrun:' "$OUT/torchrun.log" | tail -n 1)")

@@ -193,3 +193,12 @@ def test_options_pass_through_torchrun():
     opts = [o for a in train.parser()._actions for o in a.option_strings if o.startswith("--")]
     args = torchrun.parse_args(["--standalone", "--nproc-per-node", "2", "train.py"] + opts)
     assert args.training_script_args == opts
+
+
+def test_profile(corpus, tmp_path):
+    """--profile: rank 0's table of the ops over 4 steps after 3 warm-ups, and a Chrome trace beside it."""
+    path = tmp_path / "profile.txt"
+    run("--experts", "torch", "--steps", "8", "--profile", str(path), corpus=corpus)
+    text = path.read_text()
+    assert text.startswith("torch.profiler over 4 training steps") and "aten::mm" in text, text[:500]
+    assert (tmp_path / "profile.txt.json").stat().st_size > 1000
