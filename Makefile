@@ -92,6 +92,13 @@ CONFIG := $(foreach v,$(CONFIG_VARS),'$(v)=$(strip $($(v)))') '\# XCFLAGS=$(stri
 $(shell printf '%s\n' $(CONFIG) | cmp -s - $(BUILD)/make.vars 2>/dev/null || \
   { mkdir -p $(BUILD) && printf '%s\n' $(CONFIG) >$(BUILD)/make.vars; })
 
+# $(BUILD)/commit: the commit of the tree this build was last made from (`git describe --dirty`;
+# "unknown" outside a git checkout): dev/gpu_check.sh reports it as COMET_COMMIT on machines that
+# get the build without the repository's history.
+$(shell mkdir -p $(BUILD) && { git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown; } \
+  >$(BUILD)/commit.new && { cmp -s $(BUILD)/commit.new $(BUILD)/commit || mv $(BUILD)/commit.new $(BUILD)/commit; }; \
+  rm -f $(BUILD)/commit.new)
+
 $(BUILD)/%.o: %.c $(BUILD)/make.vars
 	@mkdir -p $(dir $@)
 	$(CC) $(XCFLAGS) -MMD -MP -c $< -o $@

@@ -10,6 +10,8 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
+# the commit in every JSON row (comet bench and the PyTorch baselines): the build's, written by make
+export COMET_COMMIT=${COMET_COMMIT:-$(cat build/commit 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/comet-gpu}; mkdir -p "$OUT"
 PIP=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)
 export LD_LIBRARY_PATH="$PIP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -124,7 +126,8 @@ for step in $STEPS; do
         ;;
     pygpu) # the Python package on the GPUs: pip install (CUDA build against torch's NCCL), pytest
            # (the CUDA autograd tests), the 2-GPU torchrun script (world_from_group, sub-groups, patch_model),
-           # the training step through Python and the op's overhead a call (bench/torch_comet.py)
+           # the training step through Python and the op's overhead a call (bench/torch_comet.py;
+           # PY_PROFILE=1: its torch.profiler tables and traces, py-profile--ep2.txt and .json)
         python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
         summary+=("pip install: exit $?")
         (cd /tmp && timeout 300 python3 -m pytest -q ${PYTEST_K:+-k "$PYTEST_K"} "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
@@ -133,7 +136,8 @@ for step in $STEPS; do
         summary+=("ep_torchrun: exit $? $(grep -E '^ep_torchrun:' "$OUT/torchrun.log" | tail -n 1)")
         for layout in "--ep 2" "--tp 2"; do # the training step through Python (bench/torch_comet.py), beside `train`'s C rows
             timeout 600 torchrun --standalone --nproc-per-node 2 bench/torch_comet.py --models "$(tr ' ' , <<<"$MODELS")" \
-                --tokens "$(tr ' ' , <<<"$TOKENS")" $layout --json "$OUT/py-train${layout// /}.json" >> "$OUT/py-train.log" 2>&1
+                --tokens "$(tr ' ' , <<<"$TOKENS")" $layout --json "$OUT/py-train${layout// /}.json" \
+                ${PY_PROFILE:+--profile "$OUT/py-profile${layout// /}.txt"} >> "$OUT/py-train.log" 2>&1
             summary+=("torch_comet $layout: exit $?")
         done
         cat "$OUT/py-train.log"

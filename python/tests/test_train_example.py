@@ -195,6 +195,18 @@ def test_options_pass_through_torchrun():
     assert args.training_script_args == opts
 
 
+def test_accumulation_sees_the_same_batch(corpus):
+    """--accum 2 of 4 sequences against one micro-batch of 8: the same sequences a step (the same global
+    batch), the gradients summed over the micro-batches (comet: fp32 main grads; torch: fp32 masters),
+    so the losses agree to rounding over 5 steps, both backends."""
+    for experts in ("comet", "torch"):
+        one = run("--experts", experts, "--steps", "5", corpus=corpus)["losses"]
+        two = run("--experts", experts, "--steps", "5", "--accum", "2", "--batch-size", "4", corpus=corpus)
+        assert len(two["losses"]) == 5
+        assert max(abs(x - y) for x, y in zip(one, two["losses"])) <= TOL_EARLY, (experts, one, two["losses"])
+        assert two["summary"]["tokens_per_s"] > 0
+
+
 def test_profile(corpus, tmp_path):
     """--profile: rank 0's table of the ops over 4 steps after 3 warm-ups, and a Chrome trace beside it."""
     path = tmp_path / "profile.txt"
