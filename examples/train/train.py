@@ -99,8 +99,9 @@ PRESETS = {
                    val_batches=2),
     # Mixtral-8x7B's layer (H 4096, 32 heads / 8 KV heads, 8 experts of F 14336, top-2), 3 of its 32 layers:
     # 4.36 B params (4.23 B in experts: 2.11 B a GPU with EP 2), 1.18 B active, 7.26 GFLOP a token (the routed
-    # experts 87%); a step is 2 GPUs x 4 micro-batches x 4 x 2048 tokens (65536: the optimizer's pass over
-    # the 4.4 B parameters, ~50 ms, is then ~10% of a step, not ~30% as with one micro-batch). Memory a GPU
+    # experts 87%); a step is 2 GPUs x 4 micro-batches x 4 x 2048 tokens (65536: the optimizer and the
+    # gradient passes over a GPU's 2.2 B parameters, ~50 ms on an H100, are then ~10% of a step, not ~30% as
+    # with one micro-batch). Memory a GPU
     # ~60 GB (bf16 weight, fp32 gradient, fp32 master and AdamW's moments of the experts: ~20 B a
     # parameter; activations of 8192 tokens).
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
