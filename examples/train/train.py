@@ -104,8 +104,11 @@ PRESETS = {
     # with one micro-batch). Memory a GPU
     # ~60 GB (bf16 weight, fp32 gradient, fp32 master and AdamW's moments of the experts: ~20 B a
     # parameter; activations of 8192 tokens).
+    # lr 1e-4: at 3e-4 (30 warm-up steps) both runs' losses spiked in steps 5-15 and the router collapsed
+    # (aux 4.0: every token to 2 experts, one GPU doing all the expert work; 2x H100, 2026-11-27); at the
+    # preset's width on the CPU, 1e-4 kept aux at 1.5-1.8 over 30 steps with no spike (3e-4: 2.3-2.8)
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
-                           norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
+                           norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
     # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
