@@ -257,3 +257,6 @@ printf '%s\n' "${summary[@]}"
 # the regimes step's PyTorch rows (torch-<iters>-*.json) pair with comet's over as many forwards
 [ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/baselines/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
     bench/reference-issue5.json "$OUT/comet.jsonl"
+# everything under $OUT in one archive too: the device machine hands back a limited number of files
+# a call, and a step's JSON left out that way is lost (the traces step packs its own already)
+(cd "$OUT" && tar czf gpu_check-all.tar.gz --exclude=gpu_check-all.tar.gz --exclude='*.tar.gz' . 2>/dev/null) || true
