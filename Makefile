@@ -93,9 +93,10 @@ $(shell printf '%s\n' $(CONFIG) | cmp -s - $(BUILD)/make.vars 2>/dev/null || \
   { mkdir -p $(BUILD) && printf '%s\n' $(CONFIG) >$(BUILD)/make.vars; })
 
 # $(BUILD)/commit: the commit of the tree this build was last made from (`git describe --dirty`;
-# "unknown" outside a git checkout): dev/gpu_check.sh reports it as COMET_COMMIT on machines that
+# "unknown" outside this project's own git checkout): dev/gpu_check.sh reports it as COMET_COMMIT on machines that
 # get the build without the repository's history.
-$(shell mkdir -p $(BUILD) && { git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown; } \
+$(shell mkdir -p $(BUILD) && { [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$(CURDIR)" ] && \
+  git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown; } \
   >$(BUILD)/commit.new && { cmp -s $(BUILD)/commit.new $(BUILD)/commit || mv $(BUILD)/commit.new $(BUILD)/commit; }; \
   rm -f $(BUILD)/commit.new)
 

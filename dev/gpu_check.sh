@@ -12,6 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
 # the commit in every JSON row (comet bench and the PyTorch baselines): the build's, written by make
 export COMET_COMMIT=${COMET_COMMIT:-$(cat build/commit 2>/dev/null || echo unknown)}
+echo "gpu_check.sh: build/ of commit $COMET_COMMIT (make writes build/commit: run make before carrying build/)"
 OUT=${OUT:-/tmp/comet-gpu}; mkdir -p "$OUT"
 PIP=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)
 export LD_LIBRARY_PATH="$PIP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -164,7 +165,7 @@ for step in $STEPS; do
             for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
                 bin=build
                 for kv in $v; do case $kv in COMET_BIN=*) bin=${kv#COMET_BIN=} ;; esac; done
-                line=$(env $v timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
+                line=$(env $v COMET_COMMIT="$(cat "$bin/commit" 2>/dev/null || echo unknown)" timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
             done; done
@@ -257,6 +258,9 @@ printf '%s\n' "${summary[@]}"
 # the regimes step's PyTorch rows (torch-<iters>-*.json) pair with comet's over as many forwards
 [ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/baselines/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
     bench/reference-issue5.json "$OUT/comet.jsonl"
-# everything under $OUT in one archive too: the device machine hands back a limited number of files
-# a call, and a step's JSON left out that way is lost (the traces step packs its own already)
-(cd "$OUT" && tar czf gpu_check-all.tar.gz --exclude=gpu_check-all.tar.gz --exclude='*.tar.gz' . 2>/dev/null) || true
+# everything under $OUT in one archive too: the device machine hands back its first 8 files by name, so a
+# step's JSON can be left out and lost; "00-all.tar.gz" sorts first (the traces step packs its own already)
+all=$(mktemp -d)
+if (cd "$OUT" && tar czf "$all/00-all.tar.gz" --exclude='*.tar.gz' .); then mv "$all/00-all.tar.gz" "$OUT/"
+else echo "gpu_check.sh: packing $OUT into 00-all.tar.gz failed" >&2; fi
+rmdir "$all" 2>/dev/null

@@ -100,8 +100,9 @@ def batch(data: torch.Tensor, starts: torch.Tensor, seq: int):
 def train_starts(n: int, seq: int, seed: int, step: int, global_batch: int) -> torch.Tensor:
     """The window starts of step `step`'s global batch: random, a function of
     (seed, step) only, so the data order does not depend on the world size,
-    on the experts' backend or on a resume. Rank r of W takes rows
-    [r*B, (r+1)*B) of the global batch of W*B rows."""
+    on the experts' backend or on a resume. Micro-batch i of rank r of W takes
+    rows [(i*W + r)*B, (i*W + r + 1)*B) of the global batch of A*W*B rows (A
+    micro-batches a step)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return torch.randint(0, n - seq - 1, (global_batch,), generator=g)
 

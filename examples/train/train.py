@@ -106,7 +106,7 @@ PRESETS = {
     # parameter; activations of 8192 tokens).
     # lr 1e-4: at 3e-4 (30 warm-up steps) both runs' losses spiked in steps 5-15 and the router collapsed
     # (aux 4.0: every token to 2 experts, one GPU doing all the expert work; 2x H100, 2026-11-27); at the
-    # preset's width on the CPU, 1e-4 kept aux at 1.5-1.8 over 30 steps with no spike (3e-4: 2.3-2.8)
+    # preset's width on the CPU, 1e-4 kept aux at 1.4-1.9 over 40 steps with no spike (3e-4: 2.3-2.8 in steps 6-16)
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
@@ -537,7 +537,10 @@ def main(argv=None):
     if args.resume:
         ck = torch.load(os.path.join(args.resume, "rank%05d.pt" % rank), map_location=device, weights_only=False)
         same = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("steps", "val_every")}
-        if (ck["world"], ck["tp"]) != (world, tp) or {k: ck["config"][k] for k in same} != same:
+        # a checkpoint from before a Config field existed holds that field's default (accum: 1)
+        saved_config = {**{f.name: f.default for f in dataclasses.fields(Config)
+                           if f.default is not dataclasses.MISSING}, **ck["config"]}
+        if (ck["world"], ck["tp"]) != (world, tp) or {k: saved_config.get(k) for k in same} != same:
             raise SystemExit("train.py: %s was saved by world %d, TP %d, config %s; this run: world %d, TP %d, %s"
                              % (args.resume, ck["world"], ck["tp"], ck["config"], world, tp, dataclasses.asdict(c)))
         model.load_state_dict(ck["model"])
@@ -602,6 +605,9 @@ def main(argv=None):
     t_run = time.perf_counter()
     end = min(c.steps, args.stop_after) if args.stop_after else c.steps
     prof, prof_first = None, start + 3
+    if args.profile and end - prof_first < 4:
+        raise SystemExit("train.py: --profile needs 3 warm-up steps and 4 to profile: this run has %d steps"
+                         % (end - start))
     for step in range(start, end):
         if args.profile and step == prof_first:
             prof = profile_start(dev_type)

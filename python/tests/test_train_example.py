@@ -14,9 +14,12 @@
      bitwise, and a checkpoint holds the whole state: weights, fp32 masters,
      AdamW's moments);
   3. the PyTorch layer over 2 ranks (gloo; data parallel + EP 2 through its
-     all-to-alls, 4 sequences a rank) against 1 rank (8 sequences: the same
-     global batch) for 5 steps, within 1e-3: the gradient averaging and the
-     expert gradients' 1/W (comet needs GPUs for more than one process);
+     all-to-alls, 2 micro-batches of 2 sequences a rank) against 1 rank (8
+     sequences: the same global batch) for 5 steps, within 1e-3: the
+     gradient averaging, the expert gradients' 1/W, the accumulation and the
+     micro-batches' order over the ranks (comet needs GPUs for more than one
+     process); --accum against a larger micro-batch on one rank, both
+     backends; a checkpoint written before --accum existed still resumes;
   4. the CLI: --help, the progress line and the JSON-lines log (and plot.py
      on the two logs where matplotlib is installed), and every option of
      train.py reaching it through torchrun's parser.
@@ -132,8 +135,23 @@ def test_comet_resume_is_bitwise(runs):
     assert meta["step"] == 10 and meta["experts"] == "comet"
 
 
+def test_resume_from_a_checkpoint_without_accum(runs, corpus, tmp_path):
+    """A checkpoint whose config has no `accum` (written before the field existed) resumes as accum 1."""
+    import shutil
+
+    ck = tmp_path / "old"
+    shutil.copytree(runs["tmp"] / "ck", ck)
+    state = torch.load(ck / "rank00000.pt", weights_only=False)
+    del state["config"]["accum"]
+    torch.save(state, ck / "rank00000.pt")
+    out = run("--experts", "comet", "--resume", str(ck), "--stop-after", "12", corpus=corpus)
+    assert len(out["losses"]) == 2 and out["losses"] == runs["comet"]["losses"][10:12]
+
+
 def test_two_ranks_gloo_torch(corpus, tmp_path):
-    """The PyTorch experts over 2 processes (gloo): DP + EP 2, vs one rank with the same global batch."""
+    """The PyTorch experts over 2 processes (gloo): DP + EP 2 with 2 micro-batches of 2 sequences a rank, vs
+    one rank with one micro-batch of the same 8 sequences: the gradient averaging, the expert gradients' 1/W,
+    the accumulation and the micro-batches' data order over ranks."""
     import socket
 
     with socket.socket() as s:
@@ -144,7 +162,8 @@ def test_two_ranks_gloo_torch(corpus, tmp_path):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--config", "tiny", "--device", "cpu", "--quiet",
-               "--experts", "torch", "--steps", "5", "--batch-size", "4", "--json-log", str(tmp_path / "two.jsonl"),
+               "--experts", "torch", "--steps", "5", "--batch-size", "2", "--accum", "2",
+               "--json-log", str(tmp_path / "two.jsonl"),
                *corpus]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
