@@ -105,8 +105,9 @@ PRESETS = {
     # ~60 GB (bf16 weight, fp32 gradient, fp32 master and AdamW's moments of the experts: ~20 B a
     # parameter; activations of 8192 tokens).
     # lr 1e-4: at 3e-4 (30 warm-up steps) both runs' losses spiked in steps 5-15 and the router collapsed
-    # (aux 4.0: every token to 2 experts, one GPU doing all the expert work; 2x H100, 2026-11-27); at the
-    # preset's width on the CPU, 1e-4 kept aux at 1.4-1.9 over 40 steps with no spike (3e-4: 2.3-2.8 in steps 6-16)
+    # (aux 4.0: every token to 2 experts; in the 300-step run one GPU did all the expert work; 2x H100,
+    # 2026-11-27); at the preset's width on the CPU, 1e-4 kept aux at 1.4-1.9 over 40 steps with no spike
+    # (3e-4: 2.3-2.8 in steps 6-16)
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
@@ -314,13 +315,13 @@ def profile_start(dev_type):
     if dev_type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(activities=acts)
-    prof.__enter__()
+    prof.start()
     return prof
 
 
 def profile_stop(prof, path, rank, steps, dev_type):
     """End the profile; rank 0 writes the ops by self device time (CPU time on the CPU) and a Chrome trace."""
-    prof.__exit__(None, None, None)
+    prof.stop()
     if rank != 0:
         return
     key = "self_cuda_time_total" if dev_type == "cuda" else "self_cpu_time_total"
