@@ -10,8 +10,10 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
-# the commit in every JSON row (comet bench and the PyTorch baselines): the build's, written by make
-export COMET_COMMIT=${COMET_COMMIT:-$(cat build/commit 2>/dev/null || echo unknown)}
+# the commit a build directory was made from (make writes DIR/commit), "unknown" without the file
+commit_of() { cat "$1/commit" 2>/dev/null || echo unknown; }
+# the commit in every JSON row (comet bench and the PyTorch baselines): the build's
+export COMET_COMMIT=${COMET_COMMIT:-$(commit_of build)}
 echo "gpu_check.sh: build/ of commit $COMET_COMMIT (make writes build/commit: run make before carrying build/)"
 OUT=${OUT:-/tmp/comet-gpu}; mkdir -p "$OUT"
 PIP=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)
@@ -21,6 +23,14 @@ MODELS=${MODELS:-mixtral-8x7b qwen2-moe phi-3.5-moe deepseek-v3}
 TOKENS=${TOKENS:-8192}
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv
 summary=()
+# the Python package (CUDA build against torch's NCCL), installed once a run for the steps that need it
+pip_done=
+pip_install() {
+    [ -n "$pip_done" ] && return
+    python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
+    summary+=("pip install: exit $?")
+    pip_done=1
+}
 for step in $STEPS; do
     case $step in
     test)
@@ -129,8 +139,7 @@ for step in $STEPS; do
            # (the CUDA autograd tests), the 2-GPU torchrun script (world_from_group, sub-groups, patch_model),
            # the training step through Python and the op's overhead a call (bench/torch_comet.py;
            # PY_PROFILE=1: its torch.profiler tables and traces, py-profile--ep2.txt and .json)
-        python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
-        summary+=("pip install: exit $?")
+        pip_install
         (cd /tmp && timeout 300 python3 -m pytest -q ${PYTEST_K:+-k "$PYTEST_K"} "$OLDPWD/python/tests" --ignore="$OLDPWD/python/tests/gpu") > "$OUT/pytest.log" 2>&1
         summary+=("pytest: exit $? $(grep -E 'passed|failed' "$OUT/pytest.log" | tail -n 1)")
         timeout 300 torchrun --standalone --nproc-per-node 2 python/tests/gpu/ep_torchrun.py > "$OUT/torchrun.log" 2>&1
@@ -148,8 +157,7 @@ for step in $STEPS; do
              # (e.g. "--steps 300"); pip installs the package first. The GPU machine has no network: make the
              # corpus here and carry it (run's carry: ".traincache"):
              #   python3 -c "import sys; sys.path.insert(0, 'examples/train'); import data; data.load_corpus('.traincache')" (a python with torch)
-        python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
-        summary+=("pip install: exit $?")
+        pip_install
         for cfg in ${EXAMPLE_CONFIGS:-mixtral-2gpu qwen2moe-2gpu}; do
             COMET_TRAIN_CACHE=$PWD/.traincache timeout ${EXAMPLE_TIMEOUT:-560} examples/train/run_2gpu.sh "$cfg" \
                 "$OUT/example-$cfg" ${EXAMPLE_ARGS:-} > "$OUT/example-$cfg.log" 2>&1
@@ -165,7 +173,7 @@ for step in $STEPS; do
             for round in $(seq "${ROUNDS:-2}"); do for v in "${variants[@]}"; do
                 bin=build
                 for kv in $v; do case $kv in COMET_BIN=*) bin=${kv#COMET_BIN=} ;; esac; done
-                line=$(env $v COMET_COMMIT="$(cat "$bin/commit" 2>/dev/null || echo unknown)" timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
+                line=$(env $v COMET_COMMIT="$(commit_of "$bin")" timeout 300 "$bin/comet" bench --model "$m" --tokens "$t" $layout --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("ab round $round [$v] $layout: ${line:-FAILED (see bench.log)}")
             done; done
