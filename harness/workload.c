@@ -535,7 +535,7 @@ static float grad_val(const void *a, int64_t i, int fp32) {
 /* Gradient k of the check (train_check's index): rows of n elements of got
  * against ref (bf16, or fp32), counted into *c. */
 static void grad_compare(struct comet_train_check *c, int k, const void *got, const void *ref, int64_t rows, int64_t n,
-                         int fp32) {
+                         int fp32, int64_t base) {
     for (int64_t r = 0; r < rows; r++) {
         double ss = 0;
         for (int64_t i = 0; i < n; i++) {
@@ -550,7 +550,8 @@ static void grad_compare(struct comet_train_check *c, int k, const void *got, co
             c->differ[k] += fp32 ? memcmp(&g, &e, 4) != 0
                                  : ((const uint16_t *)got)[r * n + i] != ((const uint16_t *)ref)[r * n + i];
             c->wrong[k] += !(err <= 8.0 * fabs(e) / 128.0 + 0.02 * rms); /* NaN is wrong */
-            if (rms > 0 && !(err / rms <= c->worst[k])) c->worst[k] = isnan(err) ? INFINITY : err / rms;
+            if (rms > 0 && !(err / rms <= c->worst[k]))
+                c->worst[k] = isnan(err) ? INFINITY : err / rms, c->worst_at[k] = base + r * n + i;
         }
     }
 }
@@ -615,6 +616,64 @@ static comet_status_t train_prepare(const comet_problem_t *p, const comet_run_t 
     return st;
 }
 
+/* A wrong weight gradient explained: the worst element of rank r's dw1
+ * (g = 2) or dw2 (g = 3), flat index `at` in the rank's (E_local, rows,
+ * cols) tensor, printed with its value from the GPU (got), from the
+ * reference, and from the contract's formula evaluated in float64 on the
+ * sampled rows (the contract's bf16 roundings of gu, h, dH and w dy kept,
+ * every sum in float64), with the rows that reach it. The float64 value
+ * sides with whichever of the two is right. Gated activation only. */
+static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, const comet_forward_args_t *a0, int g,
+                         int64_t at, float got, double worst) {
+    const comet_layer_config_t *cfg = &p->cfg;
+    if (cfg->activation != COMET_ACT_SILU_GATED) return;
+    const int64_t hd = cfg->hidden, k = cfg->topk, fl = cfg->ffn / cfg->tp, el = cfg->num_experts / cfg->ep;
+    const int64_t rows = g == 2 ? 2 * fl : hd, cols = g == 2 ? hd : fl;
+    const int64_t x = at / (rows * cols), row = at % (rows * cols) / cols, col = at % cols;
+    const int64_t e = (int64_t)(r / cfg->tp) * el + x;      /* rank = ep * TP + tp */
+    const int64_t jf = g == 2 ? row % fl : col;              /* the ffn column of the local slice */
+    const int gate = g == 2 && row < fl;
+    const uint16_t *w1 = (const uint16_t *)a0->w1.data + x * 2 * fl * hd, *w2 = (const uint16_t *)a0->w2.data + x * hd * fl;
+    const uint16_t *ref = (g == 2 ? c->rdw1[r] : c->rdw2[r]);
+    double sum = 0;
+    int n_rows = 0;
+    char list[256] = "";
+    for (int s = 0; s < p->world_size; s++)
+        for (int64_t t = 0; t < c->n[s]; t++)
+            for (int64_t q = 0; q < k; q++) {
+                if (c->sidx[s][t * k + q] != e) continue;
+                const uint16_t *xt = c->sx[s] + t * hd, *dyt = c->sdy[s] + t * hd;
+                const double w = c->sw[s][t * k + q];
+                double gg = 0, uu = 0, G = 0;
+                for (int64_t h = 0; h < hd; h++) {
+                    const double xv = comet_bf16_to_f32(xt[h]);
+                    gg += xv * comet_bf16_to_f32(w1[jf * hd + h]), uu += xv * comet_bf16_to_f32(w1[(fl + jf) * hd + h]);
+                    G += (double)comet_bf16_to_f32(dyt[h]) * comet_bf16_to_f32(w2[h * fl + jf]);
+                }
+                double term;
+                if (g == 2) { /* the activation's backward from gu's bf16 values */
+                    gg = comet_bf16_to_f32(comet_f32_to_bf16((float)gg)), uu = comet_bf16_to_f32(comet_f32_to_bf16((float)uu));
+                    const double sg = 1.0 / (1.0 + exp(-gg)), dA = w * G;
+                    const double dh = gate ? dA * uu * sg * (1 + gg * (1 - sg)) : dA * gg * sg;
+                    term = comet_bf16_to_f32(comet_f32_to_bf16((float)dh)) * (double)comet_bf16_to_f32(xt[col]);
+                } else { /* a: the forward's h, from the unrounded accumulators */
+                    const double a = comet_bf16_to_f32(comet_f32_to_bf16((float)(gg / (1.0 + exp(-gg)) * uu)));
+                    term = comet_bf16_to_f32(comet_f32_to_bf16((float)(w * comet_bf16_to_f32(dyt[row])))) * a;
+                }
+                sum += term;
+                const size_t used = strlen(list);
+                if (used < sizeof list - 48)
+                    snprintf(list + used, sizeof list - used, "%s(rank %d token %lld slot %lld w %.3f term %.3g)",
+                             n_rows ? " " : "", s, (long long)t, (long long)q, w, term);
+                n_rows++;
+            }
+    printf("rank %d %s worst (%.3g of its row's rms): expert %lld (local %lld) row %lld col %lld: got %.6g, reference "
+           "%.6g, float64 %.6g; %d sampled rows: %s\n",
+           r, g == 2 ? "dw1" : "dw2", worst, (long long)e, (long long)x, (long long)row, (long long)col, got,
+           comet_bf16_to_f32(ref[at]), sum, n_rows, list);
+    fflush(stdout);
+}
+
 /* The forward and backward arguments of a step of rank r on n tokens. */
 static void train_args(const comet_forward_args_t *fa, int save, int64_t n, comet_forward_args_t *f,
                        comet_backward_args_t *b) {
@@ -665,10 +724,10 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
         if (st == COMET_SUCCESS) {
             struct comet_train_check *o = &c->out[r];
             o->tokens = n;
-            grad_compare(o, 0, dx, c->rdx[r], n, hd, 0);
-            grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1);
-            grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0);
-            grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0);
+            grad_compare(o, 0, dx, c->rdx[r], n, hd, 0, 0);
+            grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1, 0);
+            grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0, 0);
+            grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0, 0);
         }
     }
     train_args(a, save, t, &f, &b);
@@ -939,15 +998,22 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         struct comet_train_check *o = &c->out[r];
         o->tokens = n;
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dx, (size_t)(n * hd) * 2, cudaMemcpyDeviceToHost);
-        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 0, host, c->rdx[r], n, hd, 0);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 0, host, c->rdx[r], n, hd, 0, 0);
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dtw, (size_t)(n * k) * 4, cudaMemcpyDeviceToHost);
-        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 1, host, c->rdtw[r], 1, n * k, 1);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 1, host, c->rdtw[r], 1, n * k, 1, 0);
+        float worst_got[2] = {0, 0}; /* dw1's and dw2's worst element's value */
         for (int64_t x = 0; x < el && e == cudaSuccess && st == COMET_SUCCESS; x++) {
             e = cudaMemcpy(host, (const uint16_t *)dw1 + x * e1n, (size_t)e1n * 2, cudaMemcpyDeviceToHost);
-            if (e == cudaSuccess) grad_compare(o, 2, host, c->rdw1[r] + x * e1n, e1n / hd, hd, 0);
+            if (e == cudaSuccess) grad_compare(o, 2, host, c->rdw1[r] + x * e1n, e1n / hd, hd, 0, x * e1n);
+            if (e == cudaSuccess && o->worst_at[2] / e1n == x) /* the worst so far is this expert's */
+                worst_got[0] = comet_bf16_to_f32(((const uint16_t *)host)[o->worst_at[2] % e1n]);
             if (e == cudaSuccess) e = cudaMemcpy(host, (const uint16_t *)dw2 + x * e2n, (size_t)e2n * 2, cudaMemcpyDeviceToHost);
-            if (e == cudaSuccess) grad_compare(o, 3, host, c->rdw2[r] + x * e2n, hd, a0->w2.shape[2], 0);
+            if (e == cudaSuccess) grad_compare(o, 3, host, c->rdw2[r] + x * e2n, hd, a0->w2.shape[2], 0, x * e2n);
+            if (e == cudaSuccess && o->worst_at[3] / e2n == x)
+                worst_got[1] = comet_bf16_to_f32(((const uint16_t *)host)[o->worst_at[3] % e2n]);
         }
+        for (int g = 2; g < 4 && e == cudaSuccess && st == COMET_SUCCESS; g++)
+            if (o->wrong[g]) grad_explain(p, c, r, a0, g, o->worst_at[g], worst_got[g - 2], o->worst[g]);
         free(host);
         /* set 0's own rows again */
         if (e == cudaSuccess) e = upload_rotated(ts->in.x, &a0->x, 2, 0);

@@ -190,6 +190,7 @@ typedef struct {
                                * (d_topk_w: of all its values): what another fp32 accumulation order
                                * moves through dH's bf16 rounding (tests/test_backward_gpu.cu's rule) */
         double worst[4];      /* largest |got - ref| / rms */
+        int64_t worst_at[4];  /* where: the element of the rank's dx, d_topk_w, dw1, dw2 (one rank's check) */
     } train_check;
 } comet_run_t;
 
