@@ -90,6 +90,7 @@ class Config:
     val_batches: int      # validation micro-batches per rank
     vocab: int = 256
     accum: int = 1        # micro-batches a step (gradient accumulation): a step is W x accum x batch sequences
+    balance: float = 0.0  # router selection-bias rate (auxiliary-loss-free balancing), 0: off; see MoE.route
 
 
 PRESETS = {
@@ -106,8 +107,11 @@ PRESETS = {
     # parameter; activations of 8192 tokens).
     # lr 1e-4: at 3e-4 (30 warm-up steps) both runs' losses spiked in steps 5-15 and the router collapsed
     # (aux 4.0: every token to 2 experts; in the 300-step run one GPU did all the expert work; 2x H100,
-    # 2026-11-27); at the preset's width on the CPU, 1e-4 kept aux at 1.4-1.9 over 40 steps with no spike
-    # (3e-4: 2.3-2.8 in steps 6-16)
+    # 2026-11-27). At 1e-4 they collapsed as well (aux 1.3 -> 3.4 in steps 5-15, the learning rate still
+    # warming up; 2x H200): the routers' input becomes one shared vector (on `tiny` within 5 steps the mean
+    # of the MoE input is 11-25x its tokens' spread around it, the logits' spread over tokens ~0.01 against
+    # gaps of 0.1-0.2 between experts), so every token picks the same experts. --balance (a selection
+    # bias) spreads such inputs at a rate below the tokens' own logit spread; not yet run on this preset.
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
@@ -200,23 +204,37 @@ class MoE(nn.Module):
 
     def __init__(self, c: Config, experts: nn.Module):
         super().__init__()
-        self.topk, self.norm_topk, self.E = c.topk, c.norm_topk, c.experts
+        self.topk, self.norm_topk, self.E, self.balance = c.topk, c.norm_topk, c.experts, c.balance
         self.router = nn.Linear(c.dim, c.experts, bias=False)
+        # the selection bias (a checkpoint's state) and the routed slots per expert since the last update
+        self.register_buffer("select_bias", torch.zeros(c.experts))
+        self.register_buffer("load", torch.zeros(c.experts), persistent=False)
         self.experts = experts
         self.shared = SwiGLU(c.dim, c.shared_ffn) if c.shared_ffn else None
         self.shared_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_ffn else None
 
     def route(self, h):
-        """h (T, H) -> (topk_w fp32, topk_idx int64, the load-balancing loss)."""
+        """h (T, H) -> (topk_w fp32, topk_idx int64, the load-balancing loss).
+
+        With balance > 0 the experts are chosen by router logit + select_bias, the weights still the
+        softmax probabilities of the chosen (auxiliary-loss-free balancing, DeepSeek-V3 section 2.1.2, with
+        a step proportional to the imbalance where DeepSeek-V3 steps by its sign: update_balance)."""
         with torch.autocast(h.device.type, enabled=False):
-            probs = F.linear(h.float(), self.router.weight.float()).softmax(-1)
-        topw, topi = probs.topk(self.topk, dim=-1)
+            logits = F.linear(h.float(), self.router.weight.float())
+            probs = logits.softmax(-1)
+        if self.balance > 0:
+            topi = (logits.detach() + self.select_bias).topk(self.topk, dim=-1).indices
+            topw = probs.gather(-1, topi)
+        else:
+            topw, topi = probs.topk(self.topk, dim=-1)
         if self.norm_topk:
             topw = topw / topw.sum(-1, keepdim=True)
         # Switch / Mixtral load-balancing loss: E x sum_e (fraction of routed slots to e) x (mean prob of e)
         frac = torch.zeros(self.E, device=h.device).scatter_add_(0, topi.reshape(-1),
                                                                  torch.ones(topi.numel(), device=h.device))
         aux = self.E * (frac / topi.numel() * probs.mean(0)).sum()
+        if self.training:
+            self.load += frac
         return topw, topi, aux
 
     def forward(self, x):
@@ -271,6 +289,25 @@ class Model(nn.Module):
             x, a = b(x, self.cos, self.sin)
             aux = aux + a
         return self.head_loss(x, targets), aux / len(self.blocks)
+
+
+def update_balance(model: Model, rate: float, world: int):
+    """After a step: every layer's routed slots of the step, summed over the ranks (one all-reduce);
+    with rate > 0 each expert's selection bias moves by -rate x (its load / the mean load - 1) (an
+    expert with twice the mean load loses `rate` of logit, an idle one gains `rate`); the counts start
+    again at 0. Returns the step's most loaded expert's load over the mean, the worst layer's (a
+    tensor: 1 is balanced, E / topk every token to the same experts)."""
+    moes = [b.moe for b in model.blocks]
+    load = torch.stack([m.load for m in moes])
+    if world > 1:
+        dist.all_reduce(load)
+    rel = load / load.mean(-1, keepdim=True).clamp(min=1.0)
+    with torch.no_grad():
+        for m, r in zip(moes, rel):
+            if rate > 0:
+                m.select_bias -= rate * (r - 1.0)
+            m.load.zero_()
+    return rel.max()
 
 
 def init_dense(model: Model, c: Config, seed: int):
@@ -362,6 +399,9 @@ def parser():
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0, help="init and data order (default 0)")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (default 0.01)")
+    p.add_argument("--balance", type=float, metavar="RATE",
+                   help="auxiliary-loss-free balancing: the experts chosen by router logit + a bias that each step "
+                        "moves by -RATE x (the expert's load / the mean load - 1); 0: off (default: the preset's)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
@@ -413,11 +453,13 @@ def make_config(args) -> Config:
         typ = type(getattr(c, k))
         setattr(c, k, (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v))
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
-                 ("val_every", args.val_every), ("accum", args.accum)):
+                 ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance)):
         if a is not None:
             setattr(c, k, a)
     if c.accum < 1:
         raise SystemExit("train.py: --accum %d: a step needs at least one micro-batch" % c.accum)
+    if c.balance < 0:
+        raise SystemExit("train.py: --balance %g: the rate is >= 0 (0: off)" % c.balance)
     return c
 
 
@@ -544,7 +586,11 @@ def main(argv=None):
         if (ck["world"], ck["tp"]) != (world, tp) or {k: saved_config.get(k) for k in same} != same:
             raise SystemExit("train.py: %s was saved by world %d, TP %d, config %s; this run: world %d, TP %d, %s"
                              % (args.resume, ck["world"], ck["tp"], ck["config"], world, tp, dataclasses.asdict(c)))
-        model.load_state_dict(ck["model"])
+        # a checkpoint from before the selection bias existed has none: it starts at 0
+        missing, unexpected = model.load_state_dict(ck["model"], strict=False)
+        if unexpected or any(not k.endswith(".select_bias") for k in missing):
+            raise SystemExit("train.py: %s: the model's state does not match (missing %s, unexpected %s)"
+                             % (args.resume, missing, unexpected))
         with torch.no_grad():
             for m, t in zip(masters, ck["masters"]):
                 m.copy_(t)
@@ -670,8 +716,10 @@ def main(argv=None):
             torch._foreach_copy_(expert_params, masters)
             if args.experts == "comet":
                 torch._foreach_zero_([p.main_grad for p in expert_params])
+        max_load = update_balance(model, c.balance, world)
         stats = allreduce_mean(torch.stack([loss.detach().float(), torch.as_tensor(aux).detach().float()]))
-        lm, aux_v, gn = (float(v) for v in torch.cat([stats, gnorm.detach().float().view(1)]).tolist())
+        lm, aux_v, gn, ml = (float(v) for v in torch.cat([stats, gnorm.detach().float().view(1),
+                                                          max_load.float().view(1)]).tolist())
         if dev_type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -679,7 +727,7 @@ def main(argv=None):
         times.append(dt)
         tps = tokens_step / dt
         mfu = fpt * tokens_step / (dt * world * args.peak_tflops * 1e12)
-        rec = dict(type="train", step=step + 1, loss=lm, aux=aux_v, lr=lr, grad_norm=gn, step_ms=dt * 1e3,
+        rec = dict(type="train", step=step + 1, loss=lm, aux=aux_v, max_load=ml, lr=lr, grad_norm=gn, step_ms=dt * 1e3,
                    tokens_per_s=tps, mfu=mfu)
         if peak_cublas:
             rec["mfu_cublas"] = fpt * tokens_step / (dt * world * peak_cublas * 1e12)
@@ -693,9 +741,9 @@ def main(argv=None):
         if done % log_every == 0 or done == c.steps or done == start + 1 or val is not None:
             recent = times[-20:]
             eta = (end - done) * statistics.mean(recent)
-            say("step %5d/%d | loss %.4f%s | aux %.3f | lr %.2e | %7.1f ms | %9.0f tok/s | MFU %5.1f%% | ETA %s" % (
-                done, c.steps, lm, " | val %.4f" % val if val is not None else "", aux_v, lr, dt * 1e3, tps,
-                100 * mfu, fmt_time(eta)))
+            say("step %5d/%d | loss %.4f%s | aux %.3f | max load %.2f | lr %.2e | %7.1f ms | %9.0f tok/s | "
+                "MFU %5.1f%% | ETA %s" % (done, c.steps, lm, " | val %.4f" % val if val is not None else "", aux_v,
+                                          ml, lr, dt * 1e3, tps, 100 * mfu, fmt_time(eta)))
         if prof is not None and (done == prof_first + 4 or done == end):
             profile_stop(prof, args.profile, rank, done - prof_first, dev_type)
             prof = None

