@@ -728,6 +728,8 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
             grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1, 0);
             grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0, 0);
             grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0, 0);
+            if (o->wrong[2]) grad_explain(p, c, r, a, 2, o->worst_at[2], comet_bf16_to_f32(dw1[o->worst_at[2]]), o->worst[2]);
+            if (o->wrong[3]) grad_explain(p, c, r, a, 3, o->worst_at[3], comet_bf16_to_f32(dw2[o->worst_at[3]]), o->worst[3]);
         }
     }
     train_args(a, save, t, &f, &b);
