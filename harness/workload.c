@@ -637,7 +637,7 @@ static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, 
     const uint16_t *ref = (g == 2 ? c->rdw1[r] : c->rdw2[r]);
     double sum = 0;
     int n_rows = 0;
-    char list[256] = "";
+    char list[512] = "";
     for (int s = 0; s < p->world_size; s++)
         for (int64_t t = 0; t < c->n[s]; t++)
             for (int64_t q = 0; q < k; q++) {
@@ -662,9 +662,9 @@ static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, 
                 }
                 sum += term;
                 const size_t used = strlen(list);
-                if (used < sizeof list - 48)
-                    snprintf(list + used, sizeof list - used, "%s(rank %d token %lld slot %lld w %.3f term %.3g)",
-                             n_rows ? " " : "", s, (long long)t, (long long)q, w, term);
+                if (used < sizeof list - 96)
+                    snprintf(list + used, sizeof list - used, "%s(rank %d token %lld slot %lld w %.3f g %.5g u %.4g term %.3g)",
+                             n_rows ? " " : "", s, (long long)t, (long long)q, w, gg, uu, term);
                 n_rows++;
             }
     printf("rank %d %s worst (%.3g of its row's rms): expert %lld (local %lld) row %lld col %lld: got %.6g, reference "
