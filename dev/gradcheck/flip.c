@@ -71,6 +71,41 @@ int main(int argc, char **argv) {
     int64_t tok[64][8];
     for (int s = 0; s < w; s++)
         for (int i = 0; i < ns; i++) tok[s][i] = p->tokens[s] <= ns ? i : i * (p->tokens[s] - 1) / (ns - 1);
+    /* the reference's gradients of the sample (as the check computes them), to check this model against */
+    uint16_t *rdw1[64];
+    {
+        comet_backward_args_t ref[64];
+        for (int s = 0; s < w; s++) {
+            const int64_t n = p->tokens[s] < ns ? p->tokens[s] : ns;
+            uint16_t *sx = malloc((size_t)(n * hd) * 2), *sdy = malloc((size_t)(n * hd) * 2), *rdx = malloc((size_t)(n * hd) * 2);
+            int32_t *sidx = malloc((size_t)(n * k) * 4);
+            float *sw = malloc((size_t)(n * k) * 4), *rdtw = malloc((size_t)(n * k) * 4);
+            const size_t n1 = (size_t)(el * 2 * fl * hd), n2 = (size_t)(el * hd * fl);
+            rdw1[s] = malloc(n1 * 2);
+            uint16_t *rdw2 = malloc(n2 * 2);
+            const uint64_t dstate = 0x6772616473ull + 7919ull * (uint64_t)s;
+            for (int64_t i = 0; i < n; i++) {
+                memcpy(sx + i * hd, p->x[s] + tok[s][i] * hd, (size_t)hd * 2);
+                for (int64_t h = 0; h < hd; h++) sdy[i * hd + h] = comet_f32_to_bf16(drawn(dstate, tok[s][i] * hd + h, 1.0));
+                memcpy(sidx + i * k, p->topk_idx[s] + tok[s][i] * k, (size_t)k * 4);
+                memcpy(sw + i * k, p->topk_w[s] + tok[s][i] * k, (size_t)k * 4);
+            }
+            comet_backward_args_t a = COMET_BACKWARD_ARGS_INIT;
+            a.x = comet_tensor_2d(sx, COMET_DTYPE_BF16, n, hd);
+            a.topk_idx = comet_tensor_2d(sidx, COMET_DTYPE_INT32, n, k);
+            a.topk_w = comet_tensor_2d(sw, COMET_DTYPE_FP32, n, k);
+            a.w1 = p->args[s].w1, a.w2 = p->args[s].w2;
+            a.dy = comet_tensor_2d(sdy, COMET_DTYPE_BF16, n, hd);
+            a.dx = comet_tensor_2d(rdx, COMET_DTYPE_BF16, n, hd);
+            a.d_topk_w = comet_tensor_2d(rdtw, COMET_DTYPE_FP32, n, k);
+            a.dw1 = p->args[s].w1, a.dw1.data = rdw1[s];
+            a.dw2 = p->args[s].w2, a.dw2.data = rdw2;
+            ref[s] = a;
+        }
+        if (comet_reference_backward(cfg, w, ref) != COMET_SUCCESS) return fprintf(stderr, "%s\n", comet_last_error()), 2;
+    }
+    int64_t model_checked = 0, model_off = 0; /* this model's dw1 (no flip) against the reference's: bf16 ulps */
+    double model_worst = 0;                    /* and the largest difference over its row's rms */
     double *xrow = malloc(sizeof(double) * (size_t)hd), *dyrow = malloc(sizeof(double) * (size_t)hd);
     int64_t total_wrong_if_all = 0, shown = 0;
     printf("rank expert  ffn-col  rows  g (float64)  midpoint distance (ulps)  dw1 elements wrong if g rounds the other way\n");
@@ -121,6 +156,14 @@ int main(int argc, char **argv) {
                                 for (int64_t h = 0; h < hd; h++) (v ? oth : ref)[h] += dh * xs[b * hd + h];
                             }
                         for (int64_t h = 0; h < hd; h++) ref[h] = bf(ref[h]), oth[h] = bf(oth[h]), ss += ref[h] * ref[h];
+                        if (a == 0) /* once a row of dw1: this model against the reference, within 1 bf16 ulp */
+                            for (int64_t h = 0; h < hd; h++) {
+                                const float rv = comet_bf16_to_f32(rdw1[q][(x * 2 * fl + half * fl + j) * hd + h]);
+                                model_checked++;
+                                model_off += fabs(rv - ref[h]) > fabs(ref[h]) / 128.0 + 1e-30;
+                                const double rr = sqrt(ss / (double)hd);
+                                if (rr > 0 && fabs(rv - ref[h]) / rr > model_worst) model_worst = fabs(rv - ref[h]) / rr;
+                            }
                         const double rms = sqrt(ss / (double)hd);
                         for (int64_t h = 0; h < hd; h++)
                             wrong += !(fabs(oth[h] - ref[h]) <= 8.0 * fabs(ref[h]) / 128.0 + 0.02 * rms);
@@ -137,6 +180,9 @@ int main(int argc, char **argv) {
     }
     printf("dw1 elements wrong over the (row, column) pairs within 0.01 ulp of a midpoint: %lld\n",
            (long long)total_wrong_if_all);
+    printf("this float64 model against comet_reference_backward's dw1: %lld of %lld elements more than 1 bf16 ulp "
+           "apart, the largest difference %.3g of its row's rms\n", (long long)model_off, (long long)model_checked,
+           model_worst);
     comet_problem_destroy(p);
     return 0;
 }
