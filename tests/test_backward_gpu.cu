@@ -16,7 +16,9 @@
  * and a graph-captured backward replayed give the first one's bits; a
  * forward after the backwards gives the first forward's y; the saved state
  * is NaN before the forward fills it (rows it leaves alone count for
- * nothing). A bad
+ * nothing). Qwen2-MoE's full shape with 8 tokens a rank of a layer sized
+ * for 2048 (a few rows an expert), as the training benchmark's gradient
+ * check calls it. A bad
  * expert id on one rank, or saved state from another forward, gives the
  * documented status on every rank and leaves every gradient untouched.
  * Without a GPU it prints "skipped (no GPU)". COMET_BWD_TEST_WORLDS and
@@ -475,6 +477,19 @@ int main(void) {
             cfg.activation = COMET_ACT_GELU;
             snprintf(tag, sizeof tag, "mixtral/16 GELU W=%d TP=%d recompute", w, tp);
             run_case(&cfg, tokens, &ro, COMET_SAVE_RECOMPUTE, 0, 0, 0, tag);
+            /* Qwen2-MoE's full shape, 8 tokens a rank of a layer sized for 2048 (0-4 rows an expert, the
+             * padded spans mostly empty): `comet bench --train`'s gradient check at M = 4096 found dw1 off
+             * on this kind of call, on 2 H100s */
+            comet_layer_config_t q = COMET_LAYER_CONFIG_INIT;
+            q.hidden = 2048, q.ffn = 1408, q.num_experts = 64, q.topk = 4, q.tp = tp, q.ep = ep;
+            q.max_tokens_per_rank = 2048;
+            int64_t eight[MAXW];
+            for (int s = 0; s < MAXW; s++) eight[s] = 8;
+            for (int seed = 1; seed <= 3; seed++) {
+                comet_routing_opts_t qr = {0.0, 0, (uint64_t)seed};
+                snprintf(tag, sizeof tag, "qwen2-moe W=%d TP=%d 8 tokens a rank of 2048, saved, seed %d", w, tp, seed);
+                run_case(&q, eight, &qr, COMET_SAVE_ACTIVATIONS, 0, 0, 0, tag);
+            }
         }
     const char *worlds = getenv("COMET_BWD_TEST_WORLDS"), *tps = getenv("COMET_BWD_TEST_TPS");
     CHECK(layouts > 0, "COMET_BWD_TEST_WORLDS=%s COMET_BWD_TEST_TPS=%s select no layout of 1..%d ranks: nothing ran",
