@@ -154,7 +154,8 @@ for step in $STEPS; do
         ;;
     example) # examples/train on 2 GPUs (run_2gpu.sh: comet's experts, then the PyTorch layer, then the plots)
              # for each of EXAMPLE_CONFIGS (default "mixtral-2gpu qwen2moe-2gpu"), EXAMPLE_ARGS passed on
-             # (e.g. "--steps 300"); pip installs the package first. The GPU machine has no network: make the
+             # (e.g. "--steps 300"); run_2gpu.sh's CONTROL=1 / RUNS="torch torch-splitk" pass through (the
+             # control run for the tolerance); pip installs the package first. The GPU machine has no network: make the
              # corpus here and carry it (run's carry: ".traincache"):
              #   python3 -c "import sys; sys.path.insert(0, 'examples/train'); import data; data.load_corpus('.traincache')" (a python with torch)
         pip_install

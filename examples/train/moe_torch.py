@@ -94,7 +94,7 @@ class TorchExperts(torch.nn.Module):
         self.num_experts, self.tp, self.ep, self.rank, self.group = num_experts, tp, ep, rank, group
         self.el, self.fl = w1.shape[0], w2.shape[2]
         self.grouped = grouped_mm_works(w1.device)
-        self.split_k = False  # tests: each GEMM summed in another order (fp32 halves of K, the second first)
+        self.split_k = False  # a control run: each GEMM summed in another order (halves of K, the second first)
 
     def _mm(self, a, w):
         """a @ w.t() in bf16; with split_k the fp32 sum of the two halves of K, the second half first, then
@@ -104,11 +104,24 @@ class TorchExperts(torch.nn.Module):
         k = a.shape[1] // 2
         return (a[:, k:].float() @ w[:, k:].float().t() + a[:, :k].float() @ w[:, :k].float().t()).to(a.dtype)
 
+    @staticmethod
+    def _gmm(a, w, offs, split_k):
+        """torch._grouped_mm of a's rows with their experts' w (E, N, K), bf16 out; with split_k the two
+        halves of K, each its own grouped GEMM rounded to bf16, summed in fp32 (the second first) and
+        rounded again: one more rounding a GEMM than the per-expert path's fp32 halves."""
+        wt = w.transpose(1, 2)
+        if not split_k:
+            return torch._grouped_mm(a, wt, offs=offs)
+        k = a.shape[1] // 2
+        hi = torch._grouped_mm(a[:, k:], wt[:, k:, :], offs=offs)
+        lo = torch._grouped_mm(a[:, :k], wt[:, :k, :], offs=offs)
+        return (hi.float() + lo.float()).to(a.dtype)
+
     def experts(self, rows, counts):
-        if self.grouped and not self.split_k:
+        if self.grouped:
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            g = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offs)
-            return torch._grouped_mm(F.silu(g[:, :self.fl]) * g[:, self.fl:], self.w2.transpose(1, 2), offs=offs)
+            g = self._gmm(rows, self.w1, offs, self.split_k)
+            return self._gmm(F.silu(g[:, :self.fl]) * g[:, self.fl:], self.w2, offs, self.split_k)
         outs = []
         for e, r in enumerate(torch.split(rows, counts.tolist())):
             g = self._mm(r, self.w1[e])

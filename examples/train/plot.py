@@ -35,6 +35,21 @@ def smooth(v, n):
     return out
 
 
+def agreement(a, b):
+    """Two runs' train losses step by step and their validation losses: a line."""
+    la, lb = [r["loss"] for r in a[1]], [r["loss"] for r in b[1]]
+    n = min(len(la), len(lb))
+    if not n:
+        return "no common steps"
+    d = [abs(x - y) for x, y in zip(la[:n], lb[:n])]
+    last = d[-50:]
+    va, vb = {r["step"]: r["val_loss"] for r in a[2]}, {r["step"]: r["val_loss"] for r in b[2]}
+    common = sorted(set(va) & set(vb))
+    vals = ", ".join("%d: %.4f" % (s, abs(va[s] - vb[s])) for s in common)
+    return "max %.4f over %d steps (first 5: %.2e), mean %.4f over the last %d; validation %s" % (
+        max(d), n, max(d[:5]), sum(last) / len(last), len(last), vals or "-")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0].split(" - ", 1)[1])
     p.add_argument("logs", nargs="+", help="train.py --json-log files (comet's and torch's)")
@@ -50,8 +65,8 @@ def main(argv=None):
         sys.exit("plot.py: needs matplotlib (pip install matplotlib)")
     runs = [read(f) for f in args.logs]
     labels = args.labels.split(",") if args.labels else [
-        "%s (%s)" % (h.get("experts", os.path.basename(f)), h.get("config_name", "?")) for f, (h, _, _) in
-        zip(args.logs, runs)]
+        "%s%s (%s)" % (h.get("experts", os.path.basename(f)), ", split K" if h.get("torch_split_k") else "",
+                       h.get("config_name", "?")) for f, (h, _, _) in zip(args.logs, runs)]
     os.makedirs(args.out, exist_ok=True)
     title = ", ".join(sorted({"%s, %d rank(s), %s" % (h.get("config_name"), h.get("world", 1), h.get("device"))
                               for h, _, _ in runs}))
@@ -91,15 +106,24 @@ def main(argv=None):
         print("%-24s %6d %10.4f %12s %12.1f %8.0f %9.1f%%" % (
             label[:24], len(train), train[-1]["loss"], "%.4f" % val[-1]["val_loss"] if val else "-", med,
             head.get("tokens_per_step", 0) / med * 1e3, 100 * mfu))
-    if len(runs) == 2 and runs[0][1] and runs[1][1]:
-        a, b = runs[0][1], runs[1][1]
+    # the pair compared: two runs, or (with a control run) comet's and the plain PyTorch run
+    kind = [("torch-splitk" if h.get("torch_split_k") else h.get("experts")) for h, _, _ in runs]
+    pair = (0, 1) if len(runs) == 2 else (kind.index("comet"), kind.index("torch")) if {
+        "comet", "torch"} <= set(kind) else None
+    if pair and runs[pair[0]][1] and runs[pair[1]][1]:
+        a, b = runs[pair[0]][1], runs[pair[1]][1]
         n = min(len(a), len(b))
         wa = [r["step_ms"] for r in a[n // 10:n]]
         wb = [r["step_ms"] for r in b[n // 10:n]]
         if wa and wb:
             print("step time %s / %s: %.3f (speedup of %s: %.2fx)" % (
-                labels[1], labels[0], statistics.median(wb) / statistics.median(wa), labels[0],
+                labels[pair[1]], labels[pair[0]], statistics.median(wb) / statistics.median(wa), labels[pair[0]],
                 statistics.median(wb) / statistics.median(wa)))
+    # how far runs drift apart: comet against PyTorch, and PyTorch against its control (another summation
+    # order: the rounding noise alone)
+    for x, y in (("comet", "torch"), ("torch", "torch-splitk")):
+        if x in kind and y in kind:
+            print("loss |%s - %s|: %s" % (x, y, agreement(runs[kind.index(x)], runs[kind.index(y)])))
     for a, y in ((a1, "step time (ms)"), (a2, "tokens/s (all ranks)")):
         a.set_xlabel("step")
         a.set_ylabel(y)

@@ -422,7 +422,9 @@ def parser():
     p.add_argument("--profile", metavar="FILE",
                    help="torch.profiler over 4 steps after 3 warm-ups: rank 0 writes a table of the ops by device "
                         "time to FILE (and a Chrome trace to FILE.json)")
-    p.add_argument("--torch-split-k", action="store_true", help=argparse.SUPPRESS)  # tests: TorchExperts.split_k
+    p.add_argument("--torch-split-k", action="store_true",
+                   help="--experts torch: every expert GEMM summed in another order (the halves of K, the second "
+                        "first): a control run, the rounding noise two correct implementations differ by")
     return p
 
 
@@ -617,6 +619,7 @@ def main(argv=None):
                                                          else "cpu"),
                   torch=torch.__version__, grouped_mm=grouped_mm_works(device), compile=args.compile,
                   save_mode=args.save_mode, autocast_bf16=amp, seed=args.seed, params=counts,
+                  torch_split_k=args.torch_split_k,
                   flops_per_token=fpt, tokens_per_step=tokens_step, peak_tflops=args.peak_tflops,
                   cublas_tflops=peak_cublas, train_bytes=len(train_data), val_bytes=len(val_data), start_step=start)
     log(**header)

@@ -95,7 +95,7 @@ def runs(corpus, tmp_path_factory):
     t = time.time()
     out = {"comet": run("--experts", "comet", "--json-log", str(tmp / "comet.jsonl"), corpus=corpus),
            "torch": run("--experts", "torch", "--json-log", str(tmp / "torch.jsonl"), corpus=corpus),
-           "split": run("--experts", "torch", "--torch-split-k", corpus=corpus),
+           "split": run("--experts", "torch", "--torch-split-k", "--json-log", str(tmp / "split.jsonl"), corpus=corpus),
            "stopped": run("--experts", "comet", "--stop-after", "10", "--save", str(tmp / "ck"), corpus=corpus),
            "resumed": run("--experts", "comet", "--resume", str(tmp / "ck"), corpus=corpus),
            "tmp": tmp}
@@ -201,12 +201,17 @@ def test_cli_and_logs(runs, corpus):
 
 
 def test_plot(runs, tmp_path):
+    """plot.py on comet's, torch's and the control's (--torch-split-k) logs: the figures, the speedup of comet
+    over the plain PyTorch run, and how far each pair of runs drifts apart."""
     pytest.importorskip("matplotlib", reason="matplotlib is not installed: plot.py is not tested")
-    r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "plot.py"), str(runs["tmp"] / "comet.jsonl"),
-                        str(runs["tmp"] / "torch.jsonl"), "-o", str(tmp_path)], capture_output=True, text=True)
+    logs = [str(runs["tmp"] / n) for n in ("comet.jsonl", "torch.jsonl", "split.jsonl")]
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "plot.py"), *logs, "-o", str(tmp_path)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("loss.png", "speed.png"):
         assert (tmp_path / name).stat().st_size > 1000
+    assert "torch, split K (tiny)" in r.stdout and "speedup of comet (tiny)" in r.stdout, r.stdout
+    assert "loss |comet - torch|: max" in r.stdout and "loss |torch - torch-splitk|: max" in r.stdout, r.stdout
 
 
 def test_options_pass_through_torchrun():
