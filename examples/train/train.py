@@ -91,6 +91,9 @@ class Config:
     vocab: int = 256
     accum: int = 1        # micro-batches a step (gradient accumulation): a step is W x accum x batch sequences
     balance: float = 0.0  # router selection-bias rate (auxiliary-loss-free balancing), 0: off; see MoE.route
+    head_bias: bool = False    # an LM-head bias, initialised to the log of the training bytes' frequencies
+    embed_scale: bool = False  # the embedding's output x sqrt(dim) (Gemma), so a token's own vector outweighs
+    #                            the attention's output in the residual stream from the start
 
 
 PRESETS = {
@@ -110,11 +113,16 @@ PRESETS = {
     # 2026-11-27). At 1e-4 they collapsed as well (aux 1.3 -> 3.4 in steps 5-15, the learning rate still
     # warming up; 2x H200): the routers' input becomes one shared vector (on `tiny` within 5 steps the mean
     # of the MoE input is 11-25x its tokens' spread around it, the logits' spread over tokens ~0.01 against
-    # gaps of 0.1-0.2 between experts), so every token picks the same experts. --balance (a selection
-    # bias) spreads such inputs at a rate below the tokens' own logit spread; not yet run on this preset.
+    # gaps of 0.1-0.2 between experts), so every token picks the same experts. Two causes: at init the
+    # attention's output (norm ~18, mostly the context's mean: shared) outweighs the token's embedding (norm
+    # 0.02 sqrt(H) = 1.3); and the byte prior, which only a shared direction of the stream can carry without
+    # a bias. Hence head_bias (the prior in an LM-head bias, from the data) and embed_scale (x sqrt(H)): on the
+    # CPU proxy (H 4096, F 256, 4 x 256 tokens, 16 steps, lr 1e-4) max load 2.0-2.6 instead of 2.4 -> 3.9,
+    # the loss 2.97 instead of 3.46 at step 16. (--balance, a selection bias, spreads such inputs at a rate
+    # below the tokens' own logit spread; not yet run on this preset.)
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
-                           rope_theta=1e6, val_every=50, val_batches=4, accum=4),
+                           rope_theta=1e6, val_every=50, val_batches=4, accum=4, head_bias=True, embed_scale=True),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
     # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
     # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
@@ -137,7 +145,7 @@ def param_counts(c: Config) -> dict:
     per_layer_total = attn + router + c.experts * expert + shared + norms
     per_layer_active = attn + router + c.topk * expert + shared
     embed, head = c.vocab * c.dim, c.vocab * c.dim
-    total = c.layers * per_layer_total + embed + (0 if c.tied else head) + c.dim
+    total = c.layers * per_layer_total + embed + (0 if c.tied else head) + c.dim + (c.vocab if c.head_bias else 0)
     active = c.layers * per_layer_active + head  # the embedding is a lookup
     return {"total": total, "active": active, "experts": c.layers * c.experts * expert,
             "experts_active": c.layers * c.topk * expert}
@@ -273,17 +281,22 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(c, e) for e in experts)
         self.norm = nn.RMSNorm(c.dim, eps=1e-5)
         self.head = None if c.tied else nn.Linear(c.dim, c.vocab, bias=False)
+        # the byte prior in a bias, so the residual stream need not carry it as one shared direction (which
+        # then is most of every router's input: the routers collapse); init_head_bias sets it
+        self.head_bias = nn.Parameter(torch.zeros(c.vocab)) if c.head_bias else None
         cos, sin = rope_tables(c.seq, c.dim // c.heads, c.rope_theta, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def head_loss(self, x, targets):
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight if self.head is None else self.head.weight)
+        logits = F.linear(x, self.embed.weight if self.head is None else self.head.weight, self.head_bias)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
     def forward(self, inputs, targets):
         x = self.embed(inputs)
+        if self.c.embed_scale:
+            x = x * math.sqrt(self.c.dim)
         aux = 0.0
         for b in self.blocks:
             x, a = b(x, self.cos, self.sin)
@@ -324,6 +337,17 @@ def init_dense(model: Model, c: Config, seed: int):
             t = torch.randn(p.shape, generator=g) * std
         with torch.no_grad():
             p.copy_(t)
+
+
+def init_head_bias(model: Model, train_data: torch.Tensor):
+    """The LM head's bias (where the config has one): the log of each byte's frequency in the training data
+    (add-one smoothed), so the first step already predicts the unigram distribution and the gradient does
+    not build it as one direction shared by every position of the residual stream."""
+    if model.head_bias is None:
+        return
+    counts = torch.bincount(train_data.long(), minlength=model.c.vocab).double() + 1.0
+    with torch.no_grad():
+        model.head_bias.copy_((counts / counts.sum()).log().float())
 
 
 def expert_weights(c: Config, layer: int, seed: int, tp: int, ep: int, rank: int, device):
@@ -402,6 +426,12 @@ def parser():
     p.add_argument("--balance", type=float, metavar="RATE",
                    help="auxiliary-loss-free balancing: the experts chosen by router logit + a bias that each step "
                         "moves by -RATE x (the expert's load / the mean load - 1); 0: off (default: the preset's)")
+    p.add_argument("--head-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="an LM-head bias initialised to the log of the training bytes' frequencies (default: the "
+                        "preset's: on for mixtral-2gpu)")
+    p.add_argument("--embed-scale", action=argparse.BooleanOptionalAction, default=None,
+                   help="multiply the embedding's output by sqrt(dim) (Gemma) (default: the preset's: on for "
+                        "mixtral-2gpu)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
@@ -455,7 +485,8 @@ def make_config(args) -> Config:
         typ = type(getattr(c, k))
         setattr(c, k, (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v))
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
-                 ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance)):
+                 ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance),
+                 ("head_bias", args.head_bias), ("embed_scale", args.embed_scale)):
         if a is not None:
             setattr(c, k, a)
     if c.accum < 1:
@@ -564,6 +595,7 @@ def main(argv=None):
         del w1, w2
     model = Model(c, experts, device).to(device)
     init_dense(model, c, args.seed)
+    init_head_bias(model, train_data)
     expert_params = [p for n, p in model.named_parameters() if ".experts." in n]
     dense = [(n, p) for n, p in model.named_parameters() if ".experts." not in n]
     dense_params = [p for _, p in dense]
