@@ -92,20 +92,16 @@ def profile_steps(step, path, tag, rank):
         prof.export_chrome_trace("%s.%s.json" % (path, tag))
 
 
-def replayed_training_forwards(mod, x, idx, wts, dy, n):
+def replayed_training_forwards(step, layer, n):
     """Of n training steps, how many forwards replayed the layer's captured kernel chain
-    (Layer.last_protocol().graph_replay): a saving forward's graph is keyed on its saved state's address,
-    so a step whose saved state comes from another block of torch's allocator captures anew (a host cost
-    `comet bench`, with one saved buffer, never pays)."""
-    layer = ct._registered[mod._layer].layer
-    count = 0
+    (Layer.last_protocol().graph_replay, read between the forward and the backward, which sets its own):
+    a saving forward's graph is keyed on its saved state's address, so a step whose saved state comes from
+    another block of torch's allocator captures anew (a host cost `comet bench`, with one saved buffer,
+    never pays)."""
+    replays = []
     for _ in range(n):
-        for p in (x, wts, mod.w1, mod.w2):
-            p.grad = None
-        y = mod(x, idx, wts)
-        count += layer.last_protocol().graph_replay
-        y.backward(dy)
-    return count
+        step(after_forward=lambda: replays.append(layer.last_protocol().graph_replay))
+    return sum(replays)
 
 
 def cell(world, model, m_tokens, tp, ep, rank, args, device):
@@ -124,10 +120,13 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     wts.requires_grad_()
     dy = torch.randn(t, hd, generator=gen, device=device).bfloat16()
 
-    def step():
+    def step(after_forward=None):
         for p in (x, wts, mod.w1, mod.w2):
             p.grad = None
-        mod(x, idx, wts).backward(dy)
+        y = mod(x, idx, wts)
+        if after_forward:
+            after_forward()
+        y.backward(dy)
 
     def forward():
         with torch.no_grad():
@@ -136,7 +135,7 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     step_ms = slowest(time_steps(step, args.iters, args.warmup, device), device)
     b2b_ms = slowest(time_back_to_back(step, args.iters), device)
     fwd_ms = slowest(time_steps(forward, args.iters, args.warmup, device), device)
-    replays = replayed_training_forwards(mod, x, idx, wts, dy, 8)
+    replays = replayed_training_forwards(step, ct._registered[mod._layer].layer, 8)
     if args.profile:
         profile_steps(step, args.profile, "%s-%d-tp%dep%d" % (model, m_tokens, tp, ep), rank)
     mod.close()
