@@ -652,13 +652,13 @@ static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, 
                 }
                 double term;
                 if (g == 2) { /* the activation's backward from gu's bf16 values */
-                    gg = comet_bf16_to_f32(comet_f32_to_bf16((float)gg)), uu = comet_bf16_to_f32(comet_f32_to_bf16((float)uu));
+                    gg = comet_bf16_round((float)gg), uu = comet_bf16_round((float)uu);
                     const double sg = 1.0 / (1.0 + exp(-gg)), dA = w * G;
                     const double dh = gate ? dA * uu * sg * (1 + gg * (1 - sg)) : dA * gg * sg;
-                    term = comet_bf16_to_f32(comet_f32_to_bf16((float)dh)) * (double)comet_bf16_to_f32(xt[col]);
+                    term = comet_bf16_round((float)dh) * (double)comet_bf16_to_f32(xt[col]);
                 } else { /* a: the forward's h, from the unrounded accumulators */
-                    const double a = comet_bf16_to_f32(comet_f32_to_bf16((float)(gg / (1.0 + exp(-gg)) * uu)));
-                    term = comet_bf16_to_f32(comet_f32_to_bf16((float)(w * comet_bf16_to_f32(dyt[row])))) * a;
+                    const double a = comet_bf16_round((float)(gg / (1.0 + exp(-gg)) * uu));
+                    term = comet_bf16_round((float)(w * comet_bf16_to_f32(dyt[row]))) * a;
                 }
                 sum += term;
                 const size_t used = strlen(list);

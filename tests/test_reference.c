@@ -20,7 +20,6 @@ static double act(int activation, double g, double u) {
     return activation == COMET_ACT_SILU_GATED ? g / (1.0 + exp(-g)) * u : 0.5 * g * (1.0 + erf(g / sqrt(2.0)));
 }
 
-static double bf16_round(double v) { return comet_bf16_to_f32(comet_f32_to_bf16((float)v)); }
 
 static void check_layout(int tp, int ep, comet_activation_t activation, double skew) {
     comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
@@ -59,10 +58,10 @@ static void check_layout(int tp, int ep, comet_activation_t activation, double s
                                 g += (double)comet_bf16_to_f32(x[k]) * comet_bf16_to_f32(w1[n * hd + k]);
                                 if (rows == 2 * f) u += (double)comet_bf16_to_f32(x[k]) * comet_bf16_to_f32(w1[(f + n) * hd + k]);
                             }
-                            h[n] = bf16_round(act(activation, g, u));
+                            h[n] = comet_bf16_round((float)act(activation, g, u));
                             o_part += h[n] * comet_bf16_to_f32(w2[c * f + n]);
                         }
-                        o += bf16_round(o_part);
+                        o += comet_bf16_round((float)o_part);
                     }
                     y += p->topk_w[s][t * cfg.topk + j] * o;
                 }

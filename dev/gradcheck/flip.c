@@ -38,7 +38,7 @@ void cli_warn(const char *fmt, ...) {
     va_end(ap);
 }
 
-static float bf(double v) { return comet_bf16_to_f32(comet_f32_to_bf16((float)v)); }
+static float bf(double v) { return comet_bf16_round((float)v); }
 
 /* element i of fill_bf16's stream from state (workload.c's fill_part) */
 static float drawn(uint64_t state, int64_t i, double scale) {

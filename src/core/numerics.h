@@ -34,6 +34,9 @@ COMET_HD static inline comet_bf16_t comet_f32_to_bf16(float f) {
     return (comet_bf16_t)(b.u >> 16);
 }
 
+/* f rounded to bf16 (as comet_f32_to_bf16), back in fp32: a contract's rounding point in fp32 arithmetic. */
+COMET_HD static inline float comet_bf16_round(float f) { return comet_bf16_to_f32(comet_f32_to_bf16(f)); }
+
 COMET_HD static inline float comet_silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* The gated SiLU's backward (include/comet.h, backward step 4): from the

@@ -165,7 +165,7 @@ static inline void comet_cpu_wgrad_add(float *sum, float s, const comet_bf16_t *
 
 /* dW2's row scale: bf16(w dy[c]), in fp32. */
 static inline float comet_cpu_wgrad_scale(float w, comet_bf16_t dy) {
-    return comet_bf16_to_f32(comet_f32_to_bf16(w * comet_bf16_to_f32(dy)));
+    return comet_bf16_round(w * comet_bf16_to_f32(dy));
 }
 
 /* One row's share of one expert's weight gradients, step 7, into fp32 sums:
