@@ -22,6 +22,7 @@
 #include "../src/core/validate.h"
 #include "../src/cpu/reference.h"
 #include "../src/tuner/tuner.h"
+#include "gradslack.h"
 
 #ifdef COMET_WITH_CUDA
 #include <cuda_runtime.h>
@@ -516,6 +517,7 @@ typedef struct train_ctx {
     float *sw[64];
     uint16_t *rdx[64], *rdw1[64], *rdw2[64]; /* the reference's gradients of the sample */
     float *rdtw[64];
+    comet_dw1_slack_t slack[64];      /* dW1's tolerance from the error model, each rank's */
     struct comet_train_check out[64];
 } train_ctx_t;
 
@@ -524,6 +526,7 @@ static void train_ctx_free(train_ctx_t *c, int w) {
     for (int s = 0; s < w; s++) {
         free(c->dy[s]), free(c->sx[s]), free(c->sdy[s]), free(c->sidx[s]), free(c->sw[s]);
         free(c->rdx[s]), free(c->rdw1[s]), free(c->rdw2[s]), free(c->rdtw[s]);
+        comet_dw1_slack_free(&c->slack[s]);
     }
     free(c);
 }
@@ -533,9 +536,12 @@ static float grad_val(const void *a, int64_t i, int fp32) {
 }
 
 /* Gradient k of the check (train_check's index): rows of n elements of got
- * against ref (bf16, or fp32), counted into *c. */
+ * against ref (bf16, or fp32), counted into *c; base: the flat index of
+ * got[0] in the rank's tensor. An element is wrong when NaN or |got - ref|
+ * > 8 bf16 ulps of |ref| + 2% of the rms of ref's row + for dW1 the error
+ * model's slack (harness/gradslack.h: cancelling sums of g, u and G). */
 static void grad_compare(struct comet_train_check *c, int k, const void *got, const void *ref, int64_t rows, int64_t n,
-                         int fp32, int64_t base) {
+                         int fp32, int64_t base, const comet_dw1_slack_t *slack) {
     for (int64_t r = 0; r < rows; r++) {
         double ss = 0;
         for (int64_t i = 0; i < n; i++) {
@@ -543,15 +549,19 @@ static void grad_compare(struct comet_train_check *c, int k, const void *got, co
             ss += e * e;
         }
         const double rms = sqrt(ss / (double)(n > 0 ? n : 1));
+        const int64_t row = base / (n > 0 ? n : 1) + r; /* dW1: local expert row / w1_rows, row % w1_rows */
         for (int64_t i = 0; i < n; i++) {
             const float g = grad_val(got, r * n + i, fp32), e = grad_val(ref, r * n + i, fp32);
             const double err = fabs((double)g - (double)e);
+            const double tol = 8.0 * fabs(e) / 128.0 + 0.02 * rms +
+                               (slack ? comet_dw1_slack(slack, row / slack->w1_rows, row % slack->w1_rows, i) : 0);
             c->elements[k]++;
             c->differ[k] += fp32 ? memcmp(&g, &e, 4) != 0
                                  : ((const uint16_t *)got)[r * n + i] != ((const uint16_t *)ref)[r * n + i];
-            c->wrong[k] += !(err <= 8.0 * fabs(e) / 128.0 + 0.02 * rms); /* NaN is wrong */
-            if (rms > 0 && !(err / rms <= c->worst[k]))
-                c->worst[k] = isnan(err) ? INFINITY : err / rms, c->worst_at[k] = base + r * n + i;
+            c->wrong[k] += !(err <= tol); /* NaN is wrong */
+            if (rms > 0 && !(err / rms <= c->worst[k])) c->worst[k] = isnan(err) ? INFINITY : err / rms;
+            if (!(err <= c->over[k] * tol))
+                c->over[k] = isnan(err) ? INFINITY : err / tol, c->worst_at[k] = base + r * n + i, c->worst_tol[k] = tol;
         }
     }
 }
@@ -607,6 +617,8 @@ static comet_status_t train_prepare(const comet_problem_t *p, const comet_run_t 
         ref[s] = a;
     }
     if (st == COMET_SUCCESS && run->train_sample) st = comet_reference_backward(&p->cfg, w, ref);
+    for (int q = 0; st == COMET_SUCCESS && run->train_sample && q < w; q++)
+        st = comet_dw1_slack_init(&c->slack[q], &p->cfg, w, ref, q);
     free(ref);
     if (st != COMET_SUCCESS) {
         train_ctx_free(c, w);
@@ -616,15 +628,16 @@ static comet_status_t train_prepare(const comet_problem_t *p, const comet_run_t 
     return st;
 }
 
-/* A wrong weight gradient explained: the worst element of rank r's dw1
- * (g = 2) or dw2 (g = 3), flat index `at` in the rank's (E_local, rows,
- * cols) tensor, printed with its value from the GPU (got), from the
+/* A wrong weight gradient explained: the element of rank r's dw1 (g = 2)
+ * or dw2 (g = 3) furthest past its tolerance (flat index `at` in the rank's
+ * (E_local, rows, cols) tensor), printed with its value from the GPU (got), from the
  * reference, and from the contract's formula evaluated in float64 on the
  * sampled rows (the contract's bf16 roundings of gu, h, dH and w dy kept,
  * every sum in float64), with the rows that reach it. The float64 value
  * sides with whichever of the two is right. Gated activation only. */
 static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, const comet_forward_args_t *a0, int g,
-                         int64_t at, float got, double worst) {
+                         float got) {
+    const int64_t at = c->out[r].worst_at[g];
     const comet_layer_config_t *cfg = &p->cfg;
     if (cfg->activation != COMET_ACT_SILU_GATED) return;
     const int64_t hd = cfg->hidden, k = cfg->topk, fl = cfg->ffn / cfg->tp, el = cfg->num_experts / cfg->ep;
@@ -667,9 +680,9 @@ static void grad_explain(const comet_problem_t *p, const train_ctx_t *c, int r, 
                              n_rows ? " " : "", s, (long long)t, (long long)q, w, gg, uu, term);
                 n_rows++;
             }
-    printf("rank %d %s worst (%.3g of its row's rms): expert %lld (local %lld) row %lld col %lld: got %.6g, reference "
-           "%.6g, float64 %.6g; %d sampled rows: %s\n",
-           r, g == 2 ? "dw1" : "dw2", worst, (long long)e, (long long)x, (long long)row, (long long)col, got,
+    printf("rank %d %s worst (%.3g times its tolerance %.3g): expert %lld (local %lld) row %lld col %lld: got %.6g, "
+           "reference %.6g, float64 %.6g; %d sampled rows: %s\n",
+           r, g == 2 ? "dw1" : "dw2", c->out[r].over[g], c->out[r].worst_tol[g], (long long)e, (long long)x, (long long)row, (long long)col, got,
            comet_bf16_to_f32(ref[at]), sum, n_rows, list);
     fflush(stdout);
 }
@@ -724,12 +737,12 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
         if (st == COMET_SUCCESS) {
             struct comet_train_check *o = &c->out[r];
             o->tokens = n;
-            grad_compare(o, 0, dx, c->rdx[r], n, hd, 0, 0);
-            grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1, 0);
-            grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0, 0);
-            grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0, 0);
-            if (o->wrong[2]) grad_explain(p, c, r, a, 2, o->worst_at[2], comet_bf16_to_f32(dw1[o->worst_at[2]]), o->worst[2]);
-            if (o->wrong[3]) grad_explain(p, c, r, a, 3, o->worst_at[3], comet_bf16_to_f32(dw2[o->worst_at[3]]), o->worst[3]);
+            grad_compare(o, 0, dx, c->rdx[r], n, hd, 0, 0, NULL);
+            grad_compare(o, 1, dtw, c->rdtw[r], 1, n * k, 1, 0, NULL);
+            grad_compare(o, 2, dw1, c->rdw1[r], (int64_t)n1 / hd, hd, 0, 0, &c->slack[r]);
+            grad_compare(o, 3, dw2, c->rdw2[r], (int64_t)(n2 / (size_t)a->w2.shape[2]), a->w2.shape[2], 0, 0, NULL);
+            if (o->wrong[2]) grad_explain(p, c, r, a, 2, comet_bf16_to_f32(dw1[o->worst_at[2]]));
+            if (o->wrong[3]) grad_explain(p, c, r, a, 3, comet_bf16_to_f32(dw2[o->worst_at[3]]));
         }
     }
     train_args(a, save, t, &f, &b);
@@ -1000,22 +1013,22 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         struct comet_train_check *o = &c->out[r];
         o->tokens = n;
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dx, (size_t)(n * hd) * 2, cudaMemcpyDeviceToHost);
-        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 0, host, c->rdx[r], n, hd, 0, 0);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 0, host, c->rdx[r], n, hd, 0, 0, NULL);
         if (e == cudaSuccess && st == COMET_SUCCESS) e = cudaMemcpy(host, ts->dtw, (size_t)(n * k) * 4, cudaMemcpyDeviceToHost);
-        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 1, host, c->rdtw[r], 1, n * k, 1, 0);
+        if (e == cudaSuccess && st == COMET_SUCCESS) grad_compare(o, 1, host, c->rdtw[r], 1, n * k, 1, 0, NULL);
         float worst_got[2] = {0, 0}; /* dw1's and dw2's worst element's value */
         for (int64_t x = 0; x < el && e == cudaSuccess && st == COMET_SUCCESS; x++) {
             e = cudaMemcpy(host, (const uint16_t *)dw1 + x * e1n, (size_t)e1n * 2, cudaMemcpyDeviceToHost);
-            if (e == cudaSuccess) grad_compare(o, 2, host, c->rdw1[r] + x * e1n, e1n / hd, hd, 0, x * e1n);
+            if (e == cudaSuccess) grad_compare(o, 2, host, c->rdw1[r] + x * e1n, e1n / hd, hd, 0, x * e1n, &c->slack[r]);
             if (e == cudaSuccess && o->worst_at[2] / e1n == x) /* the worst so far is this expert's */
                 worst_got[0] = comet_bf16_to_f32(((const uint16_t *)host)[o->worst_at[2] % e1n]);
             if (e == cudaSuccess) e = cudaMemcpy(host, (const uint16_t *)dw2 + x * e2n, (size_t)e2n * 2, cudaMemcpyDeviceToHost);
-            if (e == cudaSuccess) grad_compare(o, 3, host, c->rdw2[r] + x * e2n, hd, a0->w2.shape[2], 0, x * e2n);
+            if (e == cudaSuccess) grad_compare(o, 3, host, c->rdw2[r] + x * e2n, hd, a0->w2.shape[2], 0, x * e2n, NULL);
             if (e == cudaSuccess && o->worst_at[3] / e2n == x)
                 worst_got[1] = comet_bf16_to_f32(((const uint16_t *)host)[o->worst_at[3] % e2n]);
         }
         for (int g = 2; g < 4 && e == cudaSuccess && st == COMET_SUCCESS; g++)
-            if (o->wrong[g]) grad_explain(p, c, r, a0, g, o->worst_at[g], worst_got[g - 2], o->worst[g]);
+            if (o->wrong[g]) grad_explain(p, c, r, a0, g, worst_got[g - 2]);
         free(host);
         /* set 0's own rows again */
         if (e == cudaSuccess) e = upload_rotated(ts->in.x, &a0->x, 2, 0);
@@ -1230,6 +1243,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
             for (int g = 0; g < 4; g++) {
                 o->elements[g] += q->elements[g], o->differ[g] += q->differ[g], o->wrong[g] += q->wrong[g];
                 if (!(q->worst[g] <= o->worst[g])) o->worst[g] = q->worst[g];
+                if (!(q->over[g] <= o->over[g])) o->over[g] = q->over[g], o->worst_tol[g] = q->worst_tol[g];
             }
         }
         train_ctx_free(tc, w);

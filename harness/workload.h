@@ -187,10 +187,13 @@ typedef struct {
         int64_t elements[4];  /* checked: [0] dx, [1] d_topk_w, [2] dw1, [3] dw2 */
         int64_t differ[4];    /* not bitwise equal */
         int64_t wrong[4];     /* NaN, or |got - ref| > 8 bf16 ulps of |ref| + 2% of the rms of ref's row
-                               * (d_topk_w: of all its values): what another fp32 accumulation order
-                               * moves through dH's bf16 rounding (tests/test_backward_gpu.cu's rule) */
+                               * (d_topk_w: of all its values) + for dw1 the error model's slack
+                               * (harness/gradslack.h): what another fp32 accumulation order moves
+                               * (tests/test_backward_gpu.cu's rule) */
         double worst[4];      /* largest |got - ref| / rms */
-        int64_t worst_at[4];  /* where: the element of the rank's dx, d_topk_w, dw1, dw2 (one rank's check) */
+        double over[4];       /* largest |got - ref| / its element's tolerance (> 1: wrong) */
+        double worst_tol[4];  /* that element's tolerance */
+        int64_t worst_at[4];  /* where (the largest over): the element of the rank's dx, d_topk_w, dw1, dw2 (one rank's check) */
     } train_check;
 } comet_run_t;
 

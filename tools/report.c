@@ -147,7 +147,8 @@ static void print_train_notes(const cli_result_t *r) {
     printf("(gradients checked before the timed steps, one step on %s: %s)\n",
            r->use_cuda ? "8 sampled tokens of every rank" : "every token",
            r->use_cuda ? "an element is off when NaN or |got - ref| > 8 bf16 ulps of |ref| + 2% of the rms of "
-                         "ref's row (d_topk_w: of all its values)"
+                         "ref's row (d_topk_w: of all its values) + for dw1 the error model's slack for "
+                         "cancelling sums (harness/gradslack.h)"
                        : "every element bitwise equal");
     if (!o->launch.on) {
         printf("(gradients, largest difference from the reference / rms, elements not bitwise equal:");
