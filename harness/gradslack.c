@@ -34,6 +34,7 @@
 #include "../src/core/numerics.h"
 #include "../src/core/status.h"
 #include "../src/core/validate.h"
+#include "workload.h"
 
 /* One bf16 ulp at magnitude m (0 at 0). */
 static double ulp16(double m) {
@@ -84,6 +85,31 @@ static void row_slack(const comet_dims_t *d, const uint16_t *x, const uint16_t *
     }
 }
 
+/* The rows' bounds, rows split over the parts. */
+typedef struct {
+    const comet_dims_t *d;
+    const comet_backward_args_t *args;
+    int q;
+    int64_t rows;
+    int64_t *src; /* (rows, 3): rank, flat (token, slot) index, local expert */
+    comet_dw1_slack_t *s;
+} slack_rows_t;
+
+static void slack_part(void *v, int part, int parts) {
+    const slack_rows_t *j = v;
+    const comet_dims_t *d = j->d;
+    const int64_t hd = d->hidden, r1 = d->w1_rows, k = d->topk;
+    for (int64_t row = j->rows * part / parts; row < j->rows * (part + 1) / parts; row++) {
+        const int r = (int)j->src[row * 3];
+        const int64_t i = j->src[row * 3 + 1], e = j->src[row * 3 + 2];
+        const float *tw = j->args[r].topk_w.data;
+        row_slack(d, j->s->x[row], (const uint16_t *)j->args[r].dy.data + i / k * hd, tw[i],
+                  (const uint16_t *)j->args[j->q].w1.data + e * r1 * hd,
+                  (const uint16_t *)j->args[j->q].w2.data + e * hd * d->ffn_local, j->s->ddh + row * r1,
+                  j->s->adh + row * r1);
+    }
+}
+
 void comet_dw1_slack_free(comet_dw1_slack_t *s) {
     if (!s) return;
     free(s->first), free(s->x), free(s->ddh), free(s->adh);
@@ -118,19 +144,24 @@ comet_status_t comet_dw1_slack_init(comet_dw1_slack_t *s, const comet_layer_conf
         return comet_fail(COMET_ERR_OUT_OF_MEMORY, "dW1 slack: no memory for %lld rows", (long long)rows);
     }
     memcpy(at, s->first, sizeof *at * (size_t)el);
-    for (int r = 0; r < world_size; r++) {
+    slack_rows_t job = {&d, args, q, rows, malloc(sizeof(int64_t) * (size_t)rows * 3 + 1), s};
+    if (!job.src) {
+        free(at);
+        comet_dw1_slack_free(s);
+        return comet_fail(COMET_ERR_OUT_OF_MEMORY, "dW1 slack: no memory for %lld rows", (long long)rows);
+    }
+    for (int r = 0; r < world_size; r++) { /* each row's (rank, flat slot), placed by expert */
         const int32_t *idx = args[r].topk_idx.data;
-        const float *tw = args[r].topk_w.data;
         for (int64_t i = 0; i < args[r].topk_idx.shape[0] * k; i++) {
             if (idx[i] / el != d.ep_rank) continue;
-            const int64_t e = idx[i] % el, row = at[e]++, t = i / k;
-            const uint16_t *x = (const uint16_t *)args[r].x.data + t * hd, *dy = (const uint16_t *)args[r].dy.data + t * hd;
-            s->x[row] = x;
-            row_slack(&d, x, dy, tw[i], (const uint16_t *)args[q].w1.data + e * r1 * hd,
-                      (const uint16_t *)args[q].w2.data + e * hd * d.ffn_local, s->ddh + row * r1, s->adh + row * r1);
+            const int64_t row = at[idx[i] % el]++;
+            job.src[row * 3] = r, job.src[row * 3 + 1] = i, job.src[row * 3 + 2] = idx[i] % el;
+            s->x[row] = (const uint16_t *)args[r].x.data + i / k * hd;
         }
     }
     free(at);
+    comet_parts_run(slack_part, &job, rows * r1 * hd);
+    free(job.src);
     return COMET_SUCCESS;
 }
 

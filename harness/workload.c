@@ -75,9 +75,8 @@ static void *part_main(void *v) {
     return NULL;
 }
 
-static void run_parts(part_fn fn, void *arg, int64_t n) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int parts = n < (1 << 16) || cores < 2 ? 1 : cores > 64 ? 64 : (int)cores;
+/* fn on exactly `parts` parts (1..64). */
+static void run_parts_on(part_fn fn, void *arg, int parts) {
     pthread_t th[64];
     part_job_t jobs[64];
     int started = 0;
@@ -89,6 +88,19 @@ static void run_parts(part_fn fn, void *arg, int64_t n) {
     for (int i = started + 1; i < parts; i++) fn(arg, i, parts); /* parts whose thread did not start */
     fn(arg, 0, parts);
     for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+}
+
+static int online_parts(int64_t n) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < (1 << 16) || cores < 2 ? 1 : cores > 64 ? 64 : (int)cores;
+}
+
+static void run_parts(part_fn fn, void *arg, int64_t n) {
+    run_parts_on(fn, arg, online_parts(n));
+}
+
+void comet_parts_run(void (*fn)(void *arg, int part, int parts), void *arg, int64_t work) {
+    run_parts(fn, arg, work);
 }
 
 /* Uniform bf16 in [-scale, scale): the values of drawing them one by one from
@@ -503,6 +515,65 @@ static comet_status_t full_forward_first(comet_layer_t *layer, comet_forward_arg
 }
 
 
+/* ---- the backward's reference on many threads ------------------------------
+ * comet_reference_backward's items (src/cpu/reference.h) spread over
+ * threads, round robin; each has its own scratch (one expert's fp32 dW1 and
+ * dW2 sums: the automatic count is held to 8 GiB of them). */
+typedef struct {
+    comet_reference_backward_t *rb;
+    int world_size;
+    int failed[64];
+} ref_bwd_t;
+
+static void ref_transpose_part(void *v, int part, int parts) {
+    ref_bwd_t *k = v;
+    const int64_t el = comet_reference_backward_experts_local(k->rb);
+    for (int64_t i = part; i < k->world_size * el; i += parts)
+        comet_reference_backward_transpose(k->rb, (int)(i / el), i % el);
+}
+
+static void ref_bwd_part(void *v, int part, int parts) {
+    ref_bwd_t *k = v;
+    const int w = k->world_size;
+    const int64_t el = comet_reference_backward_experts_local(k->rb), stride = parts;
+    comet_reference_backward_scratch_t *sc;
+    if (comet_reference_backward_scratch_create(k->rb, &sc) != COMET_SUCCESS) {
+        k->failed[part] = 1;
+        return;
+    }
+    int64_t i = 0;
+    for (int s = 0; s < w; s++)
+        for (int64_t t = 0; t < comet_reference_backward_tokens(k->rb, s); t++, i++)
+            if (i % stride == part) comet_reference_backward_token(k->rb, sc, s, t);
+    for (int q = 0; q < w; q++)
+        for (int64_t e = 0; e < el; e++, i++)
+            if (i % stride == part) comet_reference_backward_expert(k->rb, sc, q, e);
+    comet_reference_backward_scratch_free(sc);
+}
+
+comet_status_t comet_reference_backward_parallel(const comet_layer_config_t *cfg, int world_size,
+                                                 const comet_backward_args_t *args, int threads) {
+    comet_reference_backward_t *rb;
+    COMET_TRY(comet_reference_backward_begin(&rb, cfg, world_size, args));
+    ref_bwd_t k;
+    memset(&k, 0, sizeof k);
+    k.rb = rb, k.world_size = world_size;
+    if (threads <= 0) {
+        const int64_t hd = cfg->hidden, fl = cfg->ffn / cfg->tp;
+        const int64_t scratch = (int64_t)sizeof(float) * hd * fl * (cfg->activation == COMET_ACT_SILU_GATED ? 3 : 2);
+        int64_t items = world_size * comet_reference_backward_experts_local(rb), most = ((int64_t)8 << 30) / scratch;
+        for (int s = 0; s < world_size; s++) items += comet_reference_backward_tokens(rb, s);
+        threads = online_parts(items * hd * fl); /* ~the work: threads only where it is worth them */
+        if (threads > most) threads = most > 1 ? (int)most : 1;
+    }
+    run_parts_on(ref_transpose_part, &k, threads > 64 ? 64 : threads);
+    run_parts_on(ref_bwd_part, &k, threads > 64 ? 64 : threads);
+    comet_reference_backward_end(rb);
+    for (int i = 0; i < 64; i++)
+        if (k.failed[i]) return comet_fail(COMET_ERR_OUT_OF_MEMORY, "reference backward: no memory for a thread's scratch");
+    return COMET_SUCCESS;
+}
+
 /* ---- training steps (comet_run_t.train) ------------------------------------ */
 
 /* What the steps of a run share: every rank's dy, and the gradient check's
@@ -616,7 +687,7 @@ static comet_status_t train_prepare(const comet_problem_t *p, const comet_run_t 
         a.dw2 = fa->w2, a.dw2.data = c->rdw2[s];
         ref[s] = a;
     }
-    if (st == COMET_SUCCESS && run->train_sample) st = comet_reference_backward(&p->cfg, w, ref);
+    if (st == COMET_SUCCESS && run->train_sample) st = comet_reference_backward_parallel(&p->cfg, w, ref, 0);
     for (int q = 0; st == COMET_SUCCESS && run->train_sample && q < w; q++)
         st = comet_dw1_slack_init(&c->slack[q], &p->cfg, w, ref, q);
     free(ref);

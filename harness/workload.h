@@ -99,6 +99,18 @@ typedef struct {
 } comet_check_t;
 comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int only_rank, comet_check_t *out);
 
+/* fn(arg, part, parts) for part 0..parts-1 on as many threads: the online
+ * cores (at most 64) where work (~operations) is worth it, else one. Each
+ * part's result must not depend on the part count. */
+void comet_parts_run(void (*fn)(void *arg, int part, int parts), void *arg, int64_t work);
+
+/* comet_reference_backward's result (bitwise: the same status and outputs),
+ * its tokens and experts spread over `threads` threads (at most 64; 0: the
+ * online cores where the work is worth it, as many as 8 GiB of per-thread
+ * fp32 weight-gradient sums allow). */
+comet_status_t comet_reference_backward_parallel(const comet_layer_config_t *cfg, int world_size,
+                                                 const comet_backward_args_t *args, int threads);
+
 /* Bytes that cross between ranks in one forward, summed over every ordered
  * pair of ranks (docs: benchmarks "comm GB/s"). CPU engine: each token row a
  * rank pulls for one of its expert slots from another rank (H bf16) and each

@@ -902,6 +902,14 @@ static void run_case(const case_t *c, stats_t *total, int mutate) {
         snapshot(&b, second);
         CHECK(st == COMET_SUCCESS && memcmp(first, second, n) == 0, "%s: a second call differs (%s)", name,
               comet_status_string(st));
+        /* the harness's threaded driver (items in another order, at once) gives the same bits */
+        for (int threads = 2; threads <= 5; threads += 3) {
+            bwd_poison(&b);
+            st = comet_reference_backward_parallel(&cfg, W, b.args, threads);
+            snapshot(&b, second);
+            CHECK(st == COMET_SUCCESS && memcmp(first, second, n) == 0, "%s: on %d threads the result differs (%s)", name,
+                  threads, comet_status_string(st));
+        }
         free(first), free(second);
     }
     grads_free(&g, &b.m);
@@ -1042,6 +1050,11 @@ static void bad_call(bwd_t *b, comet_layer_config_t *cfg, int W, const comet_bac
           comet_status_string(k.want), msg);
     CHECK(st == COMET_SUCCESS || msg[0] != '\0', "invalid input (%s): no message", k.what);
     CHECK(bwd_untouched(b), "invalid input (%s): an output was written", k.what);
+    /* the harness's threaded driver of the same items: the same status, nothing written */
+    const comet_status_t st3 = comet_reference_backward_parallel(cfg, W, args, 3);
+    CHECK(st3 == k.want, "invalid input (%s), on 3 threads: %s, expected %s", k.what, comet_status_string(st3),
+          comet_status_string(k.want));
+    CHECK(bwd_untouched(b), "invalid input (%s), on 3 threads: an output was written", k.what);
 }
 
 static void check_invalid(int mode) {

@@ -9,7 +9,8 @@
  * weight gradients, accumulation into fp32), every output poisoned before
  * the call.
  * dx, d_topk_w, dw1 and dw2 must be within the tolerance of a different fp32
- * accumulation order of comet_reference_backward's (below), every element
+ * accumulation order of comet_reference_backward's (below; run on every core by
+ * comet_reference_backward_parallel, bitwise the same), every element
  * written; a second backward gives the same bits, and so does the other save
  * mode; accumulating adds the gradients to what the buffers held; on the
  * Hopper path (a preset's shape scaled down) 100 more backwards on a stream
@@ -277,18 +278,14 @@ static int64_t off_ref(const void *got, const void *ref, int64_t rows, int64_t n
     return bad;
 }
 
-static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro, int save,
-                     int fp32, int accumulate, int many, const char *tag) {
+/* One case on problem p (its inputs; p outlives the call). */
+static void run_case_on(comet_problem_t *p, const comet_routing_opts_t *ro, int save, int fp32, int accumulate, int many,
+                        const char *tag) {
+    const comet_layer_config_t *cfg = &p->cfg;
     const int w = cfg->tp * cfg->ep;
-    comet_problem_t *p;
-    if (comet_problem_create(&p, cfg, w, tokens, ro) != COMET_SUCCESS) {
-        CHECK(0, "%s: problem: %s", tag, comet_last_error());
-        return;
-    }
     comet_world_t *world;
     if (comet_world_create_local(&world, w, COMET_BACKEND_CUDA) != COMET_SUCCESS) {
         CHECK(0, "%s: world: %s", tag, comet_last_error());
-        comet_problem_destroy(p);
         return;
     }
     rank_data_t rd[MAXW];
@@ -322,7 +319,7 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         a.accumulate = accumulate;
         ref[s] = a;
     }
-    comet_status_t rst = comet_reference_backward(cfg, w, ref);
+    comet_status_t rst = comet_reference_backward_parallel(cfg, w, ref, 0); /* on the online cores */
     CHECK(rst == COMET_SUCCESS, "%s: reference: %s", tag, comet_last_error());
     job_t jobs[MAXW];
     pthread_t th[MAXW];
@@ -365,6 +362,16 @@ static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, con
         free(r->dw1_ref), free(r->dw1), free(r->dw2_ref), free(r->dw2);
     }
     comet_world_destroy(world);
+}
+
+static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro, int save,
+                     int fp32, int accumulate, int many, const char *tag) {
+    comet_problem_t *p;
+    if (comet_problem_create(&p, cfg, cfg->tp * cfg->ep, tokens, ro) != COMET_SUCCESS) {
+        CHECK(0, "%s: problem: %s", tag, comet_last_error());
+        return;
+    }
+    run_case_on(p, ro, save, fp32, accumulate, many, tag);
     comet_problem_destroy(p);
 }
 
@@ -495,11 +502,16 @@ int main(void) {
             q.max_tokens_per_rank = 2048;
             int64_t eight[MAXW];
             for (int s = 0; s < MAXW; s++) eight[s] = 8;
+            comet_problem_t *qp = NULL; /* one problem, its tokens and routing drawn anew a seed (the weights
+                                         * of 64 experts take seconds to draw) */
             for (int seed = 1; seed <= 3; seed++) {
                 comet_routing_opts_t qr = {0.0, 0, (uint64_t)seed};
                 snprintf(tag, sizeof tag, "qwen2-moe W=%d TP=%d 8 tokens a rank of 2048, saved, seed %d", w, tp, seed);
-                run_case(&q, eight, &qr, COMET_SAVE_ACTIVATIONS, 0, 0, 0, tag);
+                comet_status_t qs = qp ? comet_problem_redraw(qp, &qr) : comet_problem_create(&qp, &q, w, eight, &qr);
+                CHECK(qs == COMET_SUCCESS, "%s: problem: %s", tag, comet_last_error());
+                if (qs == COMET_SUCCESS) run_case_on(qp, &qr, COMET_SAVE_ACTIVATIONS, 0, 0, 0, tag);
             }
+            comet_problem_destroy(qp);
         }
     const char *worlds = getenv("COMET_BWD_TEST_WORLDS"), *tps = getenv("COMET_BWD_TEST_TPS");
     CHECK(layouts > 0, "COMET_BWD_TEST_WORLDS=%s COMET_BWD_TEST_TPS=%s select no layout of 1..%d ranks: nothing ran",

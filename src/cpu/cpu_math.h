@@ -89,12 +89,16 @@ static inline void comet_cpu_topk_accumulate(float *acc, float w, const comet_bf
  * w1 (E_local, w1_rows, H) and w2 (E_local, H, F_local). */
 static inline void comet_cpu_transpose_weights(const comet_dims_t *d, const comet_bf16_t *w1, const comet_bf16_t *w2,
                                                comet_bf16_t *w1t, comet_bf16_t *w2t) {
-    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows;
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, B = 32; /* in B x B tiles: cache-friendly */
     for (int64_t e = 0; e < d->experts_local; e++) {
-        for (int64_t n = 0; n < r1; n++)
-            for (int64_t c = 0; c < hd; c++) w1t[(e * hd + c) * r1 + n] = w1[(e * r1 + n) * hd + c];
-        for (int64_t c = 0; c < hd; c++)
-            for (int64_t n = 0; n < fl; n++) w2t[(e * fl + n) * hd + c] = w2[(e * hd + c) * fl + n];
+        for (int64_t n0 = 0; n0 < r1; n0 += B)
+            for (int64_t c0 = 0; c0 < hd; c0 += B)
+                for (int64_t n = n0; n < n0 + B && n < r1; n++)
+                    for (int64_t c = c0; c < c0 + B && c < hd; c++) w1t[(e * hd + c) * r1 + n] = w1[(e * r1 + n) * hd + c];
+        for (int64_t c0 = 0; c0 < hd; c0 += B)
+            for (int64_t n0 = 0; n0 < fl; n0 += B)
+                for (int64_t c = c0; c < c0 + B && c < hd; c++)
+                    for (int64_t n = n0; n < n0 + B && n < fl; n++) w2t[(e * fl + n) * hd + c] = w2[(e * hd + c) * fl + n];
     }
 }
 
