@@ -94,6 +94,7 @@ class Config:
     head_bias: bool = False    # an LM-head bias, initialised to the log of the training bytes' frequencies
     embed_scale: bool = False  # the embedding's output x sqrt(dim) (Gemma), so a token's own vector outweighs
     #                            the attention's output in the residual stream from the start
+    down_lr_scale: float = 1.0  # the experts' down projections (W2, fan-in F) learn at lr x this
 
 
 PRESETS = {
@@ -432,6 +433,11 @@ def parser():
     p.add_argument("--embed-scale", action=argparse.BooleanOptionalAction, default=None,
                    help="multiply the embedding's output by sqrt(dim) (Gemma) (default: the preset's: on for "
                         "mixtral-2gpu)")
+    p.add_argument("--down-lr-scale", type=float, metavar="FACTOR",
+                   help="the experts' down projections (W2, fan-in F) learn at lr x FACTOR (e.g. H / F, muP's "
+                        "1/fan-in rule relative to the fan-in-H matrices); default 1: the same lr as the rest. "
+                        "An experiment, not a cure: on the CPU proxy of mixtral-2gpu it delayed the routers' "
+                        "collapse, it did not stop it (README)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
@@ -486,11 +492,14 @@ def make_config(args) -> Config:
         setattr(c, k, (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v))
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
                  ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance),
-                 ("head_bias", args.head_bias), ("embed_scale", args.embed_scale)):
+                 ("head_bias", args.head_bias), ("embed_scale", args.embed_scale),
+                 ("down_lr_scale", args.down_lr_scale)):
         if a is not None:
             setattr(c, k, a)
     if c.accum < 1:
         raise SystemExit("train.py: --accum %d: a step needs at least one micro-batch" % c.accum)
+    if c.down_lr_scale <= 0:
+        raise SystemExit("train.py: --down-lr-scale %g: the factor is > 0" % c.down_lr_scale)
     if c.balance < 0:
         raise SystemExit("train.py: --balance %g: the rate is >= 0 (0: off)" % c.balance)
     return c
@@ -596,14 +605,19 @@ def main(argv=None):
     model = Model(c, experts, device).to(device)
     init_dense(model, c, args.seed)
     init_head_bias(model, train_data)
-    expert_params = [p for n, p in model.named_parameters() if ".experts." in n]
+    expert_named = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+    expert_params = [p for _, p in expert_named]
     dense = [(n, p) for n, p in model.named_parameters() if ".experts." not in n]
     dense_params = [p for _, p in dense]
     masters = [nn.Parameter(p.detach().float().clone()) for p in expert_params]
-    decay = [p for n, p in dense if p.dim() >= 2] + masters
+    # with down_lr_scale != 1 the experts' W2 masters are a group of their own, at lr x down_lr_scale
+    down = [m for (n, _), m in zip(expert_named, masters) if n.endswith(".w2") and c.down_lr_scale != 1.0]
+    decay = [p for n, p in dense if p.dim() >= 2] + [m for m in masters if not any(m is d for d in down)]
     no_decay = [p for n, p in dense if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if down:
+        groups.append({"params": down, "weight_decay": args.weight_decay, "lr_scale": c.down_lr_scale})
+    opt = torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=dev_type == "cuda")  # fused: no parameter-sized temporaries (the foreach path's)
     if args.compile:
         for b in model.blocks:
@@ -744,7 +758,7 @@ def main(argv=None):
             torch._foreach_mul_(grads, scale)
         lr = lr_at(step, c)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -305,3 +305,26 @@ def test_head_bias_and_embed_scale_keep_routing_balanced(runs, corpus, tmp_path)
     assert out["losses"][0] < 4.5, out["losses"][:3]  # the prior from the start (ln 256 = 5.55 without)
     assert max(fixed[5:]) <= 2.5, fixed
     assert sum(out["losses"][-5:]) <= sum(runs["torch"]["losses"][-5:]), (out["losses"], runs["torch"]["losses"])
+
+
+def test_down_lr_scale(corpus, tmp_path):
+    """--down-lr-scale F: the experts' W2 masters take steps of lr x F (their own optimizer group), everything
+    else lr. After one step from the same init (the same gradients) the W2 masters of runs at F = 1, 0.5 and
+    0.25 differ by the ratio of the scales (AdamW's first step, weight decay included, is linear in the lr);
+    the W1 masters are the same. Every preset's default is 1 (one optimizer group fewer: old checkpoints resume)."""
+    assert all(c.down_lr_scale == 1.0 for c in train.PRESETS.values())
+    ck = {}
+    for f in ("1", "0.5", "0.25"):
+        run("--experts", "torch", "--steps", "1", "--down-lr-scale", f, "--save", str(tmp_path / f), corpus=corpus)
+        ck[f] = torch.load(tmp_path / f / "rank00000.pt", weights_only=False)
+    names = [n for n in ck["1"]["model"] if ".experts." in n]
+    assert len(names) == len(ck["1"]["masters"]) and any(n.endswith(".w2") for n in names)
+    for i, n in enumerate(names):
+        a, b, c = (ck[f]["masters"][i].double() for f in ("1", "0.5", "0.25"))
+        if n.endswith(".w1"):
+            assert torch.equal(a, b) and torch.equal(a, c), n
+        else:
+            ratio = float((a - c).norm() / (b - c).norm())  # (1 - 0.25) / (0.5 - 0.25) = 3
+            assert abs(ratio - 3.0) < 1e-3, (n, ratio)
+    with pytest.raises(SystemExit):
+        run("--down-lr-scale", "0", corpus=corpus)
