@@ -116,8 +116,8 @@ for step in $STEPS; do
            # (TRAIN_ARGS: more flags for comet, e.g. "--comm-hidden" or "--recompute"),
            # each model x token count x layout (LAYOUTS as bench's, default EP and TP over every GPU: EP2
            # and TP2 on two, EP4 and TP4 on four; the PyTorch layer runs those two); report.py pairs them
-           # (600 s a run: the gradient check's CPU reference is single-threaded, ~1 min for Mixtral EP2 on
-           # 8 tokens a rank, O(weights) transposes and dW stores besides: minutes for DeepSeek-V3)
+           # (600 s a run; the gradient check's CPU reference runs on every core: Mixtral EP2 on 8 tokens a
+           # rank ~15 s on one core; DeepSeek-V3-style is checked only with --grad-check: minutes)
         n=$(nvidia-smi -L | wc -l)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep $n;--tp $n}"
         for m in $MODELS; do for t in $TOKENS; do for layout in "${layouts[@]}"; do

@@ -80,7 +80,8 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     reference on sampled tokens (every token on the CPU engine, bitwise)\n"
                    "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
                    "  --grad-check       with --train on GPUs: check the gradients also where a rank's\n"
-                   "                     weights pass 1 GiB (the host reference then takes minutes)\n",
+                   "                     weights pass 4 GiB (DeepSeek-V3-style: the host reference then takes\n"
+                   "                     minutes and ~100 GiB of host memory)\n",
                 flag_help, output_help);
     else if (strcmp(cmd, "tune") == 0)
         fprintf(f, "usage: comet tune [flags]\n\nTime one configuration over a grid of run-time knobs (communication\n"
@@ -99,7 +100,7 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     backward's dx, d_topk_w, dw1 and dw2 against comet_reference_backward\n"
                    "                     (every token on the CPU engine, bitwise; 8 sampled tokens a rank on GPUs)\n"
                    "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
-                   "  --grad-check       with --train on GPUs: also where a rank's weights pass 1 GiB\n",
+                   "  --grad-check       with --train on GPUs: also where a rank's weights pass 4 GiB\n",
                 flag_help, output_help);
 }
 

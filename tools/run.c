@@ -126,7 +126,7 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
                run->train_sample < 0 ? "every token" : "8 sampled tokens of every rank");
         fflush(stdout);
     } else if (o->train && cli_speaks(&o->launch)) {
-        printf("gradients not checked: a rank's weights pass 1 GiB (--grad-check checks them, in minutes)\n");
+        printf("gradients not checked: a rank's weights pass 4 GiB (--grad-check checks them, in minutes)\n");
         fflush(stdout);
     }
     const comet_status_t st = comet_problem_run(p, w, run, bench ? o->warmup : 0);
@@ -166,13 +166,14 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     run.graph = o->graph && r->use_cuda && !o->train;
     if (o->train) { /* the gradients checked on 8 sampled tokens a rank (GPUs), every token (CPU, bitwise) */
         run.train = o->recompute ? COMET_SAVE_RECOMPUTE : COMET_SAVE_ACTIVATIONS, run.train_sample = r->use_cuda ? 8 : -1;
-        /* the host reference writes every expert's dW over the whole weights: past 1 GiB of weights a rank
-         * (Mixtral EP2 1.4 GiB) that takes minutes a cell, so only with --grad-check (test_backward_gpu
-         * checks the kernels on every shape class) */
+        /* the host reference writes every expert's dW over the whole weights, on every core
+         * (comet_reference_backward_parallel): Mixtral EP2 (1.4 GiB of weights a rank) ~15 s on one core,
+         * 8 on two; past 4 GiB a rank (DeepSeek-V3-style, 10.5 GiB at EP2) minutes and ~100 GiB of host
+         * memory, so only with --grad-check (test_backward_gpu checks the kernels on every shape class) */
         const comet_layer_config_t *c = &p->cfg;
         const double w_bytes = 2.0 * (double)c->num_experts / c->ep * (double)c->ffn / c->tp * (double)c->hidden *
                                (c->activation == COMET_ACT_GELU ? 2 : 3);
-        if (r->use_cuda && !o->grad_check && w_bytes > (double)(1u << 30)) run.train_sample = 0;
+        if (r->use_cuda && !o->grad_check && w_bytes > 4.0 * (double)(1u << 30)) run.train_sample = 0;
     }
     run.input_sets = bench && r->use_cuda && !run.graph ? input_sets_for(p) : 1;
     if (o->graph && !r->use_cuda && cli_speaks(&o->launch))
