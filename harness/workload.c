@@ -820,6 +820,8 @@ static comet_status_t rank_train_cpu(rank_job_t *job, comet_layer_t *layer, cons
     f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb16}};
     b.dy.data = c->dy[r], b.dx.data = dx, b.d_topk_w.data = dtw, b.dw1.data = dw1, b.dw2.data = dw2;
     for (int i = 0; st == COMET_SUCCESS && i < run->repeats; i++) {
+        if (run->trace && i == run->repeats - 1) st = comet_layer_set_trace(layer, run->trace); /* the last step */
+        if (st != COMET_SUCCESS) break;
         note_progress(job, i);
         mark_timed(job, i);
         b.disable = run->interleave ? interleave_side(i) : 0; /* the backward's sides; the forward runs whole */

@@ -496,7 +496,8 @@ comet_status_t comet_reference_backward(const comet_layer_config_t *cfg, int wor
 
 /* ---------------------------------------------------------------------------
  * Trace: record what every worker of every rank did, and when, during the
- * forward calls of the layers it is attached to, then write it as a
+ * forward calls of the layers it is attached to (and, on the CPU engine,
+ * their backward calls, in the backward's own kinds), then write it as a
  * Chrome-trace JSON file (Perfetto, chrome://tracing) or an SVG picture with
  * one lane per rank and worker. Off unless attached; costs nothing then.
  * Recording takes no lock: every worker writes its own lane of a fixed-size
@@ -532,7 +533,8 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *trace, const char *pat
  * each rank attaches its own layer, between forward calls, from the thread
  * that calls them; ranks may share one recorder (each writes its own lanes;
  * a rank or lane the recorder lacks counts its events as dropped).
- * Every later forward of this layer records until detached. CUDA backend:
+ * Every later forward of this layer records until detached (CPU engine:
+ * every backward too; the CUDA backend records forwards only). CUDA backend:
  * the recorder needs >= 11 lanes per rank (the stream's steps, communication
  * CTAs by index mod 8, GEMM0, GEMM1: the GEMMs as whole-kernel intervals);
  * comet_layer_sync copies the last forward's events into it. */

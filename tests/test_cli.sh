@@ -103,6 +103,9 @@ expect bench-small 0 'median of 2 runs' -- "$comet" bench --backend cpu --model 
 # --trace: Chrome-trace JSON and an SVG beside it, for bench and check
 tdir=$(mktemp -d)
 expect bench-trace 0 'trace: [1-9][0-9]* events of the last forward \(0 dropped\)' -- "$comet" bench --backend cpu --scale 32 --tokens 32 --iters 2 --warmup 0 --n-comm 2 --trace "$tdir/b.json"
+# with --train on the CPU engine: the last step, the backward's steps in their own kinds
+expect train-trace 0 'trace: [1-9][0-9]* events of the last step \(forward and backward\) \(0 dropped\)' -- "$comet" bench --train --backend cpu --scale 32 --tokens 32 --iters 2 --warmup 0 --n-comm 2 --trace "$tdir/t.json"
+expect train-trace-kinds 0 '^ok$' -- bash -c 'grep -q "\"kind\": \"wgrad\"" "$1" && grep -q "\"kind\": \"bwd_send\"" "$1" && grep -q "\"kind\": \"gemm1\"" "$1" && grep -q "backward: weight gradients" "$2" && echo ok' _ "$tdir/t.json" "$tdir/t.svg"
 expect check-trace 0 'ok \(0 of' -- "$comet" check --backend cpu --model qwen2-moe --scale 16 --tp 2 --ep 2 --tokens 24 --trace "$tdir/c"
 # --trace x.svg: the picture in x.svg, the JSON in x.json
 expect trace-svg-name 0 'trace: [1-9][0-9]* events .* -> .*/s\.json, .*/s\.svg$' -- "$comet" check --backend cpu --scale 64 --tokens 8 --trace "$tdir/s.svg"

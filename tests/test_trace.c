@@ -12,6 +12,11 @@
  *             lanes, too few ranks) counts what it drops and still writes
  *   api:      bad arguments, NULL handling, clear; a recorder too large
  *             for memory or for size_t fails cleanly
+ *   train:    a training step (forward and backward) traced: the backward's
+ *             steps in their own kinds, as many as the forward's of each
+ *             layer step (the same plan), one transpose event a compute
+ *             worker, one weight-gradient event a task; the gradients with
+ *             tracing on bitwise the reference's
  */
 #include <stdlib.h>
 #include <string.h>
@@ -463,6 +468,69 @@ static void test_too_large(void) {
           "size overflow: %s \"%s\"", comet_status_string(st), comet_last_error());
 }
 
+/* ---- a training step ------------------------------------------------------------- */
+static void test_train(int tp, int ep, const int64_t *tokens) {
+    const int w = tp * ep;
+    comet_layer_config_t cfg = COMET_LAYER_CONFIG_INIT;
+    cfg.hidden = 64, cfg.ffn = 96 * tp, cfg.num_experts = 8, cfg.topk = 2, cfg.tp = tp, cfg.ep = ep;
+    cfg.max_tokens_per_rank = 16, cfg.tile_m = 4;
+    comet_routing_opts_t ro = {0.2, 1, 9};
+    comet_problem_t *p;
+    if (comet_problem_create(&p, &cfg, w, tokens, &ro) != COMET_SUCCESS) {
+        CHECK(0, "train: problem: %s", comet_last_error());
+        return;
+    }
+    comet_trace_t *tr;
+    comet_world_t *world;
+    CHECK(comet_trace_create(&tr, w, 0, 0) == COMET_SUCCESS, "train: create: %s", comet_last_error());
+    CHECK(comet_world_create_local(&world, w, COMET_BACKEND_CPU) == COMET_SUCCESS, "train: world: %s", comet_last_error());
+    const int n_compute = world->settings.cpu_workers;
+    comet_run_t run;
+    memset(&run, 0, sizeof run);
+    run.n_comm = 2, run.repeats = 2, run.trace = tr, run.train = COMET_SAVE_ACTIVATIONS, run.train_sample = -1;
+    comet_status_t st = comet_problem_run(p, world, &run, 0);
+    comet_world_destroy(world);
+    CHECK(st == COMET_SUCCESS, "train W=%d: %s", w, comet_last_error());
+    CHECK(comet_trace_dropped(tr) == 0, "train W=%d: %lld dropped", w, (long long)comet_trace_dropped(tr));
+    const struct comet_train_check *g = &run.train_check;
+    CHECK(st == COMET_SUCCESS && g->elements[2] > 0 && !g->differ[0] && !g->differ[1] && !g->differ[2] && !g->differ[3],
+          "train W=%d: traced gradients not bitwise the reference's (%lld %lld %lld %lld differ)", w,
+          (long long)g->differ[0], (long long)g->differ[1], (long long)g->differ[2], (long long)g->differ[3]);
+    CHECK(comet_trace_write_chrome_json(tr, json_path) == COMET_SUCCESS, "train: json: %s", comet_last_error());
+    CHECK(comet_trace_write_svg(tr, svg_path) == COMET_SUCCESS, "train: svg: %s", comet_last_error());
+    char *js = read_all(json_path, NULL);
+    int64_t count[8][COMET_TRACE_NUM_KINDS];
+    memset(count, 0, sizeof count);
+    for (const char *q = js ? strstr(js, "\"ph\": \"X\"") : NULL; q; q = strstr(q + 1, "\"ph\": \"X\"")) {
+        const char *pid = strstr(q, "\"pid\": "), *kind = strstr(q, "\"kind\": \"");
+        if (!pid || !kind) break;
+        const int r = atoi(pid + 7);
+        char name[32] = "";
+        sscanf(kind + 9, "%31[^\"]", name);
+        for (int k = 0; k < COMET_TRACE_NUM_KINDS; k++)
+            if (r >= 0 && r < 8 && strcmp(name, comet_trace_kind_name(k)) == 0) count[r][k]++;
+    }
+    const int64_t r1 = 2 * 96, tasks = (cfg.num_experts / ep) * ((r1 + 3) / 4 + (cfg.hidden + 3) / 4); /* WG_KB 4 */
+    for (int r = 0; r < w; r++) {
+        const int64_t *c = count[r];
+        CHECK(c[COMET_TRACE_BPULL] == c[COMET_TRACE_PULL] && c[COMET_TRACE_BGEMM1] == c[COMET_TRACE_GEMM1] &&
+                  c[COMET_TRACE_BSEND] == c[COMET_TRACE_SEND] && c[COMET_TRACE_BRECV] == c[COMET_TRACE_RECV] &&
+                  c[COMET_TRACE_BGEMM0] == c[COMET_TRACE_PULL] && c[COMET_TRACE_PULL] > 0,
+              "train W=%d rank %d: the backward's steps (pull %lld, gemm0 %lld, gemm1 %lld, send %lld, recv %lld) are "
+              "not the forward's (pull %lld blocks, gemm1 %lld, send %lld, recv %lld)", w, r,
+              (long long)c[COMET_TRACE_BPULL], (long long)c[COMET_TRACE_BGEMM0], (long long)c[COMET_TRACE_BGEMM1],
+              (long long)c[COMET_TRACE_BSEND], (long long)c[COMET_TRACE_BRECV], (long long)c[COMET_TRACE_PULL],
+              (long long)c[COMET_TRACE_GEMM1], (long long)c[COMET_TRACE_SEND], (long long)c[COMET_TRACE_RECV]);
+        CHECK(c[COMET_TRACE_TRANSPOSE] == n_compute, "train W=%d rank %d: %lld transpose events, %d workers", w, r,
+              (long long)c[COMET_TRACE_TRANSPOSE], n_compute);
+        CHECK(c[COMET_TRACE_WGRAD] == tasks, "train W=%d rank %d: %lld weight-gradient events, %lld tasks", w, r,
+              (long long)c[COMET_TRACE_WGRAD], (long long)tasks);
+    }
+    free(js);
+    comet_trace_destroy(tr);
+    comet_problem_destroy(p);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(json_path, sizeof json_path, "%s/comet_test_trace_%d.json", tmp && *tmp ? tmp : "/tmp", (int)getpid());
@@ -476,6 +544,10 @@ int main(void) {
     test_plan(1, 4, t4, 2, 64, 0.0, 0);
     test_plan(1, 1, t1, 1, 40, 0.0, 0);
     test_overflow();
+    int64_t tt2[2] = {11, 16}, tt4[4] = {5, 0, 16, 9};
+    test_train(1, 2, tt2);
+    test_train(2, 2, tt4);
+    test_train(2, 1, tt2);
     remove(json_path);
     remove(svg_path);
     return check_summary("test_trace");

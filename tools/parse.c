@@ -39,7 +39,8 @@ static const char *const flag_help =
 /* The flags of the runs that write results (bench, check). */
 static const char *const output_help =
     "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
-    "  --trace FILE       record every worker's steps in the last forward: a picture (SVG) and\n"
+    "  --trace FILE       record every worker's steps in the last forward (with --train on the CPU\n"
+    "                     engine: the last step, forward and backward): a picture (SVG) and\n"
     "                     Chrome-trace JSON (Perfetto, chrome://tracing); x.svg or x.json writes\n"
     "                     both x.svg and x.json, another name FILE the JSON to FILE, the SVG to FILE.svg\n";
 
@@ -595,7 +596,6 @@ int cli_configure(cli_result_t *r) {
     }
     if (o->train && cli_speaks(launch)) {
         if (o->graph) cli_warn("--graph ignored with --train: the steps are launched call by call");
-        if (o->trace) cli_warn("--trace ignored with --train: it records forwards");
     }
     if (o->graph && launch->on) {
         fprintf(stderr, "comet: --graph needs every rank in this process (not a launch of one process per rank)\n");

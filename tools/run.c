@@ -135,17 +135,19 @@ static comet_status_t time_forwards(cli_result_t *r, comet_problem_t *p, comet_w
     return st;
 }
 
-/* --trace: the last forward as Chrome-trace JSON and an SVG picture, in
- * the two files parse.c named (cli_options_t.trace_json, trace_svg).
- * Returns 0, or 1 (printed). */
+/* --trace: the last forward (with --train the last step, forward and
+ * backward) as Chrome-trace JSON and an SVG picture, in the two files
+ * parse.c named (cli_options_t.trace_json, trace_svg). Returns 0, or 1
+ * (printed). */
 static int write_trace(const cli_options_t *o, const comet_trace_t *trace) {
     if (comet_trace_write_chrome_json(trace, o->trace_json) != COMET_SUCCESS ||
         comet_trace_write_svg(trace, o->trace_svg) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         return 1;
     }
-    printf("trace: %lld events of the last forward (%lld dropped) -> %s, %s\n", (long long)comet_trace_event_count(trace),
-           (long long)comet_trace_dropped(trace), o->trace_json, o->trace_svg);
+    printf("trace: %lld events of the last %s (%lld dropped) -> %s, %s\n", (long long)comet_trace_event_count(trace),
+           o->train ? "step (forward and backward)" : "forward", (long long)comet_trace_dropped(trace), o->trace_json,
+           o->trace_svg);
     return 0;
 }
 
@@ -180,7 +182,10 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
         cli_warn("--graph is for GPUs; the CPU engine runs without it");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
-    if (o->trace && !o->train &&
+    if (o->trace && o->train && r->use_cuda && cli_speaks(&o->launch))
+        cli_warn("--trace ignored with --train on GPUs: the CUDA backend records forwards (the CPU engine "
+                 "records training steps)");
+    if (o->trace && !(o->train && r->use_cuda) &&
         comet_trace_create(&run.trace, r->world, 1 + (o->n_comm > 0 ? o->n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);

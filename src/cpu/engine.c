@@ -145,10 +145,14 @@ static int wait_geq(comet_layer_t *l, flag_t *flag, uint64_t target, const char 
  * Tracing: called only when L->rec is set
  * ------------------------------------------------------------------------- */
 
-/* Record one step of (role, worker) into its lane, from t0 to now. */
-static void trace_step(comet_layer_t *l, int role, int worker, int kind, int64_t index, int64_t aux, uint64_t t0) {
+/* Record one step of (role, worker) into its lane, from t0 to now. In a
+ * backward the forward's layer kinds (and a wait's for them) become their
+ * backward twins. */
+void cpu_trace_step(comet_layer_t *l, int role, int worker, int kind, int64_t index, int64_t aux, uint64_t t0) {
     cpu_layer_t *L = l->backend_state;
     int lane = role == COMET_TRACE_HOST ? 0 : role == COMET_TRACE_COMM ? 1 + worker : 1 + L->n_comm + worker;
+    if (L->backward && kind <= COMET_TRACE_RECV) kind += COMET_TRACE_BWD;
+    if (L->backward && kind == COMET_TRACE_WAIT && aux >= 0 && aux <= COMET_TRACE_RECV) aux += COMET_TRACE_BWD;
     comet_trace_event_t ev = {t0, comet_trace_now_ns(), (int32_t)index, (int32_t)aux, (uint16_t)l->rank,
                               (uint16_t)worker, (uint8_t)role, (uint8_t)kind, (uint16_t)L->epoch};
     comet_trace_record(L->rec, lane, &ev);
@@ -323,7 +327,9 @@ static void *compute_worker(void *arg) {
 
     /* The head (the backward's transposes), every worker's done before layer 0. */
     if (L->head) {
+        const uint64_t th = L->rec ? comet_trace_now_ns() : 0;
         if (gemm) L->head(l, wk->index);
+        if (th) cpu_trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_TRANSPOSE, -1, -1, th);
         atomic_fetch_add_explicit(&L->head_done, 1, memory_order_release);
         if (wait_geq(l, &L->head_done, L->head_base + (uint64_t)L->n_compute, "gemm worker", wk->index,
                      "the other workers' heads (%d workers)", L->n_compute))
@@ -341,10 +347,10 @@ static void *compute_worker(void *arg) {
                      "rows of block %d (expert %d, rows %d..%d, stage %d)", b, blk->expert, blk->row_start,
                      blk->row_start + blk->num_rows - 1, blk->stage))
             return NULL;
-        if (tw) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, b, COMET_TRACE_GEMM0, tw);
+        if (tw) cpu_trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, b, COMET_TRACE_GEMM0, tw);
         uint64_t t0 = L->rec ? comet_trace_now_ns() : 0;
         if (gemm) L->layer0(l, wk->index, blk, n0, n1);
-        if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM0, b, i % nt0, t0);
+        if (t0) cpu_trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM0, b, i % nt0, t0);
         mine++;
     }
     atomic_fetch_add_explicit(&L->l0_done, mine, memory_order_release);
@@ -352,7 +358,7 @@ static void *compute_worker(void *arg) {
     if (wait_geq(l, &L->l0_done, L->l0_base + (uint64_t)(nb * nt0), "gemm worker", wk->index,
                  "layer 0 to finish (%lld tiles)", (long long)(nb * nt0)))
         return NULL;
-    if (tw) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, -1, COMET_TRACE_GEMM1, tw);
+    if (tw) cpu_trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_WAIT, -1, COMET_TRACE_GEMM1, tw);
 
     /* Layer 1: column chunk by column chunk across all blocks. */
     for (int64_t i = wk->index; i < L->n_chunks * nb; i += L->n_compute) {
@@ -361,7 +367,7 @@ static void *compute_worker(void *arg) {
         int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
         uint64_t t0 = L->rec ? comet_trace_now_ns() : 0;
         if (gemm) L->layer1(l, wk->index, blk, c0, c1);
-        if (t0) trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM1, p->l0_order[i % nb], c, t0);
+        if (t0) cpu_trace_step(l, COMET_TRACE_GEMM, wk->index, COMET_TRACE_GEMM1, p->l0_order[i % nb], c, t0);
         atomic_fetch_add_explicit(&L->l1_done[c], 1, memory_order_release);
     }
     if (L->tail && gemm) L->tail(l, wk->index);
@@ -380,7 +386,7 @@ static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
     if (wait_geq(l, &L->l1_done[c], L->l1_base[c] + (uint64_t)nb, "comm worker", worker,
                  "layer-1 tiles of chunk %lld (%lld blocks)", (long long)c, (long long)nb))
         return -1;
-    if (tw) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_SEND, tw);
+    if (tw) cpu_trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_SEND, tw);
     uint64_t t0 = L->rec ? comet_trace_now_ns() : 0;
     int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
     cpu_sym_t *home = &L->sh->rank[h];
@@ -399,7 +405,7 @@ static int send_chunk(comet_layer_t *l, int worker, int64_t c, int h) {
         }
     }
     atomic_store_explicit(&home->partial_flag[(int64_t)l->rank * hd + c], L->epoch, memory_order_release);
-    if (t0) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_SEND, c, h, t0);
+    if (t0) cpu_trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_SEND, c, h, t0);
     return 0;
 }
 
@@ -419,7 +425,7 @@ static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
                      "partials of chunk %lld from rank %d", (long long)c, q))
             return -1;
     }
-    if (tw) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_RECV, tw);
+    if (tw) cpu_trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_WAIT, c, COMET_TRACE_RECV, tw);
     uint64_t t0 = L->rec ? comet_trace_now_ns() : 0;
     int64_t c0 = c * L->chunk_cols, c1 = min64(c0 + L->chunk_cols, hd);
     for (int64_t t = 0; !(L->disable & COMET_DISABLE_COMM) && t < L->num_tokens; t++) {
@@ -439,7 +445,7 @@ static int recv_chunk(comet_layer_t *l, int worker, int64_t c) {
             L->d_topk_w[t * topk + j] = acc;
         }
     }
-    if (t0) trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_RECV, c, -1, t0);
+    if (t0) cpu_trace_step(l, COMET_TRACE_COMM, worker, COMET_TRACE_RECV, c, -1, t0);
     return 0;
 }
 
@@ -465,7 +471,7 @@ static void *comm_worker(void *arg) {
                 memcpy(L->pull_dy + row * hd, src->dy + (int64_t)pr->src_token * hd, (size_t)hd * sizeof(comet_bf16_t));
         }
         atomic_store_explicit(&L->block_ready[b], L->epoch, memory_order_release);
-        if (t0) trace_step(l, COMET_TRACE_COMM, wk->index, COMET_TRACE_PULL, b, blk->stage, t0);
+        if (t0) cpu_trace_step(l, COMET_TRACE_COMM, wk->index, COMET_TRACE_PULL, b, blk->stage, t0);
     }
 
     /* Layer 1: send(0), send(1), recv(0), send(2), recv(1), ..., recv(C-1). */
@@ -531,7 +537,7 @@ comet_status_t cpu_enter(comet_layer_t *l, comet_status_t own, int64_t t, const 
     L->err = COMET_SUCCESS;
     uint64_t th = L->rec ? comet_trace_now_ns() : 0;
     COMET_TRY(wait_all_ranks(l, 1, epoch - 1));
-    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 0, -1, th);
+    if (th) cpu_trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 0, -1, th);
 
     /* Stage inputs (or the failure) for the peers. */
     me->status = own;
@@ -549,7 +555,7 @@ comet_status_t cpu_enter(comet_layer_t *l, comet_status_t own, int64_t t, const 
     atomic_store_explicit(&me->entry, epoch, memory_order_release);
     if (th) th = comet_trace_now_ns();
     COMET_TRY(wait_all_ranks(l, 0, epoch));
-    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, th);
+    if (th) cpu_trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_BARRIER, 1, -1, th);
 
     /* Any failure anywhere: every rank returns without writing. */
     comet_status_t st = COMET_SUCCESS;
@@ -588,7 +594,7 @@ comet_status_t cpu_enter(comet_layer_t *l, comet_status_t own, int64_t t, const 
     }
     comet_plan_input_t in = {counts, idx, wt};
     comet_plan_build(d, &in, &L->plan);
-    if (th) trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, -1, -1, th);
+    if (th) cpu_trace_step(l, COMET_TRACE_HOST, 0, COMET_TRACE_PLAN, -1, -1, th);
 
     L->num_tokens = t;
     L->n_comm = proto->n_comm;
@@ -664,7 +670,7 @@ static comet_status_t cpu_layer_forward(comet_layer_t *l, const comet_forward_ar
     if (own == COMET_SUCCESS) /* COMET_SEQUENTIAL: this engine always overlaps */
         comet_tuner_choose(l->world->tune, d, COMET_BACKEND_CPU, t, args->n_comm > 0 ? args->n_comm : 0,
                            args->chunk_cols, &proto);
-    L->rec = L->trace;
+    L->rec = L->trace, L->backward = 0;
     COMET_TRY(cpu_enter(l, own, t, &proto, args->x.data, args->topk_idx.data, args->topk_w.data, NULL));
 
     /* A training forward keeps gu and h in the saved state (not a measurement's). */

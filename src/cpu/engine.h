@@ -79,7 +79,8 @@ struct cpu_layer {
     comet_trace_t *trace;    /* recorder attached by comet_layer_set_trace, or NULL */
     cpu_backward_t bw;
     /* the call in flight */
-    comet_trace_t *rec;      /* its recorder: trace in a forward, NULL in a backward */
+    comet_trace_t *rec;      /* its recorder: trace, or NULL */
+    int backward;            /* a backward: its steps are traced as the backward's kinds */
     const comet_bf16_t *w1, *w2;
     comet_bf16_t *out;       /* (T, H): y, or dx */
     int64_t num_tokens;
@@ -128,6 +129,10 @@ comet_status_t cpu_check_saved_alignment(const comet_tensor_t *saved);
 /* Run the call the fields "in flight" describe on n_comm communication and
  * n_compute compute workers, then close it (done = epoch). */
 comet_status_t cpu_run(comet_layer_t *l);
+
+/* Record one step of (role, worker) from t0 to now into the call's
+ * recorder (L->rec set), in the backward's kinds during a backward. */
+void cpu_trace_step(comet_layer_t *l, int role, int worker, int kind, int64_t index, int64_t aux, uint64_t t0);
 
 /* The backward (engine_backward.c). */
 comet_status_t cpu_layer_backward(comet_layer_t *l, const comet_backward_args_t *args);

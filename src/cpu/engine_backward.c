@@ -23,6 +23,7 @@
 #include "../core/saved.h"
 #include "../core/status.h"
 #include "../core/validate.h"
+#include "../trace/trace.h"
 #include "../tuner/tuner.h"
 #include "cpu_math.h"
 #include "cpu_tiles.h"
@@ -213,6 +214,7 @@ static void backward_wgrad(comet_layer_t *l, int worker) {
     for (int64_t i = worker; i < d->experts_local * per; i += L->n_compute) {
         const int64_t e = i / per, k = i % per;
         const int64_t r0 = p->expert_start[e], rows = p->expert_count[e];
+        const uint64_t t0 = L->rec ? comet_trace_now_ns() : 0;
         if (k < t1) { /* dW1_e[k0 + j, :] = sum dH_r[k0 + j] x_r */
             const int64_t k0 = k * WG_KB, kn = r1 - k0 < WG_KB ? r1 - k0 : WG_KB;
             for (int64_t r = 0; r < rows; r++)
@@ -235,6 +237,7 @@ static void backward_wgrad(comet_layer_t *l, int worker) {
             for (int64_t j = 0; j < cn; j++)
                 comet_cpu_store_grad(&a->dw2, (e * hd + c0 + j) * fl, sums + j * fl, fl, a->accumulate);
         }
+        if (t0) cpu_trace_step(l, COMET_TRACE_GEMM, worker, COMET_TRACE_WGRAD, k, e, t0);
     }
 }
 
@@ -251,7 +254,7 @@ comet_status_t cpu_layer_backward(comet_layer_t *l, const comet_backward_args_t 
     comet_protocol_t proto = COMET_PROTOCOL_INIT;
     if (own == COMET_SUCCESS) /* COMET_SEQUENTIAL: this engine always overlaps; the chunk width the tuner's */
         comet_tuner_choose(l->world->tune, d, COMET_BACKEND_CPU, t, args->n_comm > 0 ? args->n_comm : 0, 0, &proto);
-    L->rec = NULL;
+    L->rec = L->trace, L->backward = 1;
     COMET_TRY(cpu_enter(l, own, t, &proto, args->x.data, args->topk_idx.data, args->topk_w.data, args->dy.data));
 
     const char *saved = args->saved.data;

@@ -120,8 +120,9 @@ int64_t comet_trace_dropped(const comet_trace_t *t) {
  * Names
  * ------------------------------------------------------------------------- */
 
-static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {"pull", "gemm0", "gemm1", "send",
-                                                              "recv", "wait",  "barrier", "plan"};
+static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {
+    "pull", "gemm0", "gemm1", "send", "recv", "wait", "barrier", "plan",
+    "bwd_pull", "bwd_gemm0", "bwd_gemm1", "bwd_send", "bwd_recv", "transpose", "wgrad"};
 
 /* What a model trainer calls each step: the event names of the JSON and the
  * SVG's legend and tooltips. GEMM0 is the experts' first matmul (x W1, with
@@ -129,7 +130,10 @@ static const char *const kind_names[COMET_TRACE_NUM_KINDS] = {"pull", "gemm0", "
 static const char *const kind_titles[COMET_TRACE_NUM_KINDS] = {
     "dispatch (pull token rows)", "expert GEMM 1 (x W1, activation)", "expert GEMM 2 (h W2)",
     "combine (send partials)",    "combine (sum partials into y)",    "wait",
-    "barrier (sync ranks)",       "plan (route tokens)"};
+    "barrier (sync ranks)",       "plan (route tokens)",
+    "backward: pull x and dy rows", "backward: G = dy W2^T, dH",      "backward: dX = dH W1",
+    "backward: send dx partials",   "backward: sum dx partials",      "backward: transpose weights",
+    "backward: weight gradients"};
 
 const char *comet_trace_kind_name(int kind) {
     return kind >= 0 && kind < COMET_TRACE_NUM_KINDS ? kind_names[kind] : "unknown";
@@ -150,7 +154,7 @@ int comet_trace_kind_layer(int kind) {
     case COMET_TRACE_GEMM1:
     case COMET_TRACE_SEND:
     case COMET_TRACE_RECV: return 1;
-    default: return -1;
+    default: return -1; /* the backward's kinds too: the header spans are the forward's layers */
     }
 }
 
@@ -163,6 +167,12 @@ static void event_label(const comet_trace_event_t *e, char *buf, size_t n) {
     case COMET_TRACE_GEMM1: snprintf(buf, n, "gemm1 b%d c%d", e->index, e->aux); break;
     case COMET_TRACE_SEND: snprintf(buf, n, "send c%d to r%d", e->index, e->aux); break;
     case COMET_TRACE_RECV: snprintf(buf, n, "recv c%d", e->index); break;
+    case COMET_TRACE_BPULL: snprintf(buf, n, "bwd pull b%d", e->index); break;
+    case COMET_TRACE_BGEMM0: snprintf(buf, n, "bwd gemm0 b%d", e->index); break;
+    case COMET_TRACE_BGEMM1: snprintf(buf, n, "bwd gemm1 b%d c%d", e->index, e->aux); break;
+    case COMET_TRACE_BSEND: snprintf(buf, n, "bwd send c%d to r%d", e->index, e->aux); break;
+    case COMET_TRACE_BRECV: snprintf(buf, n, "bwd recv c%d", e->index); break;
+    case COMET_TRACE_WGRAD: snprintf(buf, n, "wgrad e%d task %d", e->aux, e->index); break;
     case COMET_TRACE_WAIT: snprintf(buf, n, "wait for %s %d", comet_trace_kind_name(e->aux), e->index); break;
     case COMET_TRACE_BARRIER: snprintf(buf, n, "barrier (%s)", e->index ? "entry" : "previous call done"); break;
     default: snprintf(buf, n, "%s", k); break;
@@ -308,8 +318,14 @@ static int cmp_span(const void *a, const void *b) {
     return (x->b > y->b) - (x->b < y->b);
 }
 
-static int is_gemm(int kind) { return kind == COMET_TRACE_GEMM0 || kind == COMET_TRACE_GEMM1; }
-static int is_comm(int kind) { return kind == COMET_TRACE_PULL || kind == COMET_TRACE_SEND || kind == COMET_TRACE_RECV; }
+static int is_gemm(int kind) {
+    return kind == COMET_TRACE_GEMM0 || kind == COMET_TRACE_GEMM1 || kind == COMET_TRACE_BGEMM0 ||
+           kind == COMET_TRACE_BGEMM1 || kind == COMET_TRACE_TRANSPOSE || kind == COMET_TRACE_WGRAD;
+}
+static int is_comm(int kind) {
+    return kind == COMET_TRACE_PULL || kind == COMET_TRACE_SEND || kind == COMET_TRACE_RECV ||
+           kind == COMET_TRACE_BPULL || kind == COMET_TRACE_BSEND || kind == COMET_TRACE_BRECV;
+}
 
 /* The rank's intervals of the kinds `pick` takes, as a sorted union of
  * disjoint spans in s (room for v->n); returns how many. */
@@ -501,6 +517,13 @@ static const char *kind_color(int kind) {
     case COMET_TRACE_GEMM0: return "#fdae6b";  /* gemm, layer 0: light orange */
     case COMET_TRACE_GEMM1: return "#d94801";  /* gemm, layer 1: dark orange */
     case COMET_TRACE_PLAN: return "#74c476";   /* host: green */
+    case COMET_TRACE_BPULL: return "#9ecae1";  /* the backward: the forward's hues, lighter or shifted */
+    case COMET_TRACE_BSEND: return "#4292c6";
+    case COMET_TRACE_BRECV: return "#9e9ac8";
+    case COMET_TRACE_BGEMM0: return "#fdd0a2";
+    case COMET_TRACE_BGEMM1: return "#f16913";
+    case COMET_TRACE_TRANSPOSE: return "#bcbddc";
+    case COMET_TRACE_WGRAD: return "#a50f15";  /* dark red: the weight-gradient tiles */
     case COMET_TRACE_BARRIER: return "#d9d9d9";
     default: return "#969696";                 /* waits */
     }
@@ -539,7 +562,7 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
             layer_max = (double)(sums[r].last - sums[r].first) * 1e-3;
     }
     const double summary_y = 36, note_y = summary_y + 14.0 * n_present, legend_y = note_y + 29,
-                 top = legend_y + 32; /* the first rank's header */
+                 top = legend_y + 48; /* the first rank's header (the legend's two rows above) */
     double y = top;
     for (int64_t i = 0; i < v.n_lanes; i++) {
         if (i == 0 || v.lanes[i].rank != v.lanes[i - 1].rank) {
@@ -588,13 +611,18 @@ comet_status_t comet_trace_write_svg(const comet_trace_t *t, const char *path) {
                             : "All ranks share one clock (CLOCK_MONOTONIC): a rank's +offset, where its first event lies after the "
                               "earliest one, is real.");
     /* Legend. */
-    static const int legend[] = {COMET_TRACE_PULL,  COMET_TRACE_GEMM0, COMET_TRACE_GEMM1, COMET_TRACE_SEND,
-                                 COMET_TRACE_RECV,  COMET_TRACE_WAIT,  COMET_TRACE_PLAN,  COMET_TRACE_BARRIER};
+    /* Legend: the forward's and the host's kinds, then the backward's on a second row. */
+    static const int legend[] = {COMET_TRACE_PULL,   COMET_TRACE_GEMM0,  COMET_TRACE_GEMM1,     COMET_TRACE_SEND,
+                                 COMET_TRACE_RECV,   COMET_TRACE_WAIT,   COMET_TRACE_PLAN,      COMET_TRACE_BARRIER,
+                                 COMET_TRACE_BPULL,  COMET_TRACE_BGEMM0, COMET_TRACE_BGEMM1,    COMET_TRACE_BSEND,
+                                 COMET_TRACE_BRECV,  COMET_TRACE_TRANSPOSE, COMET_TRACE_WGRAD};
     double lx = 10;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < (int)(sizeof legend / sizeof legend[0]); i++) {
+        const double ly = legend_y + (legend[i] >= COMET_TRACE_BPULL ? 16 : 0);
+        if (legend[i] == COMET_TRACE_BPULL) lx = 10;
         fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"%d\" fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
-                lx, legend_y + (legend[i] == COMET_TRACE_WAIT ? 3 : 0), legend[i] == COMET_TRACE_WAIT ? 4 : 10,
-                kind_color(legend[i]), lx + 16, legend_y + 10,
+                lx, ly + (legend[i] == COMET_TRACE_WAIT ? 3 : 0), legend[i] == COMET_TRACE_WAIT ? 4 : 10,
+                kind_color(legend[i]), lx + 16, ly + 10,
                 comet_trace_kind_title(legend[i]));
         lx += 24 + 6.2 * (double)strlen(comet_trace_kind_title(legend[i]));
     }

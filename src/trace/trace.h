@@ -55,8 +55,19 @@ enum {
     COMET_TRACE_BARRIER = 6, /* host: wait for every rank; index 0 = previous call done, 1 = entry */
     COMET_TRACE_PLAN = 7,    /* host: build the plan from every rank's staged routing (CPU: index -1;
                               * CUDA: index 0 the routing copy, 1 and 2 the builder's kernels) */
-    COMET_TRACE_NUM_KINDS = 8
+    /* The backward's steps (the CPU engine records them; the CUDA backend records forwards only):
+     * its layer 0 and 1 run the forward's protocol on other data, the kinds above + COMET_TRACE_BWD */
+    COMET_TRACE_BPULL = 8,     /* comm: x and dy rows of block `index` (latest source stage `aux`) */
+    COMET_TRACE_BGEMM0 = 9,    /* gemm: block `index` (aux 0): G = dy W2^T, the activation's backward dH, <G, a> */
+    COMET_TRACE_BGEMM1 = 10,   /* gemm: block `index`, column chunk `aux`: dX = dH W1 */
+    COMET_TRACE_BSEND = 11,    /* comm: dx chunk `index` reduced and stored into home rank `aux` */
+    COMET_TRACE_BRECV = 12,    /* comm: dx chunk `index` of every local token summed */
+    COMET_TRACE_TRANSPOSE = 13, /* gemm: the worker's share of the weights' transposes (index -1) */
+    COMET_TRACE_WGRAD = 14,    /* gemm: weight-gradient task `index` of local expert `aux` (WG_KB rows of dW1,
+                                * then of dW2) */
+    COMET_TRACE_NUM_KINDS = 15
 };
+#define COMET_TRACE_BWD (COMET_TRACE_BPULL - COMET_TRACE_PULL) /* a forward kind's backward twin: + this */
 
 /* Who did it. */
 enum { COMET_TRACE_HOST = 0, COMET_TRACE_COMM = 1, COMET_TRACE_GEMM = 2 };
