@@ -30,6 +30,8 @@
  */
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>
+#include <time.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,8 +281,15 @@ static int64_t off_ref(const void *got, const void *ref, int64_t rows, int64_t n
 }
 
 /* One case on problem p (its inputs; p outlives the call). */
+static double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void run_case_on(comet_problem_t *p, const comet_routing_opts_t *ro, int save, int fp32, int accumulate, int many,
                         const char *tag) {
+    const double t_case = seconds();
     const comet_layer_config_t *cfg = &p->cfg;
     const int w = cfg->tp * cfg->ep;
     comet_world_t *world;
@@ -319,7 +328,9 @@ static void run_case_on(comet_problem_t *p, const comet_routing_opts_t *ro, int 
         a.accumulate = accumulate;
         ref[s] = a;
     }
+    const double t_ref = seconds();
     comet_status_t rst = comet_reference_backward_parallel(cfg, w, ref, 0); /* on the online cores */
+    const double ref_s = seconds() - t_ref;
     CHECK(rst == COMET_SUCCESS, "%s: reference: %s", tag, comet_last_error());
     job_t jobs[MAXW];
     pthread_t th[MAXW];
@@ -362,6 +373,9 @@ static void run_case_on(comet_problem_t *p, const comet_routing_opts_t *ro, int 
         free(r->dw1_ref), free(r->dw1), free(r->dw2_ref), free(r->dw2);
     }
     comet_world_destroy(world);
+    /* where a case's time goes (the host's reference or the rest), for the device call's budget */
+    printf("test_backward_gpu: %-64s %.1f s (host reference %.1f s)\n", tag, seconds() - t_case, ref_s);
+    fflush(stdout);
 }
 
 static void run_case(const comet_layer_config_t *cfg, const int64_t *tokens, const comet_routing_opts_t *ro, int save,
