@@ -84,21 +84,28 @@ static inline void comet_cpu_topk_accumulate(float *acc, float w, const comet_bf
 
 /* ---- backward (include/comet.h, "Backward") ------------------------------ */
 
+/* One tile of a transpose, cache-friendly: dst (cols, rows) gets src (rows,
+ * cols)'s elements [r0, r0 + TILE) x [c0, c0 + TILE), clipped. */
+#define COMET_CPU_TRANSPOSE_TILE 32
+static inline void comet_cpu_transpose_tile(const comet_bf16_t *src, comet_bf16_t *dst, int64_t rows, int64_t cols,
+                                            int64_t r0, int64_t c0) {
+    const int64_t T = COMET_CPU_TRANSPOSE_TILE;
+    const int64_t r1 = r0 + T < rows ? r0 + T : rows, c1 = c0 + T < cols ? c0 + T : cols;
+    for (int64_t c = c0; c < c1; c++)
+        for (int64_t r = r0; r < r1; r++) dst[c * rows + r] = src[r * cols + c];
+}
+
 /* W1_e and W2_e of every local expert transposed, as the backward's rows
  * read them: w1t (E_local, H, w1_rows) and w2t (E_local, F_local, H), from
- * w1 (E_local, w1_rows, H) and w2 (E_local, H, F_local). */
+ * w1 (E_local, w1_rows, H) and w2 (E_local, H, F_local), tile by tile. */
 static inline void comet_cpu_transpose_weights(const comet_dims_t *d, const comet_bf16_t *w1, const comet_bf16_t *w2,
                                                comet_bf16_t *w1t, comet_bf16_t *w2t) {
-    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, B = 32; /* in B x B tiles: cache-friendly */
+    const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, T = COMET_CPU_TRANSPOSE_TILE;
     for (int64_t e = 0; e < d->experts_local; e++) {
-        for (int64_t n0 = 0; n0 < r1; n0 += B)
-            for (int64_t c0 = 0; c0 < hd; c0 += B)
-                for (int64_t n = n0; n < n0 + B && n < r1; n++)
-                    for (int64_t c = c0; c < c0 + B && c < hd; c++) w1t[(e * hd + c) * r1 + n] = w1[(e * r1 + n) * hd + c];
-        for (int64_t c0 = 0; c0 < hd; c0 += B)
-            for (int64_t n0 = 0; n0 < fl; n0 += B)
-                for (int64_t c = c0; c < c0 + B && c < hd; c++)
-                    for (int64_t n = n0; n < n0 + B && n < fl; n++) w2t[(e * fl + n) * hd + c] = w2[(e * hd + c) * fl + n];
+        for (int64_t r0 = 0; r0 < r1; r0 += T)
+            for (int64_t c0 = 0; c0 < hd; c0 += T) comet_cpu_transpose_tile(w1 + e * r1 * hd, w1t + e * hd * r1, r1, hd, r0, c0);
+        for (int64_t r0 = 0; r0 < hd; r0 += T)
+            for (int64_t c0 = 0; c0 < fl; c0 += T) comet_cpu_transpose_tile(w2 + e * hd * fl, w2t + e * fl * hd, hd, fl, r0, c0);
     }
 }
 

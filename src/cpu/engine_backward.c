@@ -73,31 +73,22 @@ static comet_status_t check_saved_header(const comet_layer_t *l, const comet_ten
 }
 
 /* The weights' transposes (comet_cpu_transpose_weights' w1t and w2t), the
- * head of every compute worker: 32 x 32 tiles, task i of the local experts'
+ * head of every compute worker: comet_cpu_transpose_tile's tiles, task i of the local experts'
  * w1 tiles then w2 tiles on worker i mod n_compute. */
-#define TR_TILE 32
-static void transpose_tile(const comet_bf16_t *src, comet_bf16_t *dst, int64_t rows, int64_t cols, int64_t r0,
-                           int64_t c0) {
-    const int64_t r1 = r0 + TR_TILE < rows ? r0 + TR_TILE : rows, c1 = c0 + TR_TILE < cols ? c0 + TR_TILE : cols;
-    for (int64_t c = c0; c < c1; c++)
-        for (int64_t r = r0; r < r1; r++) dst[c * rows + r] = src[r * cols + c];
-}
-
 static void backward_transpose(comet_layer_t *l, int worker) {
     cpu_layer_t *L = l->backend_state;
     const cpu_backward_t *B = &L->bw;
     const comet_dims_t *d = &l->dims;
     const int64_t hd = d->hidden, fl = d->ffn_local, r1 = d->w1_rows, el = d->experts_local;
-    const int64_t t = (hd + TR_TILE - 1) / TR_TILE, t1 = (r1 + TR_TILE - 1) / TR_TILE,
-                  t2 = (fl + TR_TILE - 1) / TR_TILE;
+    const int64_t T = COMET_CPU_TRANSPOSE_TILE, t = (hd + T - 1) / T, t1 = (r1 + T - 1) / T, t2 = (fl + T - 1) / T;
     const int64_t n1 = el * t1 * t, n = n1 + el * t * t2;
     for (int64_t i = worker; i < n; i += L->n_compute) {
         if (i < n1) { /* w1_e (w1_rows, H) -> w1t_e (H, w1_rows) */
             const int64_t e = i / (t1 * t), rt = i / t % t1, ct = i % t;
-            transpose_tile(L->w1 + e * r1 * hd, B->w1t + e * hd * r1, r1, hd, rt * TR_TILE, ct * TR_TILE);
+            comet_cpu_transpose_tile(L->w1 + e * r1 * hd, B->w1t + e * hd * r1, r1, hd, rt * T, ct * T);
         } else { /* w2_e (H, F_local) -> w2t_e (F_local, H) */
             const int64_t j = i - n1, e = j / (t * t2), rt = j / t2 % t, ct = j % t2;
-            transpose_tile(L->w2 + e * hd * fl, B->w2t + e * fl * hd, hd, fl, rt * TR_TILE, ct * TR_TILE);
+            comet_cpu_transpose_tile(L->w2 + e * hd * fl, B->w2t + e * fl * hd, hd, fl, rt * T, ct * T);
         }
     }
 }
