@@ -17,6 +17,7 @@
 #ifndef COMET_GRADSLACK_H
 #define COMET_GRADSLACK_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "comet.h"
@@ -41,6 +42,14 @@ comet_status_t comet_dw1_slack_init(comet_dw1_slack_t *s, const comet_layer_conf
 
 /* The slack of dW1 element (local expert e, row j, column c). */
 double comet_dw1_slack(const comet_dw1_slack_t *s, int64_t e, int64_t j, int64_t c);
+
+/* The gradient checks' rule, without the slack: how far a gradient element
+ * may lie from the reference's value ref in a row of rms `rms` (8 bf16 ulps
+ * of |ref| + 2% of the rms: what another fp32 order moves through dH's bf16
+ * rounding); the dW1 checks add comet_dw1_slack. */
+static inline double comet_grad_rule(double ref, double rms) {
+    return 8.0 * fabs(ref) / 128.0 + 0.02 * rms;
+}
 
 void comet_dw1_slack_free(comet_dw1_slack_t *s);
 

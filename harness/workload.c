@@ -624,7 +624,7 @@ static void grad_compare(struct comet_train_check *c, int k, const void *got, co
         for (int64_t i = 0; i < n; i++) {
             const float g = grad_val(got, r * n + i, fp32), e = grad_val(ref, r * n + i, fp32);
             const double err = fabs((double)g - (double)e);
-            const double tol = 8.0 * fabs(e) / 128.0 + 0.02 * rms +
+            const double tol = comet_grad_rule(e, rms) +
                                (slack ? comet_dw1_slack(slack, row / slack->w1_rows, row % slack->w1_rows, i) : 0);
             c->elements[k]++;
             c->differ[k] += fp32 ? memcmp(&g, &e, 4) != 0

@@ -271,7 +271,7 @@ static int64_t off_ref(const void *got, const void *ref, int64_t rows, int64_t n
         for (int64_t c = 0; c < n; c++) {
             const double g = val(got, (size_t)(r * n + c), fp32), e = val(ref, (size_t)(r * n + c), fp32);
             const double err = fabs(g - e);
-            const double tol = 8.0 * fabs(e) / 128.0 + 0.02 * rms +
+            const double tol = comet_grad_rule(e, rms) +
                                (slack ? comet_dw1_slack(slack, r / slack->w1_rows, r % slack->w1_rows, c) : 0);
             if (rms > 0 && err / rms > *worst) *worst = err / rms;
             if (isnan(g) || err > tol) bad++;

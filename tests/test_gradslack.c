@@ -153,7 +153,7 @@ static void run(int tp, int ep, comet_activation_t act, uint64_t seed) {
             int bad_row = 0;
             for (int64_t h = 0; h < hd; h++) {
                 const double r = bf(dw1[q][row * hd + h]), m = comet_bf16_round((float)model[row * hd + h]);
-                const double rule = 8.0 * fabs(r) / 128.0 + 0.02 * rms, slack = comet_dw1_slack(&sl, row / r1, j, h);
+                const double rule = comet_grad_rule(r, rms), slack = comet_dw1_slack(&sl, row / r1, j, h);
                 past_rule += fabs(r - m) > rule, past_both += fabs(r - m) > rule + slack;
                 if (rms > 0 && !cancelling) ratio[n_ratio++] = slack / rule;
                 /* a 20% error in an element of a row where the slack is small must still be caught
