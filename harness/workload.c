@@ -95,12 +95,8 @@ static int online_parts(int64_t n) {
     return n < (1 << 16) || cores < 2 ? 1 : cores > 64 ? 64 : (int)cores;
 }
 
-static void run_parts(part_fn fn, void *arg, int64_t n) {
-    run_parts_on(fn, arg, online_parts(n));
-}
-
-void comet_parts_run(void (*fn)(void *arg, int part, int parts), void *arg, int64_t work) {
-    run_parts(fn, arg, work);
+void comet_parts_run(part_fn fn, void *arg, int64_t work) {
+    run_parts_on(fn, arg, online_parts(work));
 }
 
 /* Uniform bf16 in [-scale, scale): the values of drawing them one by one from
@@ -122,7 +118,7 @@ static void fill_part(void *v, int part, int parts) {
 
 static void fill_bf16(uint16_t *a, int64_t n, double scale, comet_rng_t *r) {
     fill_t f = {a, n, scale, r->state};
-    run_parts(fill_part, &f, n);
+    comet_parts_run(fill_part, &f, n);
     r->state += (uint64_t)n * 0x9e3779b97f4a7c15ull;
 }
 
@@ -374,7 +370,7 @@ comet_status_t comet_problem_check(const comet_problem_t *p, int64_t sample, int
         for (int64_t i = 0; i < n; i++)
             k->pairs[k->n_pairs++] = ((int64_t)s << 40) | (n == t_num ? i : (n == 1 ? 0 : i * (t_num - 1) / (n - 1)));
     }
-    if (st == COMET_SUCCESS) run_parts(check_part, k, k->n_pairs * k->d.hidden * k->d.topk * k->d.ffn_local / 256);
+    if (st == COMET_SUCCESS) comet_parts_run(check_part, k, k->n_pairs * k->d.hidden * k->d.topk * k->d.ffn_local / 256);
     for (int i = 0; st == COMET_SUCCESS && i < 64; i++) {
         if (k->part_failed[i]) st = comet_fail(COMET_ERR_OUT_OF_MEMORY, "check: no memory");
         out->elements += k->part_out[i].elements, out->differ += k->part_out[i].differ;

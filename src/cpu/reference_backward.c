@@ -65,8 +65,6 @@ struct comet_reference_backward_scratch {
     float *dtw;           /* (topk) */
     float *dw1, *dw2;     /* one expert's fp32 sums */
 };
-typedef comet_reference_backward_t shared_t;
-typedef comet_reference_backward_scratch_t scratch_t;
 
 void comet_reference_backward_scratch_free(comet_reference_backward_scratch_t *s) {
     if (!s) return;
@@ -78,7 +76,7 @@ comet_status_t comet_reference_backward_scratch_create(const comet_reference_bac
                                                        comet_reference_backward_scratch_t **out) {
     const comet_dims_t *d0 = &rb->dims[0];
     const int64_t hd = d0->hidden, fl = d0->ffn_local, r1 = d0->w1_rows;
-    scratch_t *s = calloc(1, sizeof *s);
+    comet_reference_backward_scratch_t *s = calloc(1, sizeof *s);
     if (s) {
         s->gu = malloc(sizeof(comet_bf16_t) * (size_t)r1);
         s->a = malloc(sizeof(comet_bf16_t) * (size_t)fl);
@@ -100,8 +98,8 @@ comet_status_t comet_reference_backward_scratch_create(const comet_reference_bac
 
 /* Steps 1, 2 and 4 of one row: gu, a and dH into the state; returns the
  * slice's <G, a>. */
-static float row_backward(const comet_dims_t *dq, scratch_t *st, const comet_bf16_t *x, const comet_bf16_t *dy, float w,
-                          const comet_bf16_t *w1_e, const comet_bf16_t *w2t_e) {
+static float row_backward(const comet_dims_t *dq, comet_reference_backward_scratch_t *st, const comet_bf16_t *x,
+                          const comet_bf16_t *dy, float w, const comet_bf16_t *w1_e, const comet_bf16_t *w2t_e) {
     comet_cpu_gemm0_gu_row(dq, x, w1_e, 0, dq->ffn_local, st->a, st->gu);
     return comet_cpu_backward_row(dq, st->gu, st->a, dy, w, w2t_e, st->dh);
 }
@@ -184,7 +182,7 @@ comet_status_t comet_reference_backward_begin(comet_reference_backward_t **out, 
     if (!args) return comet_fail(COMET_ERR_INVALID_ARGUMENT, "args is NULL");
     if (world_size < 1 || world_size > COMET_MAX_RANKS)
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "world_size %d is outside [1, %d]", world_size, COMET_MAX_RANKS);
-    shared_t *rb = calloc(1, sizeof *rb);
+    comet_reference_backward_t *rb = calloc(1, sizeof *rb);
     if (rb) {
         rb->world_size = world_size, rb->args = args;
         rb->dims = calloc((size_t)world_size, sizeof *rb->dims);
