@@ -1118,6 +1118,8 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         f.x.data = b.x.data = ts->in.x, f.topk_idx.data = b.topk_idx.data = ts->in.idx;
         f.topk_w.data = b.topk_w.data = ts->in.w, f.y.data = ts->in.y;
         b.dy.data = ts->dy, b.dx.data = ts->dx, b.d_topk_w.data = ts->dtw;
+        if (run->trace && i == run->repeats - 1) st = comet_layer_set_trace(layer, run->trace); /* the last step */
+        if (st != COMET_SUCCESS) break;
         note_progress(job, i);
         mark_timed(job, i);
         cudaEventRecord(ev[0], stream);

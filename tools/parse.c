@@ -39,8 +39,8 @@ static const char *const flag_help =
 /* The flags of the runs that write results (bench, check). */
 static const char *const output_help =
     "  --json FILE        append the result as one JSON line (bench/report.py reads it)\n"
-    "  --trace FILE       record every worker's steps in the last forward (with --train on the CPU\n"
-    "                     engine: the last step, forward and backward): a picture (SVG) and\n"
+    "  --trace FILE       record every worker's steps in the last forward (with --train the last\n"
+    "                     step, forward and backward): a picture (SVG) and\n"
     "                     Chrome-trace JSON (Perfetto, chrome://tracing); x.svg or x.json writes\n"
     "                     both x.svg and x.json, another name FILE the JSON to FILE, the SVG to FILE.svg\n";
 

@@ -182,10 +182,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
         cli_warn("--graph is for GPUs; the CPU engine runs without it");
     /* Lanes (CPU engine; the CUDA backend records into its own fixed lanes): the rank's thread,
      * its comm workers, its compute workers. */
-    if (o->trace && o->train && r->use_cuda && cli_speaks(&o->launch))
-        cli_warn("--trace ignored with --train on GPUs: the CUDA backend records forwards (the CPU engine "
-                 "records training steps)");
-    if (o->trace && !(o->train && r->use_cuda) &&
+    if (o->trace &&
         comet_trace_create(&run.trace, r->world, 1 + (o->n_comm > 0 ? o->n_comm : 2) + 32, 0) != COMET_SUCCESS) {
         fprintf(stderr, "comet: --trace: %s\n", comet_last_error());
         comet_world_destroy(w);

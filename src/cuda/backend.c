@@ -731,7 +731,10 @@ static comet_status_t cuda_layer_backward(comet_layer_t *l, const comet_backward
     proto.chosen_by = own == COMET_SUCCESS && args->n_comm != 0 ? COMET_CHOSEN_BY_ARGS : COMET_CHOSEN_BY_RULE;
     c.n_comm = 0, c.push = proto.combine == COMET_COMBINE_PUSH;
     c.disable = c.gemm && own == COMET_SUCCESS ? args->disable : 0; /* honoured with the Hopper GEMM, as the forward's */
-    c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0; /* the trace records forwards */
+    /* traced: the backward's events follow the last forward's (which cleared the counts), so a
+     * training step's trace holds both */
+    c.tr_events = NULL, c.tr_counts = NULL, c.tr_capacity = 0;
+    if (L->trace) c.tr_events = L->tr_events, c.tr_counts = L->tr_counts, c.tr_capacity = (uint32_t)L->trace->capacity;
     c.protocol = comet_cuda_protocol_word(&proto, 1);
     const int e = comet_cuda_backward_launch(&c, &call, stream);
     comet_cuda_wgrad_destroy(c.wgrad); /* their maps went with the launches */
@@ -767,7 +770,8 @@ static comet_status_t cuda_layer_set_trace(comet_layer_t *l, comet_trace_t *t) {
     return COMET_SUCCESS;
 }
 
-/* The last forward's events into this rank's lanes of the recorder. */
+/* The last forward's events (and the backward's after it) into this rank's
+ * lanes of the recorder. */
 static comet_status_t trace_collect(comet_layer_t *l) {
     cuda_layer_t *L = l->backend_state;
     comet_trace_t *t = L->trace;

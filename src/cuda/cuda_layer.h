@@ -121,7 +121,7 @@ typedef struct {
     uint32_t skip;            /* 1: some rank's input is invalid this epoch: write nothing */
     uint32_t last_status;     /* comet_status_t to report: own failure, or PEER_FAILED */
     uint32_t pad_;
-    uint64_t mark_begin[3];   /* trace: %globaltimer when GEMM0 / GEMM1 / the plan were reached */
+    uint64_t mark_begin[7];   /* trace: %globaltimer when each marked step was reached (exit.cuh's k_mark) */
     int64_t token_count[COMET_CUDA_MAX_RANKS];   /* T of every rank, this epoch */
     const int32_t *peer_idx[COMET_CUDA_MAX_RANKS]; /* every rank's staged topk_idx (peer memory) */
     const float *peer_w[COMET_CUDA_MAX_RANKS];     /* every rank's staged topk_w (peer memory) */

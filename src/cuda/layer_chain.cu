@@ -75,6 +75,12 @@ extern "C" int comet_cuda_layer_warm(void) {
     return comet_gemm_warm();
 }
 
+/* Trace: step `which` (exit.cuh's mark_step) begins (end 0) or ends (end 1)
+ * here on the stream; nothing when not tracing. */
+static void mark(const comet_cuda_ctx_t *c, int which, int end, cudaStream_t stream) {
+    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, end, -1);
+}
+
 /* Hopper GEMM `which` (0 or 1) with hooks, marked for the trace (a launch
  * programmatically dependent on the kernel before it, hooks->pdl, must follow
  * that kernel directly: its begin mark goes before that kernel instead).
@@ -82,7 +88,7 @@ extern "C" int comet_cuda_layer_warm(void) {
  * gu and h straight into the caller's saved state (c->saved; GEMM1 reads h
  * there), the backward's recompute gu into c->dh. */
 static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_hooks_t *hooks, cudaStream_t stream) {
-    if (c->tr_events && !hooks->pdl) k_mark<<<1, 1, 0, stream>>>(*c, which, 0, -1);
+    if (!hooks->pdl) mark(c, which, 0, stream);
     const comet_gemm_t *g = (const comet_gemm_t *)c->gemm;
     comet_gemm_train_t t;
     memset(&t, 0, sizeof t);
@@ -93,7 +99,7 @@ static int launch_gemm(const comet_cuda_ctx_t *c, int which, const comet_gemm_ho
                    : c->store_gu ? comet_gemm0_train_launch(g, &t, stream, hooks)
                                  : comet_gemm0_launch(g, stream, hooks);
     if (ge != cudaSuccess) return ge;
-    if (c->tr_events) k_mark<<<1, 1, 0, stream>>>(*c, which, 1, -1);
+    mark(c, which, 1, stream);
     return cudaSuccess;
 }
 
@@ -150,8 +156,8 @@ extern "C" int comet_cuda_backward_launch(const comet_cuda_ctx_t *ctx, const com
  * builder's hook between its kernels; arg is the comet_cuda_ctx_t). */
 static cudaError_t plan_mark(void *arg, int step, cudaStream_t stream) {
     const comet_cuda_ctx_t *c = (const comet_cuda_ctx_t *)arg;
-    k_mark<<<1, 1, 0, stream>>>(*c, 2, 1, step);
-    k_mark<<<1, 1, 0, stream>>>(*c, 2, 0, -1);
+    k_mark<<<1, 1, 0, stream>>>(*c, MARK_PLAN, 1, step);
+    k_mark<<<1, 1, 0, stream>>>(*c, MARK_PLAN, 0, -1);
     return cudaGetLastError();
 }
 
@@ -159,7 +165,7 @@ static cudaError_t plan_mark(void *arg, int step, cudaStream_t stream) {
 static int plan_steps(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     const comet_cuda_ctx_t c = *ctx;
     const int grid = c.num_sms > 0 ? c.num_sms : 132;
-    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 0, -1);
+    mark(&c, MARK_PLAN, 0, stream);
     k_gather_routing<<<grid, 256, 0, stream>>>(c);
     if (c.tr_events) {
         const cudaError_t me = plan_mark((void *)&c, 0, stream);
@@ -172,7 +178,7 @@ static int plan_steps(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
     cudaError_t pe = comet_cuda_plan_build(&c.d, &in, c.plan_ws, c.plan_scratch, &c.state->skip, stream,
                                            c.tr_events ? plan_mark : NULL, (void *)&c);
     if (pe != cudaSuccess) return (int)pe;
-    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 2, 1, 2);
+    if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, MARK_PLAN, 1, 2);
     return cudaSuccess;
 }
 
@@ -195,7 +201,7 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         hooks.epoch = &c.state->epoch; /* device address inside the state */
         hooks.timeout_report = c.gemm_report;
         const int gemm_on = !(c.disable & COMET_DISABLE_GEMM);
-        if (c.tr_events && gemm_on) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
+        if (gemm_on) mark(&c, MARK_GEMM0, 0, stream);
         k_dispatch_ov<<<grid, COMM_THREADS, 0, stream>>>(c);
         int ge = gemm_on ? launch_gemm(&c, 0, &hooks, stream) : 0;
         if (ge != cudaSuccess) return ge;
@@ -222,12 +228,12 @@ static int forward_chain(const comet_cuda_ctx_t *ctx, cudaStream_t stream) {
         if (ge != cudaSuccess) return ge;
     } else { /* sequential, SIMT tiles */
         k_dispatch<<<grid, COMM_THREADS, 0, stream>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 0, -1);
+        mark(&c, MARK_GEMM0, 0, stream);
         simt_gemm0(&c, stream);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 0, 1, -1);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 0, -1);
+        mark(&c, MARK_GEMM0, 1, stream);
+        mark(&c, MARK_GEMM1, 0, stream);
         k_gemm1<<<dim3((unsigned)((d->hidden + TILE - 1) / TILE), blocks_y), 256, 0, stream>>>(c);
-        if (c.tr_events) k_mark<<<1, 1, 0, stream>>>(c, 1, 1, -1);
+        mark(&c, MARK_GEMM1, 1, stream);
     }
     if (final_flat(&c))
         k_final_flat<<<grid, COMM_THREADS, 0, stream>>>(c);
@@ -315,16 +321,27 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         t.dy = c.o, t.dh = c.dh, t.dwp = c.dwp, t.dx = c.o;
         dwp_tiles = comet_gemm_dwp_tiles(d);
         if (gemm_on) {
-            int ge = c.store_gu ? comet_gemm0_train_launch(g, &t, stream, &hooks) : cudaSuccess;
+            int ge = cudaSuccess;
+            if (c.store_gu) { /* the recompute: GEMM0 again */
+                mark(&c, MARK_GEMM0, 0, stream);
+                ge = comet_gemm0_train_launch(g, &t, stream, &hooks);
+                mark(&c, MARK_GEMM0, 1, stream);
+            }
+            mark(&c, MARK_BWD_G, 0, stream);
             if (ge == cudaSuccess) ge = comet_gemm_g_launch(g, &t, stream, &hooks);
             if (ge != cudaSuccess) return ge;
+            mark(&c, MARK_BWD_G, 1, stream);
             k_dw_rows<<<grid, 256, 0, stream>>>(c, dwp_tiles);
             k_scale_dy<<<grid * SCALE_DY_BLOCKS_PER_SM, 256, 0, stream>>>(c);
+            mark(&c, MARK_DW2, 0, stream);
             ge = launch_wgrad(&c, 0, stream);
             if (ge != cudaSuccess) return ge;
+            mark(&c, MARK_DW2, 1, stream);
             hooks.push = c.push && comm_on;
+            mark(&c, MARK_BWD_DX, 0, stream);
             ge = comet_gemm_dx_launch(g, &t, stream, &hooks);
             if (ge != cudaSuccess) return ge;
+            mark(&c, MARK_BWD_DX, 1, stream);
         }
     } else {
         if (c.store_gu) simt_gemm0(&c, stream); /* recompute: gu into dh, h into h */
@@ -340,8 +357,10 @@ static int backward_chain(const comet_cuda_ctx_t *ctx, const comet_cuda_call_t *
         k_final<<<grid, COMM_THREADS, 0, stream>>>(c);
     if (comm_on) k_dtopkw<<<grid, 256, 0, stream>>>(c);
     if (c.gemm) {
+        if (gemm_on) mark(&c, MARK_DW1, 0, stream);
         const int ge = gemm_on ? launch_wgrad(&c, 1, stream) : cudaSuccess;
         if (ge != cudaSuccess) return ge;
+        if (gemm_on) mark(&c, MARK_DW1, 1, stream);
     } else {
         k_wgrad<<<dim3(t1, th, el), 256, 0, stream>>>(c, 1);
     }

@@ -172,7 +172,10 @@ static void event_label(const comet_trace_event_t *e, char *buf, size_t n) {
     case COMET_TRACE_BGEMM1: snprintf(buf, n, "bwd gemm1 b%d c%d", e->index, e->aux); break;
     case COMET_TRACE_BSEND: snprintf(buf, n, "bwd send c%d to r%d", e->index, e->aux); break;
     case COMET_TRACE_BRECV: snprintf(buf, n, "bwd recv c%d", e->index); break;
-    case COMET_TRACE_WGRAD: snprintf(buf, n, "wgrad e%d task %d", e->aux, e->index); break;
+    case COMET_TRACE_WGRAD: /* CUDA: one kernel (index -1) of dW1 or dW2 (aux) */
+        if (e->index < 0) snprintf(buf, n, "wgrad dW%d", e->aux);
+        else snprintf(buf, n, "wgrad e%d task %d", e->aux, e->index);
+        break;
     case COMET_TRACE_WAIT: snprintf(buf, n, "wait for %s %d", comet_trace_kind_name(e->aux), e->index); break;
     case COMET_TRACE_BARRIER: snprintf(buf, n, "barrier (%s)", e->index ? "entry" : "previous call done"); break;
     default: snprintf(buf, n, "%s", k); break;

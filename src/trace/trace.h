@@ -55,7 +55,8 @@ enum {
     COMET_TRACE_BARRIER = 6, /* host: wait for every rank; index 0 = previous call done, 1 = entry */
     COMET_TRACE_PLAN = 7,    /* host: build the plan from every rank's staged routing (CPU: index -1;
                               * CUDA: index 0 the routing copy, 1 and 2 the builder's kernels) */
-    /* The backward's steps (the CPU engine records them; the CUDA backend records forwards only):
+    /* The backward's steps (the CUDA backend records G, dX and the two weight gradients as one
+     * event a kernel, index -1, the weight gradient's aux 1 for dW1 and 2 for dW2):
      * its layer 0 and 1 run the forward's protocol on other data, the kinds above + COMET_TRACE_BWD */
     COMET_TRACE_BPULL = 8,     /* comm: x and dy rows of block `index` (latest source stage `aux`) */
     COMET_TRACE_BGEMM0 = 9,    /* gemm: block `index` (aux 0): G = dy W2^T, the activation's backward dH, <G, a> */

@@ -35,10 +35,13 @@ __device__ static inline uint64_t globaltimer(void) {
     return t;
 }
 
-/* One trace event from t0 to now into a lane (no-op when not tracing). */
+/* One trace event from t0 to now into a lane (no-op when not tracing). The
+ * backward's communication steps run the forward's code: their kinds
+ * (pull .. recv) become the backward's twins here. */
 __device__ static void trace_rec(const comet_cuda_ctx_t *c, int lane, int role, int worker, int kind, int index,
                                  int aux, uint64_t t0) {
     if (!c->tr_events) return;
+    if (role == COMET_TRACE_COMM && kind <= COMET_TRACE_RECV && c->state->call.pass == 1) kind += COMET_TRACE_BWD;
     const unsigned n = atomicAdd(&c->tr_counts[lane], 1u);
     if (n >= c->tr_capacity) return; /* counted, so the host reports it as dropped */
     comet_trace_event_t ev;
