@@ -192,7 +192,7 @@ for step in $STEPS; do
         ;;
     trace) # the overlap as a picture, and its numbers (dev/trace_stats.py): TRACE_MODEL (mixtral-8x7b),
            # TRACE_TOKENS (8192), TRACE_LAYOUT ("--ep 2"), TRACE_MODES ("--n-comm -1;--n-comm 8": sequential,
-           # overlapped; "" the tuner's pick, named -auto),
+           # overlapped; "" the tuner's pick, named -auto; "--train" a training step, forward and backward, -train),
            # each mode under every TRACE_AB environment variant (default: none), same seed throughout
         IFS=';' read -ra modes <<<"${TRACE_MODES---n-comm -1;--n-comm 8}"
         IFS=';' read -ra tvars <<<"${TRACE_AB:-}"
@@ -200,7 +200,7 @@ for step in $STEPS; do
         for mode in "${modes[@]}"; do
             files=()
             for i in "${!tvars[@]}"; do
-                case $mode in *"n-comm -1"*) tag= ;; "") tag=-auto ;; *) tag=-overlap ;; esac
+                case $mode in *--train*) tag=-train ;; *"n-comm -1"*) tag= ;; "") tag=-auto ;; *) tag=-overlap ;; esac
                 name=trace-gpu$tag$( [ ${#tvars[@]} -gt 1 ] && echo "-v$i")
                 env ${tvars[$i]} timeout 300 build/comet bench --model "${TRACE_MODEL:-mixtral-8x7b}" --tokens "${TRACE_TOKENS:-8192}" \
                     ${TRACE_LAYOUT:---ep 2} --iters 3 --warmup 1 $mode --trace "$OUT/$name.json" >> "$OUT/bench.log" 2>&1
