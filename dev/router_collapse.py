@@ -93,8 +93,8 @@ if __name__ == "__main__":
         if "--stop-after" not in args:
             args += ["--stop-after", "60"]
         out = train.main(["--config", "mixtral-2gpu", "--experts", "torch", "--device", "cpu", "--dtype", "bf16",
-                          "--set", "ffn=%d" % PROXY_F, "--seq-len", "256", "--batch-size", "2", "--accum", "1",
-                          "--val-every", "0", "--set", "val_batches=1", "--log-every", "5", *args])
+                          "--no-compile", "--set", "ffn=%d" % PROXY_F, "--seq-len", "256", "--batch-size", "2",
+                          "--accum", "1", "--val-every", "0", "--set", "val_batches=1", "--log-every", "5", *args])
     else:
         if "--steps" not in args:
             args += ["--steps", "15"]

@@ -95,6 +95,7 @@ class Config:
     embed_scale: bool = False  # the embedding's output x sqrt(dim) (Gemma), so a token's own vector outweighs
     #                            the attention's output in the residual stream from the start
     down_lr_scale: float = 1.0  # the experts' down projections (W2, fan-in F) learn at lr x this
+    compile: bool = False       # torch.compile the attention sub-layers and the head (the MoE layer stays eager)
 
 
 PRESETS = {
@@ -123,7 +124,8 @@ PRESETS = {
     # below the tokens' own logit spread; not yet run on this preset.)
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
-                           rope_theta=1e6, val_every=50, val_batches=4, accum=4, head_bias=True, embed_scale=True),
+                           rope_theta=1e6, val_every=50, val_batches=4, accum=4, head_bias=True, embed_scale=True,
+                           compile=True),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
     # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
     # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
@@ -131,7 +133,7 @@ PRESETS = {
     # tokens.
     "qwen2moe-2gpu": Config(dim=2048, layers=8, heads=16, kv_heads=16, experts=64, topk=4, ffn=1408, shared_ffn=5632,
                             norm_topk=False, tied=False, seq=2048, batch=4, steps=300, lr=3e-4, warmup=30,
-                            rope_theta=1e6, val_every=50, val_batches=4, accum=4),
+                            rope_theta=1e6, val_every=50, val_batches=4, accum=4, compile=True),
 }
 
 
@@ -418,7 +420,9 @@ def parser():
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism of the experts (EP = world / TP)")
     p.add_argument("--save-mode", default="activations", choices=["activations", "recompute"],
                    help="comet: what the forward keeps for the backward")
-    p.add_argument("--compile", action="store_true", help="torch.compile the non-MoE parts (attention, head)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the attention sub-layers and the head (the MoE layer stays eager) "
+                        "(default: the preset's: on for the GPU presets)")
     p.add_argument("--dtype", choices=["bf16", "fp32"],
                    help="autocast of the non-expert parts (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
@@ -475,10 +479,11 @@ def describe(c: Config) -> str:
         return "%.3g B" % (v / 1e9) if v >= 1e9 else "%.3g M" % (v / 1e6)
 
     return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank%s; %s params (%s active), "
-            "%.3g GFLOP a token" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
-                                    ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
-                                    " x %d micro-batches a step" % c.accum if c.accum > 1 else "",
-                                    num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9))
+            "%.3g GFLOP a token%s" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
+                                      ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
+                                      " x %d micro-batches a step" % c.accum if c.accum > 1 else "",
+                                      num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9,
+                                      ", compiled" if c.compile else ""))
 
 
 def make_config(args) -> Config:
@@ -493,7 +498,7 @@ def make_config(args) -> Config:
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
                  ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance),
                  ("head_bias", args.head_bias), ("embed_scale", args.embed_scale),
-                 ("down_lr_scale", args.down_lr_scale)):
+                 ("down_lr_scale", args.down_lr_scale), ("compile", args.compile)):
         if a is not None:
             setattr(c, k, a)
     if c.accum < 1:
@@ -619,7 +624,7 @@ def main(argv=None):
         groups.append({"params": down, "weight_decay": args.weight_decay, "lr_scale": c.down_lr_scale})
     opt = torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=dev_type == "cuda")  # fused: no parameter-sized temporaries (the foreach path's)
-    if args.compile:
+    if c.compile:
         for b in model.blocks:
             b.attn_part = torch.compile(b.attn_part)
         model.head_loss = torch.compile(model.head_loss)
@@ -627,7 +632,7 @@ def main(argv=None):
     start = 0
     if args.resume:
         ck = torch.load(os.path.join(args.resume, "rank%05d.pt" % rank), map_location=device, weights_only=False)
-        same = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("steps", "val_every")}
+        same = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("steps", "val_every", "compile")}
         # a checkpoint from before a Config field existed holds that field's default (accum: 1)
         saved_config = {**{f.name: f.default for f in dataclasses.fields(Config)
                            if f.default is not dataclasses.MISSING}, **ck["config"]}
@@ -663,7 +668,7 @@ def main(argv=None):
     header = dict(type="header", config_name=args.config, config=dataclasses.asdict(c), experts=args.experts,
                   world=world, tp=tp, ep=ep, device=str(torch.cuda.get_device_name(device) if dev_type == "cuda"
                                                          else "cpu"),
-                  torch=torch.__version__, grouped_mm=grouped_mm_works(device), compile=args.compile,
+                  torch=torch.__version__, grouped_mm=grouped_mm_works(device), compile=c.compile,
                   save_mode=args.save_mode, autocast_bf16=amp, seed=args.seed, params=counts,
                   torch_split_k=args.torch_split_k,
                   flops_per_token=fpt, tokens_per_step=tokens_step, peak_tflops=args.peak_tflops,

@@ -328,3 +328,16 @@ def test_down_lr_scale(corpus, tmp_path):
             assert abs(ratio - 3.0) < 1e-3, (n, ratio)
     with pytest.raises(SystemExit):
         run("--down-lr-scale", "0", corpus=corpus)
+
+
+def test_compile_option(runs):
+    """--compile / --no-compile: the preset's value by default (the GPU presets compiled, as the speed
+    comparison is against PyTorch's faster, compiled run; tiny not: inductor's compile takes longer on
+    the CPU than its run), and the header records the value in effect."""
+    def config(*a):
+        return train.make_config(train.parse(list(a)))
+    assert not config("--config", "tiny").compile and config("--config", "tiny", "--compile").compile
+    for name in ("mixtral-2gpu", "qwen2moe-2gpu"):
+        assert config("--config", name).compile and not config("--config", name, "--no-compile").compile
+    head = json.loads(open(runs["tmp"] / "comet.jsonl").readline())
+    assert head["compile"] is False and head["config"]["compile"] is False
