@@ -95,7 +95,9 @@ class Config:
     embed_scale: bool = False  # the embedding's output x sqrt(dim) (Gemma), so a token's own vector outweighs
     #                            the attention's output in the residual stream from the start
     down_lr_scale: float = 1.0  # the experts' down projections (W2, fan-in F) learn at lr x this
-    compile: bool = False       # torch.compile the attention sub-layers and the head (the MoE layer stays eager)
+    router: str = "softmax"     # expert selection: "softmax" (top-k of the logits) or "sinkhorn" (balanced over
+    #                             the micro-batch's tokens by Sinkhorn's algorithm); see MoE.route
+    compile: bool = False       # torch.compile the attention sub-layers, the head and the Sinkhorn selection
 
 
 PRESETS = {
@@ -210,12 +212,65 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+ROUTERS = ("softmax", "sinkhorn")
+SINKHORN_ITERS = 16     # column (and row) normalisations a round of sinkhorn_topk
+SINKHORN_SPREAD = 8.0   # the logits' standard deviation over the tokens that sinkhorn_topk balances them at
+
+
+def sinkhorn_topk(logits, k, iters=SINKHORN_ITERS, spread=SINKHORN_SPREAD):
+    """logits (T, E) fp32 -> (T, k) int64: each token's k experts, in k rounds of a Sinkhorn-balanced
+    assignment over the T tokens. A round takes the experts a token has not been given yet, scales
+    exp(logits) alternately over the tokens (every expert's column to the same total) and over the experts
+    (every token's row to the same total), `iters` column and iters - 1 row normalisations in log space
+    (logsumexp), and gives each token the expert of its row's largest entry: every expert gets about T / E
+    tokens a round. A fixed count: no data-dependent loop, no host synchronisation, one graph under
+    torch.compile. Only the order within a row matters, which a row's scaling leaves as it is: the last
+    step is a column's, and the totals' constants (a global factor) are left out.
+
+    First the logits are centred over the tokens (an offset an expert has for every token, what a
+    collapsed router grows, changes no choice: the column scaling ignores it too) and scaled to a standard
+    deviation `spread` (Sinkhorn's entropic temperature set by the logits' own spread, so one iteration
+    count serves any scale). Why so sharp, and why rounds: a balanced but soft assignment (logits that
+    differ by 0.01 between tokens, as a collapsed router's do) balances each column's mass, not how many
+    tokens have their largest entry there; and in one assignment whose rows hold k, every token's second
+    largest entry can be the same expert's. On the logits of collapsed routers (tiny; the CPU proxy of
+    mixtral-2gpu, dev/router_collapse.py) the top-k of one plain assignment left the most loaded expert
+    at up to 3.1 x the mean; these rounds at spread 8, 1.5-1.8 (16 iterations: 8 left up to 3.0, 64 no
+    better than 16).
+
+    It balances a batch of many tokens (T >> E); a token's experts depend on the other tokens of its
+    batch. No gradient: the caller weights the chosen experts by the softmax of the logits."""
+    with torch.no_grad():
+        s = logits.float()
+        s = s - s.mean(0, keepdim=True)
+        s = s * (spread / s.std().clamp(min=1e-12))
+        taken = torch.zeros_like(s, dtype=torch.bool)
+        picks = []
+        for _ in range(k):
+            t = s.masked_fill(taken, -1e9)  # finite: a column every token has taken stays finite
+            for i in range(iters):
+                if i:
+                    t = t - torch.logsumexp(t, dim=1, keepdim=True)
+                t = t - torch.logsumexp(t, dim=0, keepdim=True)
+            pick = t.masked_fill(taken, float("-inf")).argmax(-1, keepdim=True)
+            picks.append(pick)
+            taken = taken.scatter(1, pick, True)
+        return torch.cat(picks, 1)
+
+
 class MoE(nn.Module):
     """Router (fp32) -> top-k -> experts (comet or torch, bf16) [+ shared expert]."""
 
     def __init__(self, c: Config, experts: nn.Module):
         super().__init__()
         self.topk, self.norm_topk, self.E, self.balance = c.topk, c.norm_topk, c.experts, c.balance
+        if c.router not in ROUTERS:
+            raise ValueError("router %r: one of %s" % (c.router, ", ".join(ROUTERS)))
+        if c.router == "sinkhorn" and c.balance > 0:
+            raise ValueError("router sinkhorn with balance %g: the Sinkhorn selection ignores a per-expert bias"
+                             % c.balance)
+        self.router_kind = c.router
+        self.select = sinkhorn_topk  # with --compile main() sets its torch.compile'd version
         self.router = nn.Linear(c.dim, c.experts, bias=False)
         # the selection bias (a checkpoint's state) and the routed slots per expert since the last update
         self.register_buffer("select_bias", torch.zeros(c.experts))
@@ -229,11 +284,18 @@ class MoE(nn.Module):
 
         With balance > 0 the experts are chosen by router logit + select_bias, the weights still the
         softmax probabilities of the chosen (auxiliary-loss-free balancing, DeepSeek-V3 section 2.1.2, with
-        a step proportional to the imbalance where DeepSeek-V3 steps by its sign: update_balance)."""
+        a step proportional to the imbalance where DeepSeek-V3 steps by its sign: update_balance).
+        With router "sinkhorn" the experts are chosen by sinkhorn_topk (k rounds of a Sinkhorn-balanced
+        assignment of the logits over the T tokens, no gradient), in training and validation alike, the
+        weights again the softmax probabilities of the chosen experts (renormalised with norm_topk), so
+        the router learns through them and the load-balancing loss as with softmax."""
         with torch.autocast(h.device.type, enabled=False):
             logits = F.linear(h.float(), self.router.weight.float())
             probs = logits.softmax(-1)
-        if self.balance > 0:
+            topi = self.select(logits.detach(), self.topk) if self.router_kind == "sinkhorn" else None
+        if topi is not None:
+            topw = probs.gather(-1, topi)
+        elif self.balance > 0:
             topi = (logits.detach() + self.select_bias).topk(self.topk, dim=-1).indices
             topw = probs.gather(-1, topi)
         else:
@@ -421,13 +483,17 @@ def parser():
     p.add_argument("--save-mode", default="activations", choices=["activations", "recompute"],
                    help="comet: what the forward keeps for the backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the attention sub-layers and the head (the MoE layer stays eager) "
-                        "(default: the preset's: on for the GPU presets)")
+                   help="torch.compile the attention sub-layers, the head and the Sinkhorn selection (the experts "
+                        "and the rest of the MoE layer stay eager) (default: the preset's: on for the GPU presets)")
     p.add_argument("--dtype", choices=["bf16", "fp32"],
                    help="autocast of the non-expert parts (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0, help="init and data order (default 0)")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (default 0.01)")
+    p.add_argument("--router", choices=ROUTERS,
+                   help="expert selection: softmax (each token's top-k logits) or sinkhorn (k rounds of a "
+                        "Sinkhorn-balanced assignment over the micro-batch's tokens, in training and validation; "
+                        "the weights stay the softmax probabilities) (default: the preset's)")
     p.add_argument("--balance", type=float, metavar="RATE",
                    help="auxiliary-loss-free balancing: the experts chosen by router logit + a bias that each step "
                         "moves by -RATE x (the expert's load / the mean load - 1); 0: off (default: the preset's)")
@@ -478,8 +544,9 @@ def describe(c: Config) -> str:
     def num(v):
         return "%.3g B" % (v / 1e9) if v >= 1e9 else "%.3g M" % (v / 1e6)
 
-    return ("H %d, %d layers, %d experts of F %d, top-%d%s, seq %d x batch %d a rank%s; %s params (%s active), "
+    return ("H %d, %d layers, %d experts of F %d, top-%d%s%s, seq %d x batch %d a rank%s; %s params (%s active), "
             "%.3g GFLOP a token%s" % (c.dim, c.layers, c.experts, c.ffn, c.topk,
+                                      " (Sinkhorn-balanced)" if c.router == "sinkhorn" else "",
                                       ", shared F %d" % c.shared_ffn if c.shared_ffn else "", c.seq, c.batch,
                                       " x %d micro-batches a step" % c.accum if c.accum > 1 else "",
                                       num(n["total"]), num(n["active"]), flops_per_token(c) / 1e9,
@@ -498,7 +565,7 @@ def make_config(args) -> Config:
     for k, a in (("steps", args.steps), ("batch", args.batch_size), ("seq", args.seq_len), ("lr", args.lr),
                  ("val_every", args.val_every), ("accum", args.accum), ("balance", args.balance),
                  ("head_bias", args.head_bias), ("embed_scale", args.embed_scale),
-                 ("down_lr_scale", args.down_lr_scale), ("compile", args.compile)):
+                 ("down_lr_scale", args.down_lr_scale), ("router", args.router), ("compile", args.compile)):
         if a is not None:
             setattr(c, k, a)
     if c.accum < 1:
@@ -507,6 +574,12 @@ def make_config(args) -> Config:
         raise SystemExit("train.py: --down-lr-scale %g: the factor is > 0" % c.down_lr_scale)
     if c.balance < 0:
         raise SystemExit("train.py: --balance %g: the rate is >= 0 (0: off)" % c.balance)
+    if c.router not in ROUTERS:
+        raise SystemExit("train.py: router %r: one of %s" % (c.router, ", ".join(ROUTERS)))
+    if c.router == "sinkhorn" and c.balance > 0:
+        raise SystemExit("train.py: --balance %g with --router sinkhorn: the Sinkhorn selection balances each "
+                         "micro-batch itself and ignores a per-expert bias; choose one (--balance 0 or --router "
+                         "softmax)" % c.balance)
     return c
 
 
@@ -625,8 +698,10 @@ def main(argv=None):
     opt = torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=dev_type == "cuda")  # fused: no parameter-sized temporaries (the foreach path's)
     if c.compile:
+        select = torch.compile(sinkhorn_topk, fullgraph=True)
         for b in model.blocks:
             b.attn_part = torch.compile(b.attn_part)
+            b.moe.select = select
         model.head_loss = torch.compile(model.head_loss)
 
     start = 0
