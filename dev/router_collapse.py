@@ -15,10 +15,17 @@ act like F 14336 (FREAL) in the two ways that matter for the router: the down
 projection w2 is S x a parameter (S = FREAL / F = 56), the parameter initialised to
 w2_init sqrt(FREAL / F) / S, so the experts' output at init is as large as the
 GPU model's and one Adam step (lr a parameter element) moves the output of a
-coherent input by lr x S x F = lr x FREAL, as on the GPU. Prints max load at
-steps 10/20/40/60 and the loss.
+coherent input by lr x S x F = lr x FREAL, as on the GPU.
 
-    PYTHONPATH=python python dev/router_collapse.py --proxy [--stop-after 60] [train.py options]
+Both print a table of every layer and step (the statistics above and the max
+load, the most loaded expert's routed slots over the mean) and, every 5
+steps, the worst layer's max load and the loss (the step's and the mean of
+the last 5). train.py's options pass through (e.g. --router sinkhorn or
+--router softmax, --lr, --aux-loss). --sweep adds, for every layer and step,
+the max load each selection would give that step's logits: softmax top-k and
+train.sinkhorn_topk after 1 to 32 iterations (how its count was chosen).
+
+    PYTHONPATH=python python dev/router_collapse.py --proxy [--stop-after 60] [--sweep] [train.py options]
 
 Results (2 CPU cores shared with other jobs, ~3-12 s a step; max load of the worst
 layer, 4.0 = every token to the same 2 experts):
@@ -44,8 +51,15 @@ from moe_torch import TorchExperts  # noqa: E402
 
 FREAL, PROXY_F = 14336, 256
 
-rows = []
+SWEEP_ITERS = (1, 2, 4, 8, 12, 16, 32)
+rows, loads, sweeps = [], [], []
+sweep = False
 route = train.MoE.route
+
+
+def max_load(topi, experts):
+    n = torch.bincount(topi.reshape(-1), minlength=experts).float()
+    return float(n.max() / n.mean())
 
 
 def traced(self, h):
@@ -57,7 +71,12 @@ def traced(self, h):
         logits = torch.nn.functional.linear(hf, self.router.weight.float())
         rows.append((float(mean.norm() / (hf - mean).norm(dim=-1).mean()), float(logits.std(0).mean()),
                      float(logits.mean(0).max() - logits.mean(0).min())))
-    return route(self, h)
+        if sweep:  # the max load this layer's logits would get from each selection
+            sweeps.append([max_load(logits.topk(self.topk, -1).indices, self.E)] +
+                          [max_load(train.sinkhorn_topk(logits, self.topk, n), self.E) for n in SWEEP_ITERS])
+    out = route(self, h)
+    loads.append(max_load(out[1], self.E))
+    return out
 
 
 def proxy_patches(s):
@@ -87,6 +106,9 @@ def proxy_patches(s):
 if __name__ == "__main__":
     train.MoE.route = traced
     args = sys.argv[1:]
+    if "--sweep" in args:
+        args.remove("--sweep")
+        sweep = True
     if "--proxy" in args:
         args.remove("--proxy")
         proxy_patches(FREAL / PROXY_F)
@@ -99,7 +121,18 @@ if __name__ == "__main__":
         if "--steps" not in args:
             args += ["--steps", "15"]
         out = train.main(["--config", "tiny", "--device", "cpu", "--experts", "torch", "--quiet", *args])
-    layers = len(rows) // max(1, len(out["losses"]))
-    print("step  layer  |mean| / spread  logit std over tokens  experts' mean-logit range")
+    losses = out["losses"]
+    layers = len(rows) // max(1, len(losses))
+    print("step  layer  |mean| / spread  logit std over tokens  experts' mean-logit range  max load")
     for i, (ratio, spread, rng) in enumerate(rows):
-        print("%4d  %5d  %15.2f  %21.4f  %25.4f" % (i // layers + 1, i % layers, ratio, spread, rng))
+        print("%4d  %5d  %15.2f  %21.4f  %25.4f  %8.2f" % (i // layers + 1, i % layers, ratio, spread, rng, loads[i]))
+    if sweep:
+        print("max load of each layer's logits selected by softmax top-k and by Sinkhorn top-k after N iterations")
+        print("step  layer  softmax" + "".join("%7s" % ("N=%d" % n) for n in SWEEP_ITERS))
+        for i, v in enumerate(sweeps):
+            print("%4d  %5d  %7.2f" % (i // layers + 1, i % layers, v[0]) + "".join("%7.2f" % x for x in v[1:]))
+    print("step  max load (worst layer)  loss  loss (mean of the last 5 steps)")
+    for step in range(5, len(losses) + 1, 5):
+        last = losses[max(0, step - 5):step]
+        print("%4d  %22.2f  %.4f  %.4f" % (step, max(loads[(step - 1) * layers:step * layers]), losses[step - 1],
+                                            sum(last) / len(last)))
