@@ -126,7 +126,8 @@ PRESETS = {
     # below the tokens' own logit spread; not yet run on this preset.) --router sinkhorn holds the GPU-like CPU
     # proxy's max load at <= 1.7 over this schedule where softmax's collapses (2.7-4.0), but its validation loss
     # ends 0.075 higher (2.424 against 2.349; with --down-lr-scale 0.018 equal over 60 steps): an option, not
-    # the default (README).
+    # the default (README). On 2x H100 it kept the max load at 1.15-1.53 (60 steps), where softmax's reached
+    # 3.4-4.0 by step ~20 in every run, --down-lr-scale 0.018 included.
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4, head_bias=True, embed_scale=True,
@@ -510,7 +511,7 @@ def parser():
                    help="the experts' down projections (W2, fan-in F) learn at lr x FACTOR (e.g. H / F, muP's "
                         "1/fan-in rule relative to the fan-in-H matrices); default 1: the same lr as the rest. "
                         "On the CPU proxy of mixtral-2gpu 0.286 and 0.071 only delayed the routers' collapse; "
-                        "0.018 (1/56) held it to step 42 (README); not run on GPUs")
+                        "0.018 (1/56) held it to step 42 (README), not on 2x H100")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--val-every", type=int, help="validation every N steps (default: the preset's; 0: only at the end)")
