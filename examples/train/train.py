@@ -125,13 +125,15 @@ PRESETS = {
     # the loss 2.97 instead of 3.46 at step 16. (--balance, a selection bias, spreads such inputs at a rate
     # below the tokens' own logit spread; not yet run on this preset.) --router sinkhorn holds the GPU-like CPU
     # proxy's max load at <= 1.7 over this schedule where softmax's collapses (2.7-4.0), but its validation loss
-    # ends 0.075 higher (2.424 against 2.349; with --down-lr-scale 0.018 equal over 60 steps): an option, not
-    # the default (README). On 2x H100 it kept the max load at 1.15-1.53 (60 steps), where softmax's reached
-    # 3.4-4.0 by step ~20 in every run, --down-lr-scale 0.018 included.
+    # ends 0.075 higher (2.424 against 2.349; with --down-lr-scale 0.018 equal over 60 steps). On 2x H100 it
+    # kept the max load at 1.15-1.53 (60 steps), where softmax's reached 3.4-4.0 by step ~20 in every run,
+    # --down-lr-scale 0.018 included. The default here all the same: this preset compares comet's step with
+    # PyTorch's on a Mixtral-style model, and a collapsed routing (one GPU doing most of the expert work)
+    # measures neither (--router softmax for the collapsing one).
     "mixtral-2gpu": Config(dim=4096, layers=3, heads=32, kv_heads=8, experts=8, topk=2, ffn=14336, shared_ffn=0,
                            norm_topk=True, tied=False, seq=2048, batch=4, steps=300, lr=1e-4, warmup=30,
                            rope_theta=1e6, val_every=50, val_batches=4, accum=4, head_bias=True, embed_scale=True,
-                           compile=True),
+                           compile=True, router="sinkhorn"),
     # Qwen1.5-MoE-A2.7B's layer (H 2048, 16 heads, 64 experts of F 1408 (60 in the release; 64 split over EP),
     # top-4 not renormalised, a shared expert of 5632 with a sigmoid gate), 8 of its 24 layers: 4.84 B params
     # (4.43 B in experts, 2.21 B a GPU with EP 2), 0.69 B active, 4.34 GFLOP a token (routed experts 38%, the
