@@ -495,6 +495,11 @@ def parser():
                    help="autocast of the non-expert parts (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0, help="init and data order (default 0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="PyTorch's deterministic algorithms (torch.use_deterministic_algorithms, warn_only: an op "
+                        "without one warns and runs as before), so that a rerun can be bitwise the same on GPUs "
+                        "(comet's experts are deterministic either way; without it a rerun of qwen2moe-2gpu on "
+                        "2x H100 differed from step 1's gradients on)")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (default 0.01)")
     p.add_argument("--router", choices=ROUTERS,
                    help="expert selection: softmax (each token's top-k logits) or sinkhorn (k rounds of a "
@@ -636,6 +641,9 @@ class Logger:
 def main(argv=None):
     args = parse(argv)
     c = make_config(args)
+    if args.deterministic:  # before the first cuBLAS call (its workspace setting is read at handle creation)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
     dev_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -751,7 +759,7 @@ def main(argv=None):
                                                          else "cpu"),
                   torch=torch.__version__, grouped_mm=grouped_mm_works(device), compile=c.compile,
                   save_mode=args.save_mode, autocast_bf16=amp, seed=args.seed, params=counts,
-                  torch_split_k=args.torch_split_k,
+                  torch_split_k=args.torch_split_k, deterministic=args.deterministic,
                   flops_per_token=fpt, tokens_per_step=tokens_step, peak_tflops=args.peak_tflops,
                   cublas_tflops=peak_cublas, train_bytes=len(train_data), val_bytes=len(val_data), start_step=start)
     log(**header)

@@ -346,6 +346,24 @@ def test_compile_option(runs):
     assert head["compile"] is False and head["config"]["compile"] is False
 
 
+def test_deterministic_option(runs, corpus, tmp_path):
+    """--deterministic: PyTorch's deterministic algorithms on, the header says so, and the run is the same
+    run (the first 3 steps bitwise those of the run without it, on the CPU, where both are deterministic)."""
+    was, cublas = torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        r = run("--experts", "comet", "--deterministic", "--stop-after", "3", "--json-log", str(tmp_path / "d.jsonl"),
+                corpus=corpus)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    assert r["losses"] == runs["comet"]["losses"][:3]
+    head = json.loads(open(tmp_path / "d.jsonl").readline())
+    assert head["deterministic"] is True
+    assert json.loads(open(runs["tmp"] / "comet.jsonl").readline())["deterministic"] is False
+
+
 def _max_load(topi, experts):
     n = torch.bincount(topi.reshape(-1), minlength=experts).float()
     return float(n.max() / n.mean())
