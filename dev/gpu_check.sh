@@ -268,8 +268,9 @@ printf '%s\n' "${summary[@]}"
 [ -f "$OUT/comet.jsonl" ] && python3 bench/report.py bench/results/baselines/*-torch-*.json $(ls "$OUT"/torch-*.json 2>/dev/null) \
     bench/reference-issue5.json "$OUT/comet.jsonl"
 # everything under $OUT in one archive too: the device machine hands back its first 8 files by name, so a
-# step's JSON can be left out and lost; "00-all.tar.gz" sorts first (the traces step packs its own already)
+# step's JSON can be left out and lost; "00-all.tar.gz" sorts first (the traces step's own archive inside it:
+# left out by name, traces.tar.gz was lost once)
 all=$(mktemp -d)
-if (cd "$OUT" && tar czf "$all/00-all.tar.gz" --exclude='*.tar.gz' .); then mv "$all/00-all.tar.gz" "$OUT/"
+if (cd "$OUT" && tar czf "$all/00-all.tar.gz" --exclude='./00-all.tar.gz' .); then mv "$all/00-all.tar.gz" "$OUT/"
 else echo "gpu_check.sh: packing $OUT into 00-all.tar.gz failed" >&2; fi
 rmdir "$all" 2>/dev/null
