@@ -50,6 +50,21 @@ def agreement(a, b):
         max(d), n, max(d[:5]), sum(last) / len(last), len(last), vals or "-")
 
 
+def bitwise(a, b):
+    """Two runs of the same configuration, step by step: are their losses and gradient norms the same bits?"""
+    n = min(len(a[1]), len(b[1]))
+    for ra, rb in zip(a[1][:n], b[1][:n]):
+        for key in ("loss", "grad_norm"):
+            if ra.get(key) != rb.get(key):
+                return "not bitwise: step %d's %s differs (%r against %r), %d common steps" % (
+                    ra["step"], key, ra.get(key), rb.get(key), n)
+    va, vb = [r["val_loss"] for r in a[2]], [r["val_loss"] for r in b[2]]
+    m = min(len(va), len(vb))
+    if va[:m] != vb[:m]:
+        return "train steps bitwise over %d steps, validation not" % n
+    return "bitwise equal: loss and gradient norm over %d steps%s" % (n, ", validation at %d points" % m if m else "")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0].split(" - ", 1)[1])
     p.add_argument("logs", nargs="+", help="train.py --json-log files (comet's and torch's)")
@@ -124,6 +139,11 @@ def main(argv=None):
     for x, y in (("comet", "torch"), ("torch", "torch-splitk")):
         if x in kind and y in kind:
             print("loss |%s - %s|: %s" % (x, y, agreement(runs[kind.index(x)], runs[kind.index(y)])))
+    # the same backend twice (run_2gpu.sh's comet-rerun): is a rerun the same bits?
+    for i, x in enumerate(kind):
+        if x in kind[:i]:
+            print("rerun of %s (%s, %s): %s" % (x, args.logs[kind.index(x)], args.logs[i],
+                                               bitwise(runs[kind.index(x)], runs[i])))
     for a, y in ((a1, "step time (ms)"), (a2, "tokens/s (all ranks)")):
         a.set_xlabel("step")
         a.set_ylabel(y)

@@ -8,7 +8,9 @@
 # PROFILE=1: each run also writes OUT/{comet,torch}-profile.txt (train.py --profile).
 # CONTROL=1: a third run, the PyTorch layer with its GEMMs summed in another order (--torch-split-k,
 # OUT/torch-splitk.jsonl): how far two runs apart only by rounding drift (the tolerance for comet's).
-# RUNS="torch torch-splitk": only those runs (of comet, torch, torch-splitk).
+# RUNS="torch torch-splitk": only those runs (of comet, torch, torch-splitk, comet-rerun: comet's run again,
+# OUT/comet-rerun.jsonl, which plot.py compares with comet's bit for bit; e.g. RUNS="comet comet-rerun" with
+# --deterministic).
 #   examples/train/run_2gpu.sh mixtral-2gpu out/mixtral --steps 200
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,6 +23,7 @@ logs=()
 for run in $runs; do
     case $run in
     comet | torch) flags=(--experts "$run") ;;
+    comet-rerun) flags=(--experts comet) ;;
     torch-splitk) flags=(--experts torch --torch-split-k) ;;
     *) echo "run_2gpu.sh: RUNS: no run $run (comet, torch, torch-splitk)" >&2; exit 2 ;;
     esac

@@ -45,6 +45,7 @@ test says so). Skipped without torch."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -215,6 +216,26 @@ def test_plot(runs, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
     assert "torch, split K (tiny)" in r.stdout and "speedup of comet (tiny)" in r.stdout, r.stdout
     assert "loss |comet - torch|: max" in r.stdout and "loss |torch - torch-splitk|: max" in r.stdout, r.stdout
+
+
+def test_plot_rerun(runs, tmp_path):
+    """plot.py on comet's log and a rerun of it (run_2gpu.sh's comet-rerun): bitwise equal when the steps
+    are the same bits, and the first step whose gradient norm differs named when one is not."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: plot.py is not tested")
+    first = str(runs["tmp"] / "comet.jsonl")
+    recs = [json.loads(line) for line in open(first)]
+    same, other = tmp_path / "same.jsonl", tmp_path / "other.jsonl"
+    same.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for r in recs:
+        if r.get("type") == "train" and r["step"] == 3:
+            r["grad_norm"] = math.nextafter(r["grad_norm"], math.inf)
+    other.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for log, want in ((same, "bitwise equal: loss and gradient norm over 20 steps, validation at 2 points"),
+                      (other, "not bitwise: step 3's grad_norm differs")):
+        r = subprocess.run([sys.executable, os.path.join(EXAMPLE, "plot.py"), first, str(log), "-o", str(tmp_path)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "rerun of comet (" in r.stdout and want in r.stdout, r.stdout
 
 
 def test_options_pass_through_torchrun():
