@@ -496,10 +496,12 @@ def parser():
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0, help="init and data order (default 0)")
     p.add_argument("--deterministic", action="store_true",
-                   help="PyTorch's deterministic algorithms (torch.use_deterministic_algorithms, warn_only: an op "
-                        "without one warns and runs as before), so that a rerun can be bitwise the same on GPUs "
-                        "(comet's experts are deterministic either way; without it a rerun of qwen2moe-2gpu on "
-                        "2x H100 differed from step 1's gradients on)")
+                   help="a rerun bitwise the same on GPUs: PyTorch's deterministic algorithms "
+                        "(torch.use_deterministic_algorithms(True): an op that has none stops the run, naming "
+                        "itself), the attention on FlashAttention's deterministic backward or the math kernel "
+                        "(the cuDNN and memory-efficient kernels, whose backwards are not deterministic, off) and "
+                        "cuBLAS's fixed workspace (comet's experts are deterministic either way; without this a "
+                        "rerun of qwen2moe-2gpu on 2x H100 differed from step 1's gradients on)")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (default 0.01)")
     p.add_argument("--router", choices=ROUTERS,
                    help="expert selection: softmax (each token's top-k logits) or sinkhorn (k rounds of a "
@@ -643,7 +645,9 @@ def main(argv=None):
     c = make_config(args)
     if args.deterministic:  # before the first cuBLAS call (its workspace setting is read at handle creation)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)  # warn_only would leave FlashAttention's backward as it is
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
     dev_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

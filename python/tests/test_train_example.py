@@ -368,15 +368,21 @@ def test_compile_option(runs):
 
 
 def test_deterministic_option(runs, corpus, tmp_path):
-    """--deterministic: PyTorch's deterministic algorithms on, the header says so, and the run is the same
-    run (the first 3 steps bitwise those of the run without it, on the CPU, where both are deterministic)."""
+    """--deterministic: PyTorch's deterministic algorithms on (strict), the attention's non-deterministic
+    kernels off, the header says so, and the run is the same run (the first 3 steps bitwise those of the run
+    without it, on the CPU, where both are deterministic)."""
     was, cublas = torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    sdp = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
     try:
         r = run("--experts", "comet", "--deterministic", "--stop-after", "3", "--json-log", str(tmp_path / "d.jsonl"),
                 corpus=corpus)
         assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.use_deterministic_algorithms(was)
+        torch.backends.cuda.enable_cudnn_sdp(sdp[0])
+        torch.backends.cuda.enable_mem_efficient_sdp(sdp[1])
         if cublas is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     assert r["losses"] == runs["comet"]["losses"][:3]
