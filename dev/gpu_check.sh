@@ -115,7 +115,7 @@ for step in $STEPS; do
            # layer's autograd step (bench/torch_moe.py --train, torchrun on every GPU) in the same call
            # (TRAIN_ARGS: more flags for comet, e.g. "--comm-hidden" or "--recompute"),
            # each model x token count x layout (LAYOUTS as bench's, default EP and TP over every GPU: EP2
-           # and TP2 on two, EP4 and TP4 on four; the PyTorch layer runs those two); report.py pairs them
+           # and TP2 on two, EP4 and TP4 on four; the PyTorch layer runs each layout's TP x EP); report.py pairs them
            # (600 s a run; the gradient check's CPU reference runs on every core: Mixtral EP2 on 8 tokens a
            # rank ~15 s on one core; DeepSeek-V3-style is checked only with --grad-check: minutes)
         n=$(nvidia-smi -L | wc -l)
@@ -125,12 +125,13 @@ for step in $STEPS; do
                 --json "$OUT/comet-train.jsonl" 2>&1 | tee -a "$OUT/train.log" | grep -A1 '^model' | tail -n 1)
             summary+=("train $m $t $layout: ${line:-FAILED (see train.log)}")
         done; done; done
-        for layout in "1 $n" "$n 1"; do
-            set -- $layout
+        for layout in "${layouts[@]}"; do # the PyTorch layer in each layout's TP x EP (the flags after them are comet's)
+            tp=1 ep=1; set -- $layout
+            while [ $# -ge 2 ]; do case $1 in --tp) tp=$2 ;; --ep) ep=$2 ;; esac; shift; done
             timeout 600 torchrun --standalone --nproc-per-node "$n" bench/torch_moe.py --train --models "$(tr ' ' , <<<"$MODELS")" \
-                --tokens "$(tr ' ' , <<<"$TOKENS")" --tp "$1" --ep "$2" --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
-                --json "$OUT/torch-train-tp$1ep$2.json" >> "$OUT/train.log" 2>&1
-            summary+=("torch --train tp$1 ep$2: exit $?")
+                --tokens "$(tr ' ' , <<<"$TOKENS")" --tp "$tp" --ep "$ep" --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
+                --json "$OUT/torch-train-tp${tp}ep$ep.json" >> "$OUT/train.log" 2>&1
+            summary+=("torch --train tp$tp ep$ep: exit $?")
         done
         python3 bench/report.py "$OUT"/torch-train-tp*.json "$OUT/comet-train.jsonl" > "$OUT/train-report.md" 2>&1
         cat "$OUT/train-report.md"
