@@ -1022,12 +1022,16 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
     memset(sets, 0, sizeof sets);
     void *w1 = NULL, *w2 = NULL, *dw1 = NULL, *dw2 = NULL, *saved = NULL;
     cudaStream_t stream = NULL;
-    cudaEvent_t ev[3] = {NULL, NULL, NULL};
+    /* the events of the steps' starts, their forward-backward boundaries and the last step's end: one
+     * step's three (reused step by step) or, back to back (pipeline), two a timed step and the end */
+    const int b2b = run->pipeline, timed = run->repeats - job->warmup;
+    const int nev = b2b ? 2 * timed + 1 : 3;
+    cudaEvent_t *ev = calloc((size_t)nev, sizeof *ev);
     comet_status_t st = COMET_SUCCESS;
     size_t sb = 0;
-    cudaError_t e = cudaSetDevice(comet_world_device(job->world, r));
+    cudaError_t e = ev ? cudaSetDevice(comet_world_device(job->world, r)) : cudaErrorMemoryAllocation;
     if (e == cudaSuccess) e = cudaStreamCreate(&stream);
-    for (int i = 0; i < 3 && e == cudaSuccess; i++) e = cudaEventCreate(&ev[i]);
+    for (int i = 0; i < nev && e == cudaSuccess; i++) e = cudaEventCreate(&ev[i]);
     const size_t w1_bytes = tensor_bytes(&a0->w1, 2), w2_bytes = tensor_bytes(&a0->w2, 2);
     const size_t x_bytes = (size_t)(t * hd) * 2, rk_bytes = (size_t)(t * k) * 4;
     if (e == cudaSuccess) st = comet_layer_saved_bytes(layer, save, &sb);
@@ -1122,18 +1126,25 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         if (st != COMET_SUCCESS) break;
         note_progress(job, i);
         mark_timed(job, i);
-        cudaEventRecord(ev[0], stream);
+        const int j = b2b && i >= job->warmup ? i - job->warmup : -1; /* a timed step enqueued back to back */
+        cudaEvent_t *se = j >= 0 ? &ev[2 * j] : ev;                  /* its start, boundary and end events */
+        cudaEventRecord(se[0], stream);
         st = comet_layer_forward(layer, &f);
-        cudaEventRecord(ev[1], stream);
+        cudaEventRecord(se[1], stream);
         if (st == COMET_SUCCESS && job->rank == 0 && i == run->repeats - 1)
             st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
-        cudaEventRecord(ev[2], stream);
+        if (j >= 0 && i < run->repeats - 1) continue; /* the next step's start event ends this one */
+        cudaEventRecord(se[2], stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
-        float fwd = 0, bwd = 0;
-        cudaEventElapsedTime(&fwd, ev[0], ev[1]);
-        cudaEventElapsedTime(&bwd, ev[1], ev[2]);
-        job->ms_f[i] = fwd, job->ms_b[i] = bwd, job->ms[i] = (double)fwd + (double)bwd;
+        for (int q = j >= 0 ? 0 : -1; q < (j >= 0 ? timed : 0); q++) { /* one step, or every timed one */
+            const cudaEvent_t *qe = q >= 0 ? &ev[2 * q] : ev;
+            const int at = q >= 0 ? job->warmup + q : i;
+            float fwd = 0, bwd = 0;
+            cudaEventElapsedTime(&fwd, qe[0], qe[1]);
+            cudaEventElapsedTime(&bwd, qe[1], qe[2]);
+            job->ms_f[at] = fwd, job->ms_b[at] = bwd, job->ms[at] = (double)fwd + (double)bwd;
+        }
     }
     if (e == cudaSuccess && st == COMET_SUCCESS) note_progress(job, run->repeats);
     mark_timed(job, -1);
@@ -1142,8 +1153,9 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         cudaFree(sets[s].in.x), cudaFree(sets[s].in.idx), cudaFree(sets[s].in.w), cudaFree(sets[s].in.y),
             cudaFree(sets[s].dy), cudaFree(sets[s].dx), cudaFree(sets[s].dtw);
     cudaFree(w1), cudaFree(w2), cudaFree(dw1), cudaFree(dw2), cudaFree(saved);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; ev && i < nev; i++)
         if (ev[i]) cudaEventDestroy(ev[i]);
+    free(ev);
     if (stream) cudaStreamDestroy(stream);
     if (e != cudaSuccess && st == COMET_SUCCESS)
         st = comet_fail(COMET_ERR_CUDA, "rank %d: runner: %s", r, cudaGetErrorString(e));
@@ -1242,16 +1254,16 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
                           "runner: interleaved sides need disable 0, no graph and %d timed calls or more (%d)", SIDES,
                           run->repeats - warmup);
-    if (run->pipeline && (run->graph || run->interleave || run->repeats > COMET_MAX_INPUT_SETS))
+    if (run->pipeline && (run->graph || run->interleave || (!run->train && run->repeats > COMET_MAX_INPUT_SETS)))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "runner: pipelined calls need no graph, no interleave and at most %d calls (%d)",
+                          "runner: pipelined calls need no graph, no interleave and (forwards) at most %d calls (%d)",
                           COMET_MAX_INPUT_SETS, run->repeats);
     if (run->train && (run->train != COMET_SAVE_ACTIVATIONS && run->train != COMET_SAVE_RECOMPUTE))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT, "runner: train is COMET_SAVE_ACTIVATIONS or COMET_SAVE_RECOMPUTE (%d)",
                           run->train);
-    if (run->train && (run->disable || run->graph || run->pipeline || run->compare_repeats))
+    if (run->train && (run->disable || run->graph || run->compare_repeats))
         return comet_fail(COMET_ERR_INVALID_ARGUMENT,
-                          "runner: training steps take no disable, graph, pipeline or compare_repeats");
+                          "runner: training steps take no disable, graph or compare_repeats");
     run->ms_fwd = run->ms_bwd = 0;
     memset(&run->train_check, 0, sizeof run->train_check);
     const comet_protocol_t init = COMET_PROTOCOL_INIT;

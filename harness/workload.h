@@ -143,7 +143,12 @@ typedef struct {
                              * after the last, each on its own input set (repeats <= COMET_MAX_INPUT_SETS;
                              * input_sets ignored), so calls with different tensors are in flight
                              * together; compare_repeats then compares each set's y after that sync;
-                             * ms_median is the whole run's time over repeats */
+                             * ms_median is the whole run's time over repeats. With train: the timed
+                             * steps (after the warm-up's, each synced) enqueued back to back, as a
+                             * training loop's host runs ahead, one sync after the last; input_sets as
+                             * without it; a step's time from events at its start, between its forward
+                             * and backward and at the next step's start (the GPU's time a step, the
+                             * host's work hidden where it keeps ahead) */
     comet_status_t status[64];   /* per rank, last call (ranks >= 64 not kept) */
     char message[64][256];
     int interleave;         /* when not 0 (disable and graph 0): after one untimed whole forward,
@@ -181,7 +186,7 @@ typedef struct {
      * accumulated); ms_median is the step's (forward + backward, the slowest rank's per call),
      * ms_fwd and ms_bwd the medians of its two parts. GPU: events before the forward, between and
      * after the backward, one comet_layer_sync a step; inputs, dy and dx rotated as input_sets says.
-     * Not with disable, graph, pipeline or compare_repeats (refused); with interleave the sides are the
+     * Not with disable, graph or compare_repeats (refused; pipeline: above); with interleave the sides are the
      * backward's (ms_side from ms_bwd; the check step runs whole). y of the last
      * call is kept, so comet_problem_check checks the training forward's y. */
     int train;

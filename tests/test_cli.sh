@@ -129,13 +129,16 @@ expect train-saved 0 '^saved state per layer and micro-batch: [0-9.]*[1-9][0-9.]
 expect train-saved-recompute 0 '^saved state per layer and micro-batch: 0.0 MiB \(recompute: nothing' -- "$comet" bench --backend cpu --train --recompute --tokens 32 --scale 64 --iters 1 --warmup 0
 expect recompute-alone 2 '--recompute is a variant of --train' -- "$comet" bench --backend cpu --recompute
 expect grad-check-alone 2 '--grad-check is a variant of --train' -- "$comet" bench --backend cpu --grad-check
+expect back-to-back-alone 2 '--back-to-back is a variant of --train' -- "$comet" bench --backend cpu --back-to-back
+expect back-to-back-comm-hidden 2 '--back-to-back and --comm-hidden do not go together' -- "$comet" bench --backend cpu --train --back-to-back --comm-hidden
+expect back-to-back-check 2 '--back-to-back is a flag of comet bench' -- "$comet" check --backend cpu --train --back-to-back
 expect check-train 0 'ok \(0 of [0-9]+ elements differ\)' -- "$comet" check --backend cpu --train --tokens 32 --scale 64
 # --comm-hidden with --train: the backward's four sides interleaved (the forward whole), then the real steps checked
 expect train-comm-hidden 0 '^communication hidden in the backward: -?[0-9.]+%, .*medians of 4 backwards each' -- "$comet" bench --backend cpu --train --comm-hidden --tokens 32 --scale 64 --iters 4 --warmup 1
 expect train-comm-hidden-check 0 'ok \(0 of [0-9]+\), ok \(0 of [0-9]+ elements differ\)' -- "$comet" bench --backend cpu --train --comm-hidden --tokens 32 --scale 64 --iters 4 --warmup 1
 tj=$(mktemp /tmp/comet-train-XXXXXX)
 "$comet" bench --backend cpu --train --model qwen2-moe --tokens 24 --scale 32 --iters 2 --warmup 0 --json "$tj" >/dev/null 2>&1
-expect train-json 0 '"train": 1, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_n_comm": [0-9]+, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
+expect train-json 0 '"train": 1, "back_to_back": 0, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_n_comm": [0-9]+, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
 if command -v python3 >/dev/null; then
     expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| [0-9.]+ / - \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
 fi

@@ -60,6 +60,7 @@ typedef struct {
     int train;         /* --train: time training steps (forward saving activations, then backward) */
     int recompute;     /* --recompute (with --train): the forward saves nothing, the backward recomputes */
     int grad_check;    /* --grad-check (with --train): check the gradients on GPUs whatever the weights' size */
+    int back_to_back;  /* --back-to-back (with --train): the timed steps enqueued back to back (GPUs) */
 } cli_options_t;
 
 /* Everything one bench or check run produced. In a launched world rank 0

@@ -80,6 +80,9 @@ static void command_usage(const char *cmd, FILE *f) {
                    "                     the forward's FLOPs); the gradients first checked against the\n"
                    "                     reference on sampled tokens (every token on the CPU engine, bitwise)\n"
                    "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
+                   "  --back-to-back     with --train on GPUs: the timed steps enqueued back to back, one\n"
+                   "                     sync after the last (as a training loop's host runs ahead); a step's\n"
+                   "                     time is the GPU's, the host's work before it hidden\n"
                    "  --grad-check       with --train on GPUs: check the gradients also where a rank's\n"
                    "                     weights pass 4 GiB (DeepSeek-V3-style: the host reference then takes\n"
                    "                     minutes and ~100 GiB of host memory)\n",
@@ -125,7 +128,7 @@ static const flag_t flags[] = {
     {"--backend", FOR_ALL, 1},      {"--iters", FOR_ALL, 1},      {"--warmup", FOR_ALL, 1},
     {"--json", FOR_BENCH | FOR_CHECK, 1}, {"--trace", FOR_BENCH | FOR_CHECK, 1},
     {"--train", FOR_BENCH | FOR_CHECK, 0}, {"--recompute", FOR_BENCH | FOR_CHECK, 0},
-    {"--grad-check", FOR_BENCH | FOR_CHECK, 0},
+    {"--grad-check", FOR_BENCH | FOR_CHECK, 0}, {"--back-to-back", FOR_BENCH, 0},
     {"--comm-hidden", FOR_BENCH, 0}, {"--graph", FOR_BENCH, 0},   {"--out", FOR_TUNE, 1},
     {"--help", FOR_ALL, 0},
 };
@@ -381,6 +384,8 @@ static int parse_flags(const char *cmd, int argc, char **argv, cli_options_t *o)
             o->recompute = 1;
         } else if (strcmp(f, "--grad-check") == 0) {
             o->grad_check = 1;
+        } else if (strcmp(f, "--back-to-back") == 0) {
+            o->back_to_back = 1;
         } else if (strcmp(f, "--json") == 0) {
             o->json = v;
         } else if (strcmp(f, "--out") == 0) {
@@ -592,6 +597,14 @@ int cli_configure(cli_result_t *r) {
     }
     if (o->grad_check && !o->train) {
         fprintf(stderr, "comet: --grad-check is a variant of --train (add --train)\n");
+        return -1;
+    }
+    if (o->back_to_back && !o->train) {
+        fprintf(stderr, "comet: --back-to-back is a variant of --train (add --train)\n");
+        return -1;
+    }
+    if (o->back_to_back && o->hidden_metric) {
+        fprintf(stderr, "comet: --back-to-back and --comm-hidden do not go together (the sides are timed step by step)\n");
         return -1;
     }
     if (o->train && cli_speaks(launch)) {

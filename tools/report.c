@@ -175,7 +175,8 @@ static void print_train_notes(const cli_result_t *r) {
                "each call)\n",
                o->iters, o->warmup);
     if (r->use_cuda) {
-        printf("inputs: %d sets of x, routing, y, dy and dx a rank, rotated step by step\n", r->input_sets);
+        printf("inputs: %d sets of x, routing, y, dy and dx a rank, rotated step by step%s\n", r->input_sets,
+               o->back_to_back ? "; the timed steps enqueued back to back (--back-to-back)" : "");
         print_clocks(&r->watch);
     }
     print_hidden(r);
@@ -287,9 +288,9 @@ static int append_json(const cli_result_t *r, const char *path) {
     if (o->train) { /* a training row: ms and rate are the step's */
         const struct comet_train_check *g = &r->grad;
         fprintf(f,
-                ", \"train\": 1, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_n_comm\": %d, \"fwd_ms\": %.6f, "
+                ", \"train\": 1, \"back_to_back\": %d, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_n_comm\": %d, \"fwd_ms\": %.6f, "
                 "\"bwd_ms\": %.6f, \"grad_wrong\": %lld, \"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
-                o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_protocol.n_comm, r->fwd_ms, r->bwd_ms,
+                o->back_to_back, o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_protocol.n_comm, r->fwd_ms, r->bwd_ms,
                 (long long)r->grad_wrong,
                 (long long)r->grad_checked, g->worst[0], g->worst[1], g->worst[2], g->worst[3]);
     }

@@ -166,6 +166,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     run.n_comm = o->n_comm, run.chunk_cols = o->chunk_cols;
     run.repeats = bench ? o->warmup + o->iters : 1;
     run.graph = o->graph && r->use_cuda && !o->train;
+    run.pipeline = o->back_to_back && r->use_cuda; /* the CPU engine's steps are synchronous: no difference */
     if (o->train) { /* the gradients checked on 8 sampled tokens a rank (GPUs), every token (CPU, bitwise) */
         run.train = o->recompute ? COMET_SAVE_RECOMPUTE : COMET_SAVE_ACTIVATIONS, run.train_sample = r->use_cuda ? 8 : -1;
         /* the host reference writes every expert's dW over the whole weights, on every core
