@@ -8,6 +8,13 @@ it today (Megatron-style), timed with the same workloads and flags as
              back -> unpermute -> weighted top-k sum
   TP (EP=1): all-gather tokens and routing -> permute -> grouped GEMMs on the
              rank's ffn slice -> weighted top-k sum -> reduce-scatter (bf16)
+  EP x TP:   Megatron's expert-tensor-parallelism: TP's all-gather within the
+             TP group, EP's path on the gathered tokens within the EP group
+             (the experts on the rank's ffn slice), TP's reduce-scatter
+Ranks as comet's (include/comet.h): rank = ep * TP + tp; rank (ep, tp) holds
+experts [ep*E/EP, (ep+1)*E/EP), each's tp-th ffn slice; its TP group is the
+ranks of its ep, its EP group the ranks of its tp. Each rank holds M / (TP*EP)
+tokens and gets y for them.
 
 Run with torchrun (one process per GPU); one GPU works with plain python:
   torchrun --nproc-per-node 2 bench/torch_moe.py --models mixtral-8x7b --tokens 4096,8192 --ep 2
@@ -21,11 +28,11 @@ gradients of x, topk_w (fp32), w1 and w2 (bf16, the parameters' dtype; set
 to None before every step, so written, not accumulated). The all-to-alls are
 autograd Functions around dist.all_to_all_single (backward: the all-to-all
 with the splits swapped), TP's all-gathers backward a reduce-scatter and its
-reduce-scatter an all-gather. On CUDA each expert's rows are padded to a
-multiple of 8 (zero rows, as torchtitan does) for torch._grouped_mm's backward,
-whose dW GEMM needs 16-byte aligned group offsets. Forward, backward and step ms (CUDA events:
-before the forward, between, after the backward; median over the iters of
-the slowest rank's), the step's TFLOP/s (3x the forward's FLOPs). Before
+reduce-scatter an all-gather (within the sub-groups in EP x TP). On CUDA each
+expert's rows are padded to a multiple of 8 (zero rows, as torchtitan does) for
+torch._grouped_mm's backward, whose dW GEMM needs 16-byte aligned group offsets.
+Forward, backward and step ms (CUDA events: before the forward, between, after
+the backward; median over the iters of the slowest rank's), the step's TFLOP/s (3x the forward's FLOPs). Before
 timing, one step on 8 sampled tokens a rank is checked against an fp32
 autograd evaluation of those tokens (every rank's, all-gathered): relative
 error (norm) of y, dx, d_topk_w and of the rank's dw1, dw2 slices. Records
@@ -35,7 +42,8 @@ tensors, the weights and the step's inputs left out).
   torchrun --nproc-per-node 2 bench/torch_moe.py --train --models qwen2-moe --tokens 4096 --ep 2
 --device cpu (gloo; a per-expert matmul loop where torch._grouped_mm's
 backward does not run on the CPU; wall-clock times) is only for testing this
-script without GPUs (--scale shrinks the model); its times mean nothing.
+script without GPUs (--scale shrinks the model); its times mean nothing:
+  torchrun --nproc-per-node 4 bench/torch_moe.py --device cpu --train --models qwen2-moe --tokens 256 --tp 2 --ep 2
 """
 import argparse
 import datetime
@@ -80,56 +88,78 @@ def parse():
     return p.parse_args()
 
 
+def all_to_all(x, out_splits, in_splits, group):
+    """dist.all_to_all_single over group into a new tensor: in_splits[r] rows of x to its rank r,
+    out_splits[r] rows from it"""
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def all_gather(x, group):
+    """the rows of every rank of group, stacked in its rank order"""
+    out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter(x, group):
+    """the sum over the ranks of group of x, this rank's share of the rows"""
+    out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
 class AllToAll(torch.autograd.Function):
-    """dist.all_to_all_single with autograd: the backward is the all-to-all with the splits swapped"""
+    """all_to_all with autograd: the backward is the all-to-all with the splits swapped"""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits):
-        ctx.splits = (out_splits, in_splits)
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
-        return out
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        gi = g.new_empty(sum(in_splits), *g.shape[1:])
-        dist.all_to_all_single(gi, g.contiguous(), in_splits, out_splits)
-        return gi, None, None
+        return all_to_all(g, in_splits, out_splits, ctx.group), None, None, None
 
 
 class AllGather(torch.autograd.Function):
-    """all_gather_into_tensor along rows; backward: reduce-scatter (sum) of the gradient"""
+    """all_gather with autograd: the backward is the reduce-scatter (sum) of the gradient"""
 
     @staticmethod
-    def forward(ctx, x, world):
-        ctx.world = world
-        out = x.new_empty(world * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        gi = g.new_empty(g.shape[0] // ctx.world, *g.shape[1:])
-        dist.reduce_scatter_tensor(gi, g.contiguous())
-        return gi, None
+        return reduce_scatter(g, ctx.group), None
 
 
 class ReduceScatter(torch.autograd.Function):
-    """reduce_scatter_tensor (sum) along rows; backward: all-gather of the gradient"""
+    """reduce_scatter with autograd: the backward is the all-gather of the gradient"""
 
     @staticmethod
-    def forward(ctx, x, world):
-        ctx.world = world
-        out = x.new_empty(x.shape[0] // world, *x.shape[1:])
-        dist.reduce_scatter_tensor(out, x.contiguous())
-        return out
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        gi = g.new_empty(ctx.world * g.shape[0], *g.shape[1:])
-        dist.all_gather_into_tensor(gi, g.contiguous())
-        return gi, None
+        return all_gather(g, ctx.group), None
+
+
+def layout_groups(tp, ep, rank):
+    """(TP group, EP group) of rank = ep_rank * tp + tp_rank, comet's rank mapping (include/comet.h): the
+    tp ranks of its ep_rank (they share experts, each an ffn slice), the ep ranks of its tp_rank (they hold
+    the same ffn slice of different experts). None for the whole world (the default group) or one rank.
+    Every rank creates every group, in the same order, as dist.new_group requires."""
+    if tp == 1 or ep == 1:
+        return None, None
+    tp_groups = [dist.new_group([e * tp + i for i in range(tp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * tp + i for e in range(ep)]) for i in range(tp)]
+    return tp_groups[rank // tp], ep_groups[rank % tp]
 
 
 def inverse(perm):
@@ -190,10 +220,11 @@ def expert_ffn(x, w1, w2):
 
 
 class Layer:
-    def __init__(self, cfg, rank, world, device):
+    def __init__(self, cfg, rank, world, device, groups):
         self.hidden, self.ffn, self.e_num, self.topk, self.tp, self.ep = cfg
         self.rank, self.world, self.device = rank, world, device
-        self.tp_rank, self.ep_rank = rank % self.tp, rank // self.tp
+        self.tp_rank, self.ep_rank = rank % self.tp, rank // self.tp  # rank = ep_rank * tp + tp_rank, as comet
+        self.tp_group, self.ep_group = groups  # layout_groups
         self.el = self.e_num // self.ep
         self.fl = self.ffn // self.tp
         gen = torch.Generator(device=device).manual_seed(1234)  # same full weights on every rank
@@ -206,7 +237,7 @@ class Layer:
         self.w1 = torch.cat([gate, up], dim=1).contiguous()              # (E_local, 2F/TP, H)
         self.w2 = self.w2_full[e0:e0 + self.el, :, s0:s0 + self.fl].contiguous()  # (E_local, H, F/TP)
         self.gemm_events = None
-        self.train = False  # forward_train: the communication through the autograd Functions above
+        self.train = False  # forward: autograd through the collectives (the Functions above)
         self.loop = device.type != "cuda"  # torch._grouped_mm's backward does not run on the CPU
 
     def experts(self, rows, counts):
@@ -242,14 +273,33 @@ class Layer:
         return o
 
     def forward(self, x, idx, w):
-        if self.train:
-            return self.forward_ep_train(x, idx, w) if self.tp == 1 else self.forward_tp_train(x, idx, w)
-        return self.forward_ep(x, idx, w) if self.tp == 1 else self.forward_tp(x, idx, w)
+        """y for this rank's tokens. TP > 1 (Megatron's expert-tensor-parallelism): the TP group's tokens
+        and routing all-gathered first, the partial sums over the rank's ffn slice reduce-scattered (bf16)
+        last; between, the EP path over the EP group on those tokens (EP = 1: every expert is local).
+        self.train: autograd through the collectives (the all-gathers' backward a reduce-scatter, the
+        reduce-scatter's an all-gather)"""
+        if self.tp == 1:
+            return self.forward_ep(x, idx, w)
+        gather, scatter = (AllGather.apply, ReduceScatter.apply) if self.train else (all_gather, reduce_scatter)
+        g = self.tp_group
+        part = self.forward_ep(gather(x, g), all_gather(idx, g), gather(w, g))
+        return scatter(part, g)
 
-    def forward_ep_train(self, x, idx, w):
-        """forward_ep with autograd: the same steps, the all-to-alls through AllToAll, the scatters as
-        index_select by the inverse permutation"""
-        t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
+    def unpermute(self, rows, perm):
+        """rows back to their places before index_select(0, perm): a scatter, in training an
+        index_select by the inverse permutation (autograd)"""
+        if self.train:
+            return rows.index_select(0, inverse(perm))
+        out = torch.empty_like(rows)
+        out[perm] = rows
+        return out
+
+    def forward_ep(self, x, idx, w):
+        """the top-k sum of x's rows over the experts of the EP group, each on this rank's ffn slice: permute
+        by expert, all-to-all to the expert's rank (the split sizes synced to the host), regroup by local
+        expert, experts, all the way back, weighted top-k sum (bf16). self.train: the all-to-alls through
+        AllToAll (backward: the splits swapped)"""
+        t, k, wsz, el = x.shape[0], self.topk, self.ep, self.el
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         x_perm = x.index_select(0, order // k)
@@ -258,33 +308,19 @@ class Layer:
             back = self.experts(x_perm, counts)
         else:
             counts_recv = torch.empty_like(counts)
-            dist.all_to_all_single(counts_recv, counts)
+            dist.all_to_all_single(counts_recv, counts, group=self.ep_group)
             splits = torch.stack([counts.view(wsz, el).sum(1), counts_recv.view(wsz, el).sum(1)]).cpu()  # host sync
             send, recv_n = splits[0].tolist(), splits[1].tolist()
-            recv = AllToAll.apply(x_perm, recv_n, send)
+            a2a = AllToAll.apply if self.train else all_to_all
+            recv = a2a(x_perm, recv_n, send, self.ep_group)
+            # rows arrive grouped (source, expert); regroup them (expert, source)
             chunk = torch.repeat_interleave(torch.arange(wsz * el, device=x.device), counts_recv,
                                             output_size=recv.shape[0])
             perm2 = torch.argsort((chunk % el) * wsz + chunk // el, stable=True)
             o = self.experts(recv.index_select(0, perm2), counts_recv.view(wsz, el).sum(0))
-            back = AllToAll.apply(o.index_select(0, inverse(perm2)), send, recv_n)
-        slots = back.index_select(0, inverse(order))
+            back = a2a(self.unpermute(o, perm2), send, recv_n, self.ep_group)
+        slots = self.unpermute(back, order)
         return (slots.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
-
-    def forward_tp_train(self, x, idx, w):
-        """forward_tp with autograd: x and topk_w all-gathered through AllGather (backward: reduce-scatter),
-        y reduce-scattered through ReduceScatter (backward: all-gather)"""
-        t, k, wsz = x.shape[0], self.topk, self.world
-        x_all = AllGather.apply(x, wsz)
-        w_all = AllGather.apply(w, wsz)
-        idx_all = idx.new_empty(wsz * t, k)
-        dist.all_gather_into_tensor(idx_all, idx)
-        flat = idx_all.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.el)
-        o = self.experts(x_all.index_select(0, order // k), counts)
-        slots = o.index_select(0, inverse(order))
-        part = (slots.view(wsz * t, k, -1).float() * w_all.unsqueeze(-1)).sum(1).to(torch.bfloat16)
-        return ReduceScatter.apply(part, wsz)
 
     def step(self, x, idx, w, dy, events=None):
         """one training step: y = forward (autograd), y.backward(dy); the gradients of x, topk_w (fp32),
@@ -316,11 +352,7 @@ class Layer:
         self.w1.grad = self.w2.grad = None
 
         def gather(v):
-            if self.world == 1:
-                return v
-            out = v.new_empty(self.world * v.shape[0], *v.shape[1:])
-            dist.all_gather_into_tensor(out, v)
-            return out
+            return all_gather(v, None) if self.world > 1 else v
 
         gx, gidx, gw, gdy = gather(xs), gather(idxs), gather(ws), gather(dys)
         fx = gx.float().requires_grad_()
@@ -364,55 +396,6 @@ class Layer:
         mine = slice(lo, lo + xs.shape[0])
         return {"y": rel_err(y.detach().float(), y_ref[mine]), "dx": rel_err(dx.float(), fx.grad[mine]),
                 "d_topk_w": rel_err(dtw, fw.grad[mine]), "dw1": rel("dw1"), "dw2": rel("dw2")}
-
-    def forward_ep(self, x, idx, w):
-        t, k, wsz, el = x.shape[0], self.topk, self.world, self.el
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        x_perm = x.index_select(0, order // k)
-        counts = torch.bincount(flat, minlength=self.e_num)
-        if wsz == 1:
-            o = self.experts(x_perm, counts)
-            back = o
-        else:
-            counts_recv = torch.empty_like(counts)
-            dist.all_to_all_single(counts_recv, counts)
-            splits = torch.stack([counts.view(wsz, el).sum(1), counts_recv.view(wsz, el).sum(1)]).cpu()  # host sync
-            send, recv_n = splits[0].tolist(), splits[1].tolist()
-            recv = x.new_empty(sum(recv_n), self.hidden)
-            dist.all_to_all_single(recv, x_perm, recv_n, send)
-            # rows arrive grouped (source, expert); regroup them (expert, source)
-            chunk = torch.repeat_interleave(torch.arange(wsz * el, device=x.device), counts_recv,
-                                            output_size=recv.shape[0])
-            perm2 = torch.argsort((chunk % el) * wsz + chunk // el, stable=True)
-            o = self.experts(recv.index_select(0, perm2), counts_recv.view(wsz, el).sum(0))
-            regrouped = torch.empty_like(o)
-            regrouped[perm2] = o
-            back = x.new_empty(t * k, self.hidden)
-            dist.all_to_all_single(back, regrouped, send, recv_n)
-        slots = torch.empty_like(back)
-        slots[order] = back
-        return (slots.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
-
-    def forward_tp(self, x, idx, w):
-        t, k, wsz = x.shape[0], self.topk, self.world
-        x_all = x.new_empty(wsz * t, self.hidden)
-        idx_all = idx.new_empty(wsz * t, k)
-        w_all = w.new_empty(wsz * t, k)
-        dist.all_gather_into_tensor(x_all, x)
-        dist.all_gather_into_tensor(idx_all, idx)
-        dist.all_gather_into_tensor(w_all, w)
-        flat = idx_all.reshape(-1)  # EP = 1: every expert is local, sliced along ffn
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.el)
-        rows = x_all.index_select(0, order // k)
-        o = self.experts(rows, counts)
-        slots = torch.empty_like(o)
-        slots[order] = o
-        part = (slots.view(wsz * t, k, -1).float() * w_all.unsqueeze(-1)).sum(1).to(torch.bfloat16)
-        y = x.new_empty(t, self.hidden)
-        dist.reduce_scatter_tensor(y, part)
-        return y
 
     def check(self, x, idx, w, y, n=8):
         """Relative error of y on n sampled tokens against an fp32 evaluation."""
@@ -552,13 +535,13 @@ def main():
     tp = args.tp or (world // args.ep if args.ep else 1)  # default: EP over all GPUs
     ep = world // tp
     assert tp * ep == world, f"tp*ep = {tp}*{ep} != world size {world}"
-    assert tp == 1 or ep == 1, "the baseline runs TP or EP, not both"
+    groups = layout_groups(tp, ep, rank)
     records = []
     for name in args.models.split(","):
         hidden, ffn, e_num, topk = MODELS[name]
         e_num, topk = args.experts or e_num, args.topk or topk
         hidden, ffn = hidden // args.scale, ffn // args.scale
-        layer = Layer((hidden, ffn, e_num, topk, tp, ep), rank, world, device)
+        layer = Layer((hidden, ffn, e_num, topk, tp, ep), rank, world, device, groups)
         for m in [int(v) for v in args.tokens.split(",")]:
             t = m // world
             sets = []
