@@ -188,6 +188,12 @@ def as_tensor(obj, name="tensor") -> TensorDesc:
     raise TypeError("%s: expected a comet.TensorDesc or a numpy array, got %s" % (name, type(obj).__name__))
 
 
+def _c_tensor(obj, name) -> _capi.comet_tensor_t:
+    """The comet_tensor_t of `obj`: as_tensor's, or obj itself when it is
+    one already (comet.torch builds them from tensors directly)."""
+    return obj if isinstance(obj, _capi.comet_tensor_t) else as_tensor(obj, name).to_c()
+
+
 def float_to_bf16(a):
     """numpy: float32 array -> uint16 array of its bf16 bits, rounded to
     nearest even (NaN stays NaN), as comet rounds."""
@@ -452,7 +458,8 @@ class Layer:
         expert ids, distinct per row; topk_w (T, topk) fp32: routing
         weights; w1 (E_local, 2 F_local, H) bf16 gated, (E_local, F_local, H)
         gelu; w2 (E_local, H, F_local) bf16; y (T, H) bf16, written. Each a
-        TensorDesc or a numpy array (bf16 as uint16 bits).
+        TensorDesc, a numpy array (bf16 as uint16 bits) or a comet_tensor_t
+        (comet._capi's, taken as it is).
         stream: a cudaStream_t address or an object with .cuda_stream (CUDA;
         ignored by the CPU backend). n_comm, chunk_cols, disable: as
         comet_forward_args_t (0: the tuner's choice). save (Save or "none",
@@ -463,12 +470,12 @@ class Layer:
         reports routing errors)."""
         a = _capi.comet_forward_args_t.init()
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w), ("w1", w1), ("w2", w2), ("y", y)):
-            setattr(a, name, as_tensor(t, name).to_c())
+            setattr(a, name, _c_tensor(t, name))
         a.stream = _stream(stream)
         a.n_comm, a.chunk_cols, a.disable = int(n_comm), int(chunk_cols), int(disable)
         a.save = int(_enum(Save, save, "save"))
         if saved is not None:
-            a.saved = as_tensor(saved, "saved").to_c()
+            a.saved = _c_tensor(saved, "saved")
         check(_capi.comet_layer_forward(self._live(), ctypes.byref(a)), "comet_layer_forward")
         return y
 
@@ -494,11 +501,11 @@ class Layer:
         a = _capi.comet_backward_args_t.init()
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_w", topk_w), ("w1", w1), ("w2", w2), ("dy", dy),
                         ("dx", dx), ("d_topk_w", d_topk_w), ("dw1", dw1), ("dw2", dw2)):
-            setattr(a, name, as_tensor(t, name).to_c())
+            setattr(a, name, _c_tensor(t, name))
         a.accumulate = int(bool(accumulate))
         a.save = int(_enum(Save, save, "save"))
         if saved is not None:
-            a.saved = as_tensor(saved, "saved").to_c()
+            a.saved = _c_tensor(saved, "saved")
         a.stream = _stream(stream)
         a.n_comm = int(n_comm)
         check(_capi.comet_layer_backward(self._live(), ctypes.byref(a)), "comet_layer_backward")

@@ -59,6 +59,7 @@ sparse MoE block's experts.
 """
 
 import contextlib
+import ctypes
 import itertools
 import threading
 from typing import Dict, Optional, Tuple
@@ -200,8 +201,14 @@ def _ep(layer: int) -> int:
     return _registered_entry(layer).layer.config.ep if layer else 1
 
 
-def _desc(t: Tensor, dtype: comet.DType) -> comet.TensorDesc:
-    return comet.TensorDesc(t.data_ptr(), dtype, tuple(t.shape))
+_SHAPE = ctypes.c_int64 * comet._capi.COMET_MAX_DIMS
+
+
+def _desc(t: Tensor, dtype: comet.DType) -> comet._capi.comet_tensor_t:
+    """The C descriptor of a contiguous tensor of 1 to 4 dims, built directly (half a TensorDesc's host time:
+    a training step passes 18)"""
+    shape = t.shape
+    return comet._capi.comet_tensor_t(t.data_ptr() or None, dtype, len(shape), _SHAPE(*shape))
 
 
 def _stream(device: torch.device):
@@ -276,6 +283,11 @@ def _moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Te
     that the backward adds dW1 and dW2 to (comet_backward_args_t.accumulate)
     instead of returning w1's and w2's gradients; the forward only checks
     them."""
+    return _run_checked(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grad1, main_grad2)
+
+
+def _run_checked(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grad1=None, main_grad2=None):
+    """moe_experts' forward with the main grads checked: the op's implementation and the eager path's"""
     _check_main_grads(w1, w2, main_grad1, main_grad2, real=True)
     return _run(x, topk_idx, topk_w, w1, w2, activation, save, layer)
 
@@ -316,16 +328,8 @@ def _run_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: T
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     if x.shape[0] == 0 and not layer:  # one rank, no rows: every gradient is zero
         return dx, d_topk_w, dw1.zero_(), dw2.zero_()
-    entry = _entry(layer, x, topk_idx, w1, w2, activation)
-    device = _device(x)
-    ins = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
-           _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(dy, comet.DType.BF16))
-    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(dw1, comet.DType.BF16),
-            _desc(dw2, comet.DType.BF16))
-    with entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
-        entry.layer.backward(*ins, *outs, save=save,
-                             saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
-                             stream=_stream(device))
+    _layer_backward(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer, dx, d_topk_w, dw1, dw2,
+                    comet.DType.BF16, contextlib.nullcontext())
     return dx, d_topk_w, dw1, dw2
 
 
@@ -362,24 +366,38 @@ def _moe_experts_backward_accumulate(dy: Tensor, x: Tensor, topk_idx: Tensor, to
     accumulate = 1, one fp32 add per element of the call's fp32 sum (no bf16
     rounding); an expert no row chose keeps its main grad unchanged (CPU
     engine: adds +0.0)."""
+    return _run_backward_accumulate(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation, save,
+                                    layer)
+
+
+def _run_backward_accumulate(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor,
+                             saved: Tensor, main_grad1: Tensor, main_grad2: Tensor, activation: str, save: str,
+                             layer: int) -> Tuple[Tensor, Tensor]:
     _accumulate_check(dy, x, topk_idx, topk_w, w1, w2, saved, main_grad1, main_grad2, activation, save, layer)
     _check_main_grads(w1, w2, main_grad1, main_grad2, "moe_experts_backward_accumulate", real=True)
     dx, d_topk_w = torch.empty_like(x), torch.empty_like(topk_w)
     if x.shape[0] == 0 and not layer:  # one rank, no rows: nothing to add
         return dx, d_topk_w
+    # _accumulate_lock: backwards of layers of other token bounds (other entries) may add to the same buffers
+    # from other threads; CPU adds are synchronous, so one at a time (CUDA: launches, ordered by the streams)
+    _layer_backward(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer, dx, d_topk_w, main_grad1,
+                    main_grad2, comet.DType.FP32, _accumulate_lock)
+    return dx, d_topk_w
+
+
+def _layer_backward(dy, x, topk_idx, topk_w, w1, w2, saved, activation, save, layer, dx, d_topk_w, dw1, dw2,
+                    dw_dtype, lock):
+    """comet_layer_backward on the op's layer into dx, d_topk_w and dw1, dw2: written (bf16) or, fp32, added to
+    (accumulate), holding lock besides the layer's"""
     entry = _entry(layer, x, topk_idx, w1, w2, activation)
     device = _device(x)
     ins = (_desc(x, comet.DType.BF16), _desc(topk_idx, comet.DType.INT32), _desc(topk_w, comet.DType.FP32),
            _desc(w1, comet.DType.BF16), _desc(w2, comet.DType.BF16), _desc(dy, comet.DType.BF16))
-    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(main_grad1, comet.DType.FP32),
-            _desc(main_grad2, comet.DType.FP32))
-    # _accumulate_lock: backwards of layers of other token bounds (other entries) may add to the same buffers
-    # from other threads; CPU adds are synchronous, so one at a time (CUDA: launches, ordered by the streams)
-    with _accumulate_lock, entry.lock, (torch.cuda.device(device) if device.type == "cuda"
-                                        else contextlib.nullcontext()):
+    outs = (_desc(dx, comet.DType.BF16), _desc(d_topk_w, comet.DType.FP32), _desc(dw1, dw_dtype),
+            _desc(dw2, dw_dtype))
+    with lock, entry.lock, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
         entry.layer.backward(*ins, *outs, save=save, saved=_desc(saved, comet.DType.UINT8) if saved.numel() else None,
-                             accumulate=True, stream=_stream(device))
-    return dx, d_topk_w
+                             accumulate=dw_dtype == comet.DType.FP32, stream=_stream(device))
 
 
 @_moe_experts_backward_accumulate.register_fake
@@ -436,8 +454,9 @@ def _backward(ctx, grad, _grad_saved):
     x, topk_idx, topk_w, w1, w2, saved = ctx.saved_tensors
     # grad None (not materialized: y's gradient arrived undefined): the backward of dy = 0, as before
     dy = torch.zeros_like(x) if grad is None else grad.to(torch.bfloat16).contiguous()
+    eager = getattr(ctx, "eager", False)  # _EagerExperts: the implementations called directly, not the ops
     if ctx.main_grads is None:
-        dx, d_topk_w, dw1, dw2 = torch.ops.comet.moe_experts_backward(
+        dx, d_topk_w, dw1, dw2 = (_run_backward if eager else torch.ops.comet.moe_experts_backward)(
             dy, x, topk_idx, topk_w, w1, w2, saved, ctx.activation, ctx.save, ctx.layer)
         return dx, None, d_topk_w, dw1, dw2, None, None, None, None, None
     # main grads: dW1, dW2 go into them in fp32; w1 and w2 get no gradient (w.grad stays None, as Megatron's
@@ -445,12 +464,50 @@ def _backward(ctx, grad, _grad_saved):
     # never read: left uninitialized (zeroing it cost a write of the fp32 weight's bytes every backward).
     g1, g2 = (g if ctx.needs_input_grad[i] else torch.empty_like(g)
               for i, g in ((3, ctx.main_grads[0]), (4, ctx.main_grads[1])))
-    dx, d_topk_w = torch.ops.comet.moe_experts_backward_accumulate(
+    dx, d_topk_w = (_run_backward_accumulate if eager else torch.ops.comet.moe_experts_backward_accumulate)(
         dy, x, topk_idx, topk_w, w1, w2, saved, g1, g2, ctx.activation, ctx.save, ctx.layer)
     return dx, None, d_topk_w, None, None, None, None, None, None, None
 
 
 _moe_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerExperts(torch.autograd.Function):
+    """comet::moe_experts in eager mode without torch.library's dispatch: the
+    same implementation, setup_context and backward, the backward calling the
+    implementations of the backward ops directly. A training step's host work
+    through the op was ~100 us more (a tiny layer on a CPU: 436-493 against
+    320-325 us a step outside the C calls), what the host-bound steps of a
+    small layer pay on GPUs."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # ctx in forward: a separate setup_context binds the arguments at every call
+        output = _run_checked(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def _plain(*tensors) -> bool:
+    """Eager tensors the eager path can run: not traced (torch.compile, export), no dispatch mode (fake
+    tensors, FX tracing, flop counters: they see the op), no tensor subclass but Parameter."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
+
+
+def _experts(*inputs):
+    """(y, saved) of comet::moe_experts(*inputs): the op, or on plain eager tensors _EagerExperts (recorded
+    for autograd) or the implementation itself (nothing to record)"""
+    x, topk_w, w1, w2 = inputs[0], inputs[2], inputs[3], inputs[4]
+    if not _plain(x, inputs[1], topk_w, w1, w2, *(t for t in inputs[8:] if t is not None)):
+        return _moe_experts(*inputs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2)):
+        return _EagerExperts.apply(*inputs)
+    return _run_checked(*inputs)
 
 
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, *,
@@ -525,10 +582,10 @@ def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grads=None)
                             % (type(main_grads).__name__,))
         _check_main_grads(w1, w2, main_grads[0], main_grads[1])
         if recorded and (w1.requires_grad or w2.requires_grad):  # else no weight gradient to add
-            y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation, save,
+            y, _ = _experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation, save,
                                 layer, main_grads[0], main_grads[1])
             return y
-    y, _ = _moe_experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
+    y, _ = _experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
                         save if recorded else "none", layer)
     return y
 

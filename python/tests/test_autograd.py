@@ -31,7 +31,12 @@ backward: comet_reference_backward, include/comet.h, "Backward
      where the CUDA backend has no backward yet: comet.Unsupported).
   6. The backward makes no gradient for the saved state (no tensor of its
      size), and a y whose gradient arrives as None gives zero gradients.
+  7. Eager calls take a torch.autograd.Function around the op's
+     implementation (less host time); under a dispatch mode the op runs:
+     the same bits.
 Skipped as a whole without torch."""
+
+import contextlib
 
 import pytest
 
@@ -306,3 +311,39 @@ def test_cuda_backward_close_to_cpu():
     for name, a, b in zip(("dx", "d_topk_w", "dw1", "dw2"), gpu, cpu):
         assert a.device.type == "cuda" and a.dtype == b.dtype, name
         torch.testing.assert_close(a.cpu().float(), b.float(), rtol=2 ** -5, atol=2 ** -7)  # the GEMMs' order
+
+
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that runs every op as it is and names the ops it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("main_grads", [False, True])
+def test_eager_path_is_the_op(main_grads):
+    """Eager calls on plain tensors run the op's implementation through a torch.autograd.Function (no
+    torch.library dispatch: less host time a step); under a dispatch mode (fake tensors, tracing, counters)
+    the op itself runs. Both give the same bits: y and every gradient, written or added to fp32 main grads."""
+    x, idx, w, w1, w2, r = problem(T=24, seed=11)
+    got = []
+    for mode in (None, _PassThrough()):
+        ins = [leaf(t) for t in (x, w, w1, w2)]
+        mg = (torch.full(w1.shape, 0.25), torch.full(w2.shape, -0.5)) if main_grads else None
+        with mode if mode is not None else contextlib.nullcontext():
+            y = ct.moe_experts(ins[0], idx, ins[1], ins[2], ins[3], main_grads=mg)
+            (y.float() * r).sum().backward()
+        if mode is None:
+            assert type(y.grad_fn).__name__.startswith("_EagerExperts"), type(y.grad_fn).__name__
+        else:
+            assert "comet.moe_experts.default" in mode.ops, mode.ops
+            assert ("comet.moe_experts_backward_accumulate.default" if main_grads
+                    else "comet.moe_experts_backward.default") in mode.ops, mode.ops
+        got.append([y] + [t.grad for t in ins] + (list(mg) if mg else []))
+    for a, b in zip(*got):
+        assert (a is None and b is None) or bits_equal(a, b)
