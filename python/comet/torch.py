@@ -476,9 +476,9 @@ class _EagerExperts(torch.autograd.Function):
     """comet::moe_experts in eager mode without torch.library's dispatch: the
     same implementation, setup_context and backward, the backward calling the
     implementations of the backward ops directly. A training step's host work
-    through the op was ~100 us more (a tiny layer on a CPU: 436-493 against
-    320-325 us a step outside the C calls), what the host-bound steps of a
-    small layer pay on GPUs."""
+    outside the C calls, a tiny layer on a 2-core CPU, runs alternated:
+    490-543 us through the op, 278-337 this way; the host-bound steps of a
+    small layer on GPUs pay it (not yet measured there)."""
 
     @staticmethod
     def forward(ctx, *inputs):  # ctx in forward: a separate setup_context binds the arguments at every call
