@@ -30,9 +30,14 @@ several rows of one mode (rounds of an A/B, variants the rows do not
 record) shows their median and how many.
 
   python3 bench/report.py bench/results/baselines/2026-11-22-torch-*.json
-  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl
+  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl   (other benches' files skipped, named on stderr)
   python3 bench/report.py bench/reference-issue5.json bench/results/forward/<day>-forward-24cells-<machine>.jsonl
   python3 bench/report.py --help
+
+Records of bench/torch_comet.py (comet's training step through Python,
+"meta" and "records") go to a table of their own beside the C rows of the
+same configuration, both timed from an idle GPU and back to back (comet
+bench --train --back-to-back).
 
 Training rows (`comet bench --train`: "train": 1; torch_moe.py --train:
 "train": true) go to their own table, "Training steps": each side's
@@ -52,7 +57,7 @@ LINK_GBPS = float(os.environ.get("LINK_GBPS", "348"))
 
 
 def load(paths):
-    torch_rows, comet_rows, reference, machines = [], [], [], set()
+    torch_rows, comet_rows, python_rows, reference, machines = [], [], [], [], set()
     for path in paths:
         with open(path) as f:
             text = f.read()
@@ -66,21 +71,35 @@ def load(paths):
             reference += doc["rows"]
             machines.add(f"reference: {doc['reference']}")
             continue
+        if isinstance(doc, dict) and "records" in doc and "meta" in doc:  # bench/torch_comet.py: comet via Python
+            m = doc["meta"]
+            machines.add(f"comet through Python: {m['gpus']}x {m['device']}, torch {m['torch']}, {m['date'][:10]}, "
+                         f"commit {m['commit']}")
+            python_rows += [r for r in doc["records"] if "model" in r]  # not the op's overhead a call
+            continue
         if isinstance(doc, dict) and "records" in doc:
             m = doc["machine"]
             machines.add(f"{m['gpus']}x {m['gpu']}, driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
                          f"NCCL {m['nccl']}, {m['date']}, commit {m['commit']}")
             torch_rows += doc["records"]
+        elif isinstance(doc, dict) and "baseline" not in doc:  # gemm_bench's, link_bench's: no layer rows
+            print(f"report.py: {path}: not a layer's rows, skipped", file=sys.stderr)
         else:
-            for line in text.splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    if r.get("custom"):  # sizes moved off the preset's: its own model, paired with no baseline
-                        r["model"] = (f"custom ({r['model']}, hidden {r['hidden']}, ffn {r['ffn']}, "
-                                      f"experts {r['experts']}, topk {r['topk']})")
-                    comet_rows.append(r)
-                    machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
-    return torch_rows, comet_rows, reference, sorted(machines)
+            try:
+                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError:
+                print(f"report.py: {path}: neither JSON nor JSON lines, skipped", file=sys.stderr)
+                continue
+            if not all(isinstance(r, dict) and "baseline" in r for r in rows):  # e.g. examples/train's logs
+                print(f"report.py: {path}: not comet bench rows, skipped", file=sys.stderr)
+                continue
+            for r in rows:
+                if r.get("custom"):  # sizes moved off the preset's: its own model, paired with no baseline
+                    r["model"] = (f"custom ({r['model']}, hidden {r['hidden']}, ffn {r['ffn']}, "
+                                  f"experts {r['experts']}, topk {r['topk']})")
+                comet_rows.append(r)
+                machines.add(f"comet {r['baseline']}, {r['date'][:10]}, commit {r['commit']}")
+    return torch_rows, comet_rows, python_rows, reference, sorted(machines)
 
 
 def key(r):
@@ -120,6 +139,37 @@ def train_tables(torch_rows, comet_rows):
         print(f"| {r['model']} | {r['M']} | {r['tp']} | {r['ep']} | {r['skew']} | {r.get('save', 'activations')} | "
               f"{mode} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['ms']:.3f} | {tb} | {r['rate']:.0f} | "
               f"{mib(r)} / {mib(b)} | {r['wrong']}/{r['checked']} | {r.get('grad_wrong', 0)}/{r.get('grad_checked', 0)} |")
+
+
+def python_table(python_rows, comet_rows):
+    """the training step through Python (bench/torch_comet.py) beside the C calls' (comet bench --train), each
+    timed from an idle GPU and back to back (torch_comet.py's second figure, comet's --back-to-back rows): the
+    median of each side's rows of a configuration (rounds of a call), "-" where a side has none"""
+    if not python_rows:
+        return
+    ct = [r for r in comet_rows if r.get("train") and not r.get("skew")]
+
+    def med(v):
+        return statistics.median(v) if v else None
+
+    def cell(a, b):
+        return (f"{a:.3f} | {b:.3f} | {100 * (b / a - 1):+.1f}%" if a and b else
+                f"{a or 0:.3f} | - | -" if a else f"- | {b:.3f} | -" if b else "- | - | -")
+
+    print("\nThe training step through Python (comet.torch) against the C calls (ms, medians of the rows; "
+          "+: Python slower):\n")
+    print("| model | M | TP | EP | save | C from an idle GPU | Python | over C | C back to back | Python | over C "
+          "| rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in sorted({(r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) for r in python_rows}):
+        py = [r for r in python_rows if (r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) == c]
+        cs = [r for r in ct if (r["model"], r["M"], r["tp"], r["ep"], r.get("save", "activations")) == c]
+        c_idle = med([r["ms"] for r in cs if not r.get("back_to_back")])
+        c_b2b = med([r["ms"] for r in cs if r.get("back_to_back")])
+        p_idle = med([r["step_ms"] for r in py])
+        p_b2b = med([r["step_ms_back_to_back"] for r in py if "step_ms_back_to_back" in r])  # rows since 2026-11-28
+        print(f"| {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | {cell(c_idle, p_idle)} | {cell(c_b2b, p_b2b)} | "
+              f"{len(cs)} C, {len(py)} Python |")
 
 
 def ran_of(r):
@@ -191,7 +241,7 @@ def grids(comet_rows, reference):
 
 
 def main(paths):
-    torch_rows, comet_rows, reference, machines = load(paths)
+    torch_rows, comet_rows, python_rows, reference, machines = load(paths)
     all_torch, all_comet = torch_rows, comet_rows
     # training rows have their own table (train_tables); the forward's tables and grids take the others
     torch_rows = [r for r in torch_rows if not r.get("train")]
@@ -249,6 +299,7 @@ def main(paths):
         if reference:
             grids(comet_rows, reference)
     train_tables(all_torch, all_comet)
+    python_table(python_rows, all_comet)
     print()
     for m in machines:
         print(f"- {m}")
@@ -261,7 +312,7 @@ comet rows (comet bench --json FILE, JSON lines) and, with a reference table
 (bench/reference-issue5.json), the README's grid against it.
 
   python3 bench/report.py bench/results/baselines/<day>-torch-*.json
-  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl
+  python3 bench/report.py bench/results/*/*.json bench/results/*/*.jsonl   (other benches' files skipped, named on stderr)
   python3 bench/report.py bench/reference-issue5.json results.jsonl
 
 environment: GEMM_PEAK_TFLOPS (default 804) and LINK_GBPS (default 348), the

@@ -6,7 +6,7 @@
 # `comet bench` on every model at the given token counts, then optionally the
 # PyTorch baseline sweep. Logs and JSON go to $OUT; a short table is printed last.
 #   (pygpu: PYTEST_K, pytest -k of the CPU suite, e.g. "not compile": the CPU torch.compile tests take minutes on a fresh machine)
-#   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu example push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
+#   STEPS="probe test|gputests sanitize gemm gemmab link bench train pygpu pyvsc example push ab tune trace ncu launch torch regimes" MODELS=... TOKENS=... LAYOUTS="--ep 2;--tp 2" [ITERS=20 WARMUP=5 BENCH_ROUNDS=1] dev/gpu_check.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
@@ -152,6 +152,25 @@ for step in $STEPS; do
             summary+=("torch_comet $layout: exit $?")
         done
         cat "$OUT/py-train.log"
+        ;;
+    pyvsc) # the training step through Python (bench/torch_comet.py) against the C calls (comet bench --train, from
+           # an idle GPU and --back-to-back) on MODELS x TOKENS x LAYOUTS ("--ep N;--tp N", every GPU), ROUNDS rounds
+           # (C then Python each round: clock drift reaches both); report.py's table of the medians. The C rows
+           # check their gradients first (Mixtral ~20 s a cell)
+        pip_install
+        n=$(nvidia-smi -L | wc -l)
+        IFS=';' read -ra layouts <<<"${LAYOUTS:---ep $n;--tp $n}"
+        for round in $(seq "${ROUNDS:-1}"); do for layout in "${layouts[@]}"; do
+            for m in $MODELS; do for t in $TOKENS; do for b2b in "" --back-to-back; do
+                timeout 300 build/comet bench --train $b2b --model "$m" --tokens "$t" $layout --json "$OUT/pyvsc-comet.jsonl" \
+                    >> "$OUT/pyvsc.log" 2>&1 || summary+=("pyvsc comet $m $t $layout $b2b: exit $?")
+            done; done; done
+            timeout 600 torchrun --standalone --nproc-per-node "$n" bench/torch_comet.py --models "$(tr ' ' , <<<"$MODELS")" \
+                --tokens "$(tr ' ' , <<<"$TOKENS")" $layout --overhead-calls 0 --json "$OUT/pyvsc-python-r$round${layout// /}.json" \
+                >> "$OUT/pyvsc.log" 2>&1
+            summary+=("pyvsc torch_comet round $round $layout: exit $?")
+        done; done
+        python3 bench/report.py "$OUT"/pyvsc-python-*.json "$OUT/pyvsc-comet.jsonl" 2>/dev/null | sed -n '/through Python/,$p'
         ;;
     example) # examples/train on 2 GPUs (run_2gpu.sh: comet's experts, then the PyTorch layer, then the plots)
              # for each of EXAMPLE_CONFIGS (default "mixtral-2gpu qwen2moe-2gpu"), EXAMPLE_ARGS passed on
