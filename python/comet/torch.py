@@ -499,15 +499,12 @@ def _plain(*tensors) -> bool:
             and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
 
 
-def _experts(*inputs):
-    """(y, saved) of comet::moe_experts(*inputs): the op, or on plain eager tensors _EagerExperts (recorded
-    for autograd) or the implementation itself (nothing to record)"""
-    x, topk_w, w1, w2 = inputs[0], inputs[2], inputs[3], inputs[4]
-    if not _plain(x, inputs[1], topk_w, w1, w2, *(t for t in inputs[8:] if t is not None)):
+def _experts(recorded, *inputs):
+    """(y, saved) of comet::moe_experts(*inputs): the op, or on plain eager tensors _EagerExperts (recorded:
+    autograd records the call) or the implementation itself (nothing to record)"""
+    if not _plain(*(t for t in inputs if isinstance(t, Tensor))):
         return _moe_experts(*inputs)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2)):
-        return _EagerExperts.apply(*inputs)
-    return _run_checked(*inputs)
+    return _EagerExperts.apply(*inputs) if recorded else _run_checked(*inputs)
 
 
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_w: Tensor, w1: Tensor, w2: Tensor, *,
@@ -582,11 +579,11 @@ def _call(x, topk_idx, topk_w, w1, w2, activation, save, layer, main_grads=None)
                             % (type(main_grads).__name__,))
         _check_main_grads(w1, w2, main_grads[0], main_grads[1])
         if recorded and (w1.requires_grad or w2.requires_grad):  # else no weight gradient to add
-            y, _ = _experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation, save,
-                                layer, main_grads[0], main_grads[1])
+            y, _ = _experts(True, x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
+                            save, layer, main_grads[0], main_grads[1])
             return y
-    y, _ = _experts(x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
-                        save if recorded else "none", layer)
+    y, _ = _experts(recorded, x.contiguous(), topk_idx.contiguous(), topk_w.contiguous(), w1, w2, activation,
+                    save if recorded else "none", layer)
     return y
 
 
