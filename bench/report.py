@@ -159,8 +159,8 @@ def python_table(python_rows, comet_rows):
     print("\nThe training step through Python (comet.torch) against the C calls (ms, medians of the rows; "
           "+: Python slower):\n")
     print("| model | M | TP | EP | save | C from an idle GPU | Python | over C | C back to back | Python | over C "
-          "| rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| host ms a step back to back: C / Python | rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in sorted({(r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) for r in python_rows}):
         py = [r for r in python_rows if (r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) == c]
         cs = [r for r in ct if (r["model"], r["M"], r["tp"], r["ep"], r.get("save", "activations")) == c]
@@ -168,8 +168,11 @@ def python_table(python_rows, comet_rows):
         c_b2b = med([r["ms"] for r in cs if r.get("back_to_back")])
         p_idle = med([r["step_ms"] for r in py])
         p_b2b = med([r["step_ms_back_to_back"] for r in py if "step_ms_back_to_back" in r])  # rows since 2026-11-28
+        c_host = med([r["host_ms"] for r in cs if r.get("back_to_back") and "host_ms" in r])
+        p_host = med([r["host_ms_back_to_back"] for r in py if "host_ms_back_to_back" in r])
+        host = " / ".join(f"{v:.3f}" if v else "-" for v in (c_host, p_host))
         print(f"| {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | {cell(c_idle, p_idle)} | {cell(c_b2b, p_b2b)} | "
-              f"{len(cs)} C, {len(py)} Python |")
+              f"{host} | {len(cs)} C, {len(py)} Python |")
 
 
 def ran_of(r):

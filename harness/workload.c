@@ -443,6 +443,7 @@ typedef struct {
     int timing;     /* run->timed(ctx, 0) was called, (ctx, 1) not yet */
     double *ms_f, *ms_b;      /* train: [repeats] this rank's forward and backward per step */
     struct train_ctx *train;  /* train: the dy, the gradient check's sample and reference */
+    double host_ms;           /* train, pipeline: this rank's host time to enqueue a timed step (mean) */
 } rank_job_t;
 
 /* run->timed around the timed calls (rank_job_t.marks): before call i when it is the first timed one, and
@@ -1128,6 +1129,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         mark_timed(job, i);
         const int j = b2b && i >= job->warmup ? i - job->warmup : -1; /* a timed step enqueued back to back */
         cudaEvent_t *se = j >= 0 ? &ev[2 * j] : ev;                  /* its start, boundary and end events */
+        if (j == 0) job->host_ms = wall_ms();
         cudaEventRecord(se[0], stream);
         st = comet_layer_forward(layer, &f);
         cudaEventRecord(se[1], stream);
@@ -1135,6 +1137,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
             st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         if (j >= 0 && i < run->repeats - 1) continue; /* the next step's start event ends this one */
+        if (j >= 0) job->host_ms = (wall_ms() - job->host_ms) / timed;
         cudaEventRecord(se[2], stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
         for (int q = j >= 0 ? 0 : -1; q < (j >= 0 ? timed : 0); q++) { /* one step, or every timed one */
@@ -1296,7 +1299,7 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
     int started = first;
     for (; started <= last; started++) {
         jobs[started] = (rank_job_t){p, world, run, started, ms + started * run->repeats, &ag, 0, warmup, started == first, 0,
-                                     ms_f + started * run->repeats, ms_b + started * run->repeats, tc};
+                                     ms_f + started * run->repeats, ms_b + started * run->repeats, tc, 0};
         if (pthread_create(&th[started], NULL, rank_main, &jobs[started])) break;
     }
     if (started <= last) { /* the threads that did not start will never arrive */
@@ -1312,6 +1315,9 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
     const int timed = run->repeats - warmup;
+    run->ms_host = 0;
+    for (int s = first; run->pipeline && run->train && s < started; s++)
+        if (jobs[s].host_ms > run->ms_host) run->ms_host = jobs[s].host_ms;
     if (tc) { /* each part's median of the slowest rank's, the check summed over the ranks run here */
         for (int part = 0; part < 2; part++) {
             const double *src = part ? ms_b : ms_f;

@@ -195,6 +195,9 @@ typedef struct {
                              * 0: no check), its gradients compared with comet_reference_backward's
                              * on the same tokens into train_check */
     double ms_fwd, ms_bwd;  /* out, with train */
+    double ms_host;         /* out, train with pipeline (GPUs): the host's time to enqueue one timed step (its
+                             * forward and backward calls; the mean, slowest rank of this process): at or
+                             * above ms_median the steps wait for the host */
     comet_protocol_t fwd_protocol; /* out, with train: the protocol of rank 0's last training forward
                              * (`protocol` is then its last backward's) */
     size_t saved_bytes;     /* out, with train: comet_layer_saved_bytes of rank 0's layer (train's save mode;

@@ -138,14 +138,14 @@ expect train-comm-hidden 0 '^communication hidden in the backward: -?[0-9.]+%, .
 expect train-comm-hidden-check 0 'ok \(0 of [0-9]+\), ok \(0 of [0-9]+ elements differ\)' -- "$comet" bench --backend cpu --train --comm-hidden --tokens 32 --scale 64 --iters 4 --warmup 1
 tj=$(mktemp /tmp/comet-train-XXXXXX)
 "$comet" bench --backend cpu --train --model qwen2-moe --tokens 24 --scale 32 --iters 2 --warmup 0 --json "$tj" >/dev/null 2>&1
-expect train-json 0 '"train": 1, "back_to_back": 0, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_n_comm": [0-9]+, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
+expect train-json 0 '"train": 1, "back_to_back": 0, "host_ms": 0\.0+, "save": "activations", "saved_bytes": [1-9][0-9]*, "fwd_n_comm": [0-9]+, "fwd_ms": [0-9.]+, "bwd_ms": [0-9.]+, "grad_wrong": 0, "grad_checked": [1-9]' -- cat "$tj"
 if command -v python3 >/dev/null; then
     expect report-train 0 '\| qwen2-moe \| 24 \| 1 \| 2 \| 0 \| activations \| .* \| [0-9.]+ / - \| 0/[0-9]+ \| 0/[0-9]+ \|' -- python3 "$(dirname "$0")/../bench/report.py" "$tj"
     # bench/torch_comet.py's records (the step through Python) beside the C row of the same configuration
     printf '%s\n' '{"meta": {"device": "made-up", "gpus": 2, "torch": "x", "date": "2026-11-28", "commit": "x"},' \
         ' "records": [{"model": "qwen2-moe", "tokens": 24, "tp": 1, "ep": 2, "save": "activations", "python": true,' \
-        ' "train": true, "step_ms": 1e6, "step_ms_back_to_back": 2e6}, {"overhead": true, "eager_us": 1}]}' > "$tdir/py.json"
-    expect report-python 0 '^\| qwen2-moe \| 24 \| 1 \| 2 \| activations \| [0-9.]+ \| 1000000\.000 \| \+[0-9.]+% \| - \| 2000000\.000 \| - \| 1 C, 1 Python \|$' -- python3 "$(dirname "$0")/../bench/report.py" "$tdir/py.json" "$tj"
+        ' "train": true, "step_ms": 1e6, "step_ms_back_to_back": 2e6, "host_ms_back_to_back": 3}, {"overhead": true}]}' > "$tdir/py.json"
+    expect report-python 0 '^\| qwen2-moe \| 24 \| 1 \| 2 \| activations \| [0-9.]+ \| 1000000\.000 \| \+[0-9.]+% \| - \| 2000000\.000 \| - \| - / 3\.000 \| 1 C, 1 Python \|$' -- python3 "$(dirname "$0")/../bench/report.py" "$tdir/py.json" "$tj"
     expect report-skips 0 'not a layer.s rows, skipped' -- bash -c 'echo "{\"device\": \"x\", \"models\": []}" > "$1/g.json" && python3 "$2" "$1/g.json" "$3" 2>&1' _ "$tdir" "$(dirname "$0")/../bench/report.py" "$tj"
 fi
 rm -f "$tj"

@@ -99,6 +99,7 @@ typedef struct {
     double comm_hidden, comm_hidden_net; /* -1: not measured */
     /* --train: ms is the step's (forward + backward), rate the step's (3x the forward's FLOPs) */
     double fwd_ms, bwd_ms;           /* medians of the slowest rank's forward and backward */
+    double host_ms;                  /* --back-to-back: the host's time to enqueue a step, slowest rank (0: not measured) */
     size_t saved_bytes;              /* the saved state a layer of rank 0 asks for (comet_layer_saved_bytes) */
     struct comet_train_check grad;   /* the gradients against the reference on the sampled tokens */
     int64_t grad_wrong;              /* CPU: gradient elements not bitwise equal; GPUs: off the tolerance */

@@ -177,6 +177,9 @@ static void print_train_notes(const cli_result_t *r) {
     if (r->use_cuda) {
         printf("inputs: %d sets of x, routing, y, dy and dx a rank, rotated step by step%s\n", r->input_sets,
                o->back_to_back ? "; the timed steps enqueued back to back (--back-to-back)" : "");
+        if (o->back_to_back) /* at or above the step's time, the GPUs wait for the host */
+            printf("host: %.3f ms to enqueue a step (its forward and backward calls; the mean, slowest rank)\n",
+                   r->host_ms);
         print_clocks(&r->watch);
     }
     print_hidden(r);
@@ -288,9 +291,9 @@ static int append_json(const cli_result_t *r, const char *path) {
     if (o->train) { /* a training row: ms and rate are the step's */
         const struct comet_train_check *g = &r->grad;
         fprintf(f,
-                ", \"train\": 1, \"back_to_back\": %d, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_n_comm\": %d, \"fwd_ms\": %.6f, "
+                ", \"train\": 1, \"back_to_back\": %d, \"host_ms\": %.6f, \"save\": \"%s\", \"saved_bytes\": %zu, \"fwd_n_comm\": %d, \"fwd_ms\": %.6f, "
                 "\"bwd_ms\": %.6f, \"grad_wrong\": %lld, \"grad_checked\": %lld, \"grad_worst\": [%.4g, %.4g, %.4g, %.4g]",
-                o->back_to_back, o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_protocol.n_comm, r->fwd_ms, r->bwd_ms,
+                o->back_to_back, r->host_ms, o->recompute ? "recompute" : "activations", r->saved_bytes, r->fwd_protocol.n_comm, r->fwd_ms, r->bwd_ms,
                 (long long)r->grad_wrong,
                 (long long)r->grad_checked, g->worst[0], g->worst[1], g->worst[2], g->worst[3]);
     }

@@ -208,6 +208,7 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
     r->replays = run.replays, r->captures = run.captures;
     if (o->train) {
         r->fwd_ms = run.ms_fwd, r->bwd_ms = run.ms_bwd, r->grad = run.train_check, r->saved_bytes = run.saved_bytes;
+        r->host_ms = run.ms_host;
         r->fwd_protocol = run.fwd_protocol;
         for (int g = 0; g < 4; g++)
             r->grad_wrong += r->use_cuda ? r->grad.wrong[g] : r->grad.differ[g], r->grad_checked += r->grad.elements[g];
@@ -218,10 +219,10 @@ static int forward(cli_result_t *r, comet_problem_t *p, comet_bootstrap_t **bs) 
 /* A launched world: rank 0 gathers every rank's slowest times and check
  * counts. Returns 0, or 1 (printed). */
 static int gather(cli_result_t *r, comet_bootstrap_t *bs) {
-    enum { N = 3 + 4 + 4 }; /* the row's time, the check's two counts, the four sides; --train's two parts and
-                             * the gradient check's two counts */
+    enum { N = 3 + 4 + 5 }; /* the row's time, the check's two counts, the four sides; --train's two parts,
+                             * the gradient check's two counts and the host's time a step */
     double mine[N] = {r->ms, (double)r->wrong, (double)r->check.elements, r->side_ms[0], r->side_ms[1], r->side_ms[2],
-                      r->side_ms[3], r->fwd_ms, r->bwd_ms, (double)r->grad_wrong, (double)r->grad_checked};
+                      r->side_ms[3], r->fwd_ms, r->bwd_ms, (double)r->grad_wrong, (double)r->grad_checked, r->host_ms};
     double all[N * CLI_MAX_RANKS];
     if (comet_bootstrap_gather(bs, mine, sizeof mine, all) != COMET_SUCCESS) {
         fprintf(stderr, "comet: gathering the results: %s\n", comet_last_error());
@@ -237,6 +238,7 @@ static int gather(cli_result_t *r, comet_bootstrap_t *bs) {
         if (all[N * q + 7] > r->fwd_ms) r->fwd_ms = all[N * q + 7];
         if (all[N * q + 8] > r->bwd_ms) r->bwd_ms = all[N * q + 8];
         if (q > 0) r->grad_wrong += (int64_t)all[N * q + 9], r->grad_checked += (int64_t)all[N * q + 10];
+        if (all[N * q + 11] > r->host_ms) r->host_ms = all[N * q + 11];
     }
     return 0;
 }
