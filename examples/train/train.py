@@ -219,6 +219,16 @@ class SwiGLU(nn.Module):
 
 
 ROUTERS = ("softmax", "sinkhorn")
+
+
+def router_error(c) -> "str | None":
+    """What is wrong with c's router and balance settings, or None (the CLI and the model refuse the same)"""
+    if c.router not in ROUTERS:
+        return "router %r: one of %s" % (c.router, ", ".join(ROUTERS))
+    if c.router == "sinkhorn" and c.balance > 0:
+        return ("--balance %g with --router sinkhorn: the Sinkhorn selection balances each micro-batch itself "
+                "and ignores a per-expert bias; choose one (--balance 0 or --router softmax)" % c.balance)
+    return None
 SINKHORN_ITERS = 16     # column (and row) normalisations a round of sinkhorn_topk
 SINKHORN_SPREAD = 8.0   # the logits' standard deviation over the tokens that sinkhorn_topk balances them at
 
@@ -270,11 +280,8 @@ class MoE(nn.Module):
     def __init__(self, c: Config, experts: nn.Module):
         super().__init__()
         self.topk, self.norm_topk, self.E, self.balance = c.topk, c.norm_topk, c.experts, c.balance
-        if c.router not in ROUTERS:
-            raise ValueError("router %r: one of %s" % (c.router, ", ".join(ROUTERS)))
-        if c.router == "sinkhorn" and c.balance > 0:
-            raise ValueError("router sinkhorn with balance %g: the Sinkhorn selection ignores a per-expert bias"
-                             % c.balance)
+        if router_error(c):
+            raise ValueError(router_error(c))
         self.router_kind = c.router
         self.select = sinkhorn_topk  # with --compile main() sets its torch.compile'd version
         self.router = nn.Linear(c.dim, c.experts, bias=False)
@@ -587,12 +594,8 @@ def make_config(args) -> Config:
         raise SystemExit("train.py: --down-lr-scale %g: the factor is > 0" % c.down_lr_scale)
     if c.balance < 0:
         raise SystemExit("train.py: --balance %g: the rate is >= 0 (0: off)" % c.balance)
-    if c.router not in ROUTERS:
-        raise SystemExit("train.py: router %r: one of %s" % (c.router, ", ".join(ROUTERS)))
-    if c.router == "sinkhorn" and c.balance > 0:
-        raise SystemExit("train.py: --balance %g with --router sinkhorn: the Sinkhorn selection balances each "
-                         "micro-batch itself and ignores a per-expert bias; choose one (--balance 0 or --router "
-                         "softmax)" % c.balance)
+    if router_error(c):
+        raise SystemExit("train.py: " + router_error(c))
     return c
 
 

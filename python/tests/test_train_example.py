@@ -465,8 +465,12 @@ def test_router_option():
     assert config("--config", "mixtral-2gpu", "--router", "softmax").router == "softmax"
     assert config("--config", "tiny", "--set", "router=sinkhorn").router == "sinkhorn"
     assert config("--config", "tiny", "--router", "softmax", "--balance", "0.1").balance == 0.1
-    for bad in (["--router", "sinkhorn", "--balance", "0.1"], ["--set", "router=topk"], ["--router", "topk"]):
-        with pytest.raises(SystemExit):
+    for bad, says in ((["--router", "sinkhorn", "--balance", "0.1"], "ignores a per-expert bias"),
+                      (["--set", "router=topk"], "router 'topk': one of softmax, sinkhorn"),
+                      (["--router", "topk"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
             config(*bad)
-    with pytest.raises(ValueError):
-        train.MoE(dataclasses.replace(train.PRESETS["tiny"], router="sinkhorn", balance=0.1), torch.nn.Identity())
+        assert says in str(e.value) or e.value.code == 2, (bad, e.value)
+    for router, balance, says in (("sinkhorn", 0.1, "ignores a per-expert bias"), ("topk", 0.0, "one of")):
+        with pytest.raises(ValueError, match=says):
+            train.MoE(dataclasses.replace(train.PRESETS["tiny"], router=router, balance=balance), torch.nn.Identity())
