@@ -82,7 +82,8 @@ static void command_usage(const char *cmd, FILE *f) {
                    "  --recompute        with --train: the forward saves nothing, the backward recomputes\n"
                    "  --back-to-back     with --train on GPUs: the timed steps enqueued back to back, one\n"
                    "                     sync after the last (as a training loop's host runs ahead); a step's\n"
-                   "                     time is the GPU's, the host's work before it hidden\n"
+                   "                     time is the GPU's, the host's work before it hidden; also prints the\n"
+                   "                     host's time to enqueue a step\n"
                    "  --grad-check       with --train on GPUs: check the gradients also where a rank's\n"
                    "                     weights pass 4 GiB (DeepSeek-V3-style: the host reference then takes\n"
                    "                     minutes and ~100 GiB of host memory)\n",
