@@ -1002,6 +1002,14 @@ static comet_status_t rank_cuda(rank_job_t *job, comet_layer_t *layer, comet_for
     return st;
 }
 
+/* Step `at`'s forward and backward times from its start, forward-backward boundary and end events (e[0..2]). */
+static void step_times(rank_job_t *job, int at, const cudaEvent_t *e) {
+    float fwd = 0, bwd = 0;
+    cudaEventElapsedTime(&fwd, e[0], e[1]);
+    cudaEventElapsedTime(&bwd, e[1], e[2]);
+    job->ms_f[at] = fwd, job->ms_b[at] = bwd, job->ms[at] = (double)fwd + (double)bwd;
+}
+
 /* Training steps on a GPU (comet_run_t.train): as rank_cuda's timed calls,
  * each call the training forward then the backward, events before, between
  * and after; before them, the gradient check on the sample (set 0's buffers,
@@ -1116,6 +1124,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
     f.saved = b.saved = (comet_tensor_t){saved, COMET_DTYPE_UINT8, 1, {(int64_t)sb}};
     b.dw1.data = dw1, b.dw2.data = dw2;
     const input_set_t *last = &sets[0].in;
+    double host_t0 = 0; /* back to back: when the first timed step was enqueued (wall_ms) */
     for (int i = 0; e == cudaSuccess && st == COMET_SUCCESS && i < run->repeats; i++) {
         const train_set_t *ts = &sets[i % nsets];
         last = &ts->in;
@@ -1129,7 +1138,7 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
         mark_timed(job, i);
         const int j = b2b && i >= job->warmup ? i - job->warmup : -1; /* a timed step enqueued back to back */
         cudaEvent_t *se = j >= 0 ? &ev[2 * j] : ev;                  /* its start, boundary and end events */
-        if (j == 0) job->host_ms = wall_ms();
+        if (j == 0) host_t0 = wall_ms();
         cudaEventRecord(se[0], stream);
         st = comet_layer_forward(layer, &f);
         cudaEventRecord(se[1], stream);
@@ -1137,17 +1146,12 @@ static comet_status_t rank_train_cuda(rank_job_t *job, comet_layer_t *layer, con
             st = comet_layer_last_protocol(layer, &run->fwd_protocol);
         if (st == COMET_SUCCESS) st = comet_layer_backward(layer, &b);
         if (j >= 0 && i < run->repeats - 1) continue; /* the next step's start event ends this one */
-        if (j >= 0) job->host_ms = (wall_ms() - job->host_ms) / timed;
+        if (j >= 0) job->host_ms = (wall_ms() - host_t0) / timed;
         cudaEventRecord(se[2], stream);
         if (st == COMET_SUCCESS) st = comet_layer_sync(layer);
-        for (int q = j >= 0 ? 0 : -1; q < (j >= 0 ? timed : 0); q++) { /* one step, or every timed one */
-            const cudaEvent_t *qe = q >= 0 ? &ev[2 * q] : ev;
-            const int at = q >= 0 ? job->warmup + q : i;
-            float fwd = 0, bwd = 0;
-            cudaEventElapsedTime(&fwd, qe[0], qe[1]);
-            cudaEventElapsedTime(&bwd, qe[1], qe[2]);
-            job->ms_f[at] = fwd, job->ms_b[at] = bwd, job->ms[at] = (double)fwd + (double)bwd;
-        }
+        if (j < 0) step_times(job, i, ev);
+        else /* every timed step, after the one sync */
+            for (int q = 0; q < timed; q++) step_times(job, job->warmup + q, &ev[2 * q]);
     }
     if (e == cudaSuccess && st == COMET_SUCCESS) note_progress(job, run->repeats);
     mark_timed(job, -1);
@@ -1315,8 +1319,8 @@ comet_status_t comet_problem_run(comet_problem_t *p, comet_world_t *world, comet
         return comet_fail(COMET_ERR_SYSTEM, "runner: could not start rank thread %d", started);
     }
     const int timed = run->repeats - warmup;
-    run->ms_host = 0;
-    for (int s = first; run->pipeline && run->train && s < started; s++)
+    run->ms_host = 0; /* the jobs' host_ms: 0 unless measured (train, pipeline, GPUs) */
+    for (int s = first; s < started; s++)
         if (jobs[s].host_ms > run->ms_host) run->ms_host = jobs[s].host_ms;
     if (tc) { /* each part's median of the slowest rank's, the check summed over the ranks run here */
         for (int part = 0; part < 2; part++) {
