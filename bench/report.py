@@ -154,7 +154,7 @@ def python_table(python_rows, comet_rows):
 
     def cell(a, b):
         return (f"{a:.3f} | {b:.3f} | {100 * (b / a - 1):+.1f}%" if a and b else
-                f"{a or 0:.3f} | - | -" if a else f"- | {b:.3f} | -" if b else "- | - | -")
+                f"{a:.3f} | - | -" if a else f"- | {b:.3f} | -" if b else "- | - | -")
 
     print("\nThe training step through Python (comet.torch) against the C calls (ms, medians of the rows; "
           "+: Python slower):\n")

@@ -12,6 +12,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export COMET_TIMEOUT_MS=${COMET_TIMEOUT_MS:-15000}
 # the commit a build directory was made from (make writes DIR/commit), "unknown" without the file
 commit_of() { cat "$1/commit" 2>/dev/null || echo unknown; }
+# tp and ep of a layout's flags ("--ep 2 --n-comm 8": tp=1 ep=2; a flag left out is 1)
+tp_ep_of() {
+    tp=1 ep=1
+    set -- $1
+    while [ $# -ge 2 ]; do case $1 in --tp) tp=$2 ;; --ep) ep=$2 ;; esac; shift; done
+}
 # the commit in every JSON row (comet bench and the PyTorch baselines): the build's
 export COMET_COMMIT=${COMET_COMMIT:-$(commit_of build)}
 echo "gpu_check.sh: build/ of commit $COMET_COMMIT (make writes build/commit: run make before carrying build/)"
@@ -126,8 +132,7 @@ for step in $STEPS; do
             summary+=("train $m $t $layout: ${line:-FAILED (see train.log)}")
         done; done; done
         for layout in "${layouts[@]}"; do # the PyTorch layer in each layout's TP x EP (the flags after them are comet's)
-            tp=1 ep=1; set -- $layout
-            while [ $# -ge 2 ]; do case $1 in --tp) tp=$2 ;; --ep) ep=$2 ;; esac; shift; done
+            tp_ep_of "$layout"
             timeout 600 torchrun --standalone --nproc-per-node "$n" bench/torch_moe.py --train --models "$(tr ' ' , <<<"$MODELS")" \
                 --tokens "$(tr ' ' , <<<"$TOKENS")" --tp "$tp" --ep "$ep" --iters ${ITERS:-20} --warmup ${WARMUP:-5} \
                 --json "$OUT/torch-train-tp${tp}ep$ep.json" >> "$OUT/train.log" 2>&1
@@ -262,8 +267,7 @@ for step in $STEPS; do
                     --json "$OUT/comet.jsonl" 2>&1 | tee -a "$OUT/bench.log" | grep -A1 '^model' | tail -n 1)
                 summary+=("regimes comet, $iters forwards, $layout: ${line:-FAILED (see bench.log)}")
             done; done
-            tp=1 ep=1; set -- $layout
-            while [ $# -ge 2 ]; do case $1 in --tp) tp=$2 ;; --ep) ep=$2 ;; esac; shift; done
+            tp_ep_of "$layout"
             f="$OUT/torch-$iters-tp${tp}ep${ep}.json"
             timeout 420 torchrun --standalone --nproc-per-node $((tp * ep)) bench/torch_moe.py --models "$(echo $MODELS | tr ' ' ,)" \
                 --tokens "$(echo $TOKENS | tr ' ' ,)" --tp "$tp" --ep "$ep" --iters "$iters" --json "$f" >> "$OUT/torch.log" 2>&1

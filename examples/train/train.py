@@ -229,6 +229,8 @@ def router_error(c) -> "str | None":
         return ("--balance %g with --router sinkhorn: the Sinkhorn selection balances each micro-batch itself "
                 "and ignores a per-expert bias; choose one (--balance 0 or --router softmax)" % c.balance)
     return None
+
+
 SINKHORN_ITERS = 16     # column (and row) normalisations a round of sinkhorn_topk
 SINKHORN_SPREAD = 8.0   # the logits' standard deviation over the tokens that sinkhorn_topk balances them at
 
@@ -280,8 +282,9 @@ class MoE(nn.Module):
     def __init__(self, c: Config, experts: nn.Module):
         super().__init__()
         self.topk, self.norm_topk, self.E, self.balance = c.topk, c.norm_topk, c.experts, c.balance
-        if router_error(c):
-            raise ValueError(router_error(c))
+        err = router_error(c)
+        if err:
+            raise ValueError(err)
         self.router_kind = c.router
         self.select = sinkhorn_topk  # with --compile main() sets its torch.compile'd version
         self.router = nn.Linear(c.dim, c.experts, bias=False)
@@ -594,8 +597,9 @@ def make_config(args) -> Config:
         raise SystemExit("train.py: --down-lr-scale %g: the factor is > 0" % c.down_lr_scale)
     if c.balance < 0:
         raise SystemExit("train.py: --balance %g: the rate is >= 0 (0: off)" % c.balance)
-    if router_error(c):
-        raise SystemExit("train.py: " + router_error(c))
+    err = router_error(c)
+    if err:
+        raise SystemExit("train.py: " + err)
     return c
 
 
