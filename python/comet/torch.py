@@ -66,6 +66,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import comet
 
@@ -493,8 +494,6 @@ class _EagerExperts(torch.autograd.Function):
 def _plain(*tensors) -> bool:
     """Eager tensors the eager path can run: not traced (torch.compile, export), no dispatch mode (fake
     tensors, FX tracing, flop counters: they see the op), no tensor subclass but Parameter."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
 
