@@ -69,16 +69,18 @@ def time_steps(step, iters, warmup, device):
 
 def time_back_to_back(step, iters):
     """(GPU ms, host ms) a step over iters steps issued back to back (the host runs ahead, as in a training
-    loop): the events' time, and the host's time to issue them (at or above the GPU's, the GPU waits for it)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
+    loop): the median of the steps' times, each from its start event to the next step's (as `comet bench
+    --train --back-to-back` times the C calls: the first step's wait for the host counts once, not in a mean),
+    and the host's mean time to issue a step (at or above the GPU's, the GPU waits for it)."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     t = time.perf_counter()
-    for _ in range(iters):
+    for i in range(iters):
+        ev[i].record()
         step()
     host = (time.perf_counter() - t) * 1e3 / iters
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters, host
+    ev[iters].record()
+    ev[iters].synchronize()
+    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters)), host
 
 
 def profile_steps(step, path, tag, rank):

@@ -30,7 +30,7 @@ TOKENS=${TOKENS:-8192}
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv
 summary=()
 # the Python package (CUDA build against torch's NCCL), installed once a run for the steps that need it
-pip_done=
+pip_done=${PIP_DONE:-} # PIP_DONE=1: installed by an earlier call on this (warm) machine
 pip_install() {
     [ -n "$pip_done" ] && return
     python3 -m pip install -q --no-build-isolation . > "$OUT/pip.log" 2>&1
@@ -161,12 +161,14 @@ for step in $STEPS; do
     pyvsc) # the training step through Python (bench/torch_comet.py) against the C calls (comet bench --train, from
            # an idle GPU and --back-to-back) on MODELS x TOKENS x LAYOUTS ("--ep N;--tp N", every GPU), ROUNDS rounds
            # (C then Python each round: clock drift reaches both); report.py's table of the medians. The C rows
-           # check their gradients first (Mixtral ~20 s a cell)
+           # check their gradients first (Mixtral ~20 s a cell); PYVSC_C="idle b2b" (default) the C runs a cell,
+           # "b2b" the back-to-back one only (half the C runs)
         pip_install
         n=$(nvidia-smi -L | wc -l)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep $n;--tp $n}"
         for round in $(seq "${ROUNDS:-1}"); do for layout in "${layouts[@]}"; do
-            for m in $MODELS; do for t in $TOKENS; do for b2b in "" --back-to-back; do
+            for m in $MODELS; do for t in $TOKENS; do for c in ${PYVSC_C:-idle b2b}; do
+                b2b=; [ "$c" = b2b ] && b2b=--back-to-back
                 timeout 300 build/comet bench --train $b2b --model "$m" --tokens "$t" $layout --json "$OUT/pyvsc-comet.jsonl" \
                     >> "$OUT/pyvsc.log" 2>&1 || summary+=("pyvsc comet $m $t $layout $b2b: exit $?")
             done; done; done

@@ -325,16 +325,18 @@ class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("main_grads", [False, True])
-def test_eager_path_is_the_op(main_grads):
+def test_eager_path_is_the_op(main_grads, device):
     """Eager calls on plain tensors run the op's implementation through a torch.autograd.Function (no
     torch.library dispatch: less host time a step); under a dispatch mode (fake tensors, tracing, counters)
     the op itself runs. Both give the same bits: y and every gradient, written or added to fp32 main grads."""
-    x, idx, w, w1, w2, r = problem(T=24, seed=11)
+    shape = dict(T=24) if device == "cpu" else dict(T=64, H=256, F=128, E=8)  # the CUDA kernels' multiples of 8
+    x, idx, w, w1, w2, r = (t.to(device) for t in problem(seed=11, **shape))
     got = []
     for mode in (None, _PassThrough()):
         ins = [leaf(t) for t in (x, w, w1, w2)]
-        mg = (torch.full(w1.shape, 0.25), torch.full(w2.shape, -0.5)) if main_grads else None
+        mg = (torch.full(w1.shape, 0.25, device=device), torch.full(w2.shape, -0.5, device=device)) if main_grads else None
         with mode if mode is not None else contextlib.nullcontext():
             y = ct.moe_experts(ins[0], idx, ins[1], ins[2], ins[3], main_grads=mg)
             (y.float() * r).sum().backward()
