@@ -3,7 +3,8 @@
 torch.distributed group, timed the way `comet bench --train` times the C
 calls (each step from an idle GPU) and back to back (as `--back-to-back`
 does, with the host's time to issue a step), so the Python layer's cost
-shows beside the C numbers; and the op's overhead per call on a tiny layer
+shows beside the C numbers (the same expert ids as comet bench's, from
+torch_moe.routing); and the op's overhead per call on a tiny layer
 (eager, and replayed in a CUDA graph).
 
 Run with torchrun, one process per GPU:
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 import comet
 import comet.torch as ct
-from torch_moe import MODELS, routing  # the presets and routing of the PyTorch baseline (same directory)
+from torch_moe import MODELS, routing  # the presets, and comet bench's routing (same directory)
 
 
 def parse():
@@ -123,7 +124,7 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     mod = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save, world=world, topk=topk,
                         max_tokens_per_rank=t).requires_grad_()
     x = torch.randn(t, hd, generator=gen, device=device).bfloat16().requires_grad_()
-    idx, wts = routing(gen, t, e_num, topk, 0.0, 0, device)  # uniform
+    idx, wts = routing(args.seed, [t] * w, hd, e_num, topk, rank, device=device)  # comet bench's ids (uniform)
     idx = idx.to(torch.int32).contiguous()
     wts.requires_grad_()
     dy = torch.randn(t, hd, generator=gen, device=device).bfloat16()
@@ -161,7 +162,7 @@ def overhead(args, device):
     w1 = torch.randn(e, 2 * f, hd, generator=gen, device=device).bfloat16()
     w2 = torch.randn(e, hd, f, generator=gen, device=device).bfloat16()
     x = torch.randn(t, hd, generator=gen, device=device).bfloat16()
-    idx, wts = routing(gen, t, e, k, 0.0, 0, device)
+    idx, wts = routing(args.seed, [t], hd, e, k, 0, device=device)
     idx = idx.to(torch.int32).contiguous()
     n = args.overhead_calls
     with torch.no_grad():

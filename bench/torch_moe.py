@@ -16,6 +16,10 @@ experts [ep*E/EP, (ep+1)*E/EP), each's tp-th ffn slice; its TP group is the
 ranks of its ep, its EP group the ranks of its tp. Each rank holds M / (TP*EP)
 tokens and gets y for them.
 
+The routing is `comet bench`'s (routing(): harness/workload.c's draw for the same
+--seed, --skew and --zero-experts, replayed in numpy), so both route the same rows
+to the same experts; --input-sets rotate its tokens, as comet bench's sets do.
+
 Run with torchrun (one process per GPU); one GPU works with plain python:
   torchrun --nproc-per-node 2 bench/torch_moe.py --models mixtral-8x7b --tokens 4096,8192 --ep 2
 Every configuration is checked against an fp32 evaluation of sampled tokens
@@ -176,18 +180,73 @@ def rel_err(got, want):
     return float((got - want).norm() / den) if den > 0 else float((got - want).norm())
 
 
-def routing(gen, t, e_num, topk, skew, zero, device):
-    """Each token draws topk distinct experts in proportion to a popularity drawn
-    once per seed (1 + skew*N(0,1), floored at 0.01; zero experts get 0)."""
-    pop_gen = torch.Generator(device="cpu").manual_seed(gen.initial_seed() // 1000)
-    pop = (1.0 + skew * torch.randn(e_num, generator=pop_gen)).clamp_min(0.01)
-    if zero:
-        pop[torch.randperm(e_num, generator=pop_gen)[:zero]] = 0
-    probs = pop.to(device).expand(t, e_num).contiguous()
-    idx = torch.multinomial(probs, topk, replacement=False, generator=gen)
-    logits = torch.randn(t, topk, device=device, generator=gen)
-    w = torch.softmax(logits, dim=-1)
-    return idx, w
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's step
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(state, n):
+    """The n outputs (numpy uint64) of harness/workload.c's comet_rng_next from `state` (a Python int): the
+    k-th of them mixes state + k * GOLDEN, so any stretch of the stream is drawn at once."""
+    import numpy as np
+    z = (np.uint64(state) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GOLDEN))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def routing(seed, tokens, hidden, e_num, topk, rank, skew=0.0, zero=0, device="cpu"):
+    """Rank `rank`'s topk_idx (int64, torch's index type) and topk_w (fp32) of `comet bench`'s routing, drawn as harness/workload.c
+    draws it (comet_problem_redraw: every rank's x, then comet_routing_draw) for the seed, the ranks' token
+    counts `tokens` and the hidden size: expert popularity 1 + skew * N(0,1) floored at 0.01 (zero random experts
+    at 0), each token drawing topk distinct experts in proportion. The expert ids are the C draw's exactly (so
+    a comparison with the C calls routes the same rows); the weights may differ from C's in the last bit (libm)."""
+    import numpy as np
+    state = (seed * GOLDEN + 7 + sum(tokens) * hidden * GOLDEN) & MASK64  # after the ranks' x
+
+    def take(n, keep=True):  # the next n draws (skipped, without keep)
+        nonlocal state
+        out = splitmix64(state, n) if keep else None
+        state = (state + n * GOLDEN) & MASK64
+        return out
+
+    def uniform(z):
+        return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+    def normal(z):  # pairs (u, v) of draws
+        u, v = uniform(z[0::2]), uniform(z[1::2])
+        return np.sqrt(-2.0 * np.log(1.0 - u)) * np.cos(6.283185307179586 * v)
+
+    pop = np.maximum(1.0 + skew * normal(take(2 * e_num)), 0.01)
+    for _ in range(zero) if zero else ():  # distinct random experts, one draw a try
+        while True:
+            e = int(take(1)[0] % np.uint64(e_num))
+            if pop[e] > 0:
+                pop[e] = 0.0
+                break
+    take(3 * topk * sum(tokens[:rank]), keep=False)  # the earlier ranks' picks: a uniform and a normal each
+    t = tokens[rank]
+    z = take(3 * topk * t).reshape(t, topk, 3)
+    mass = np.tile(pop, (t, 1))
+    left = np.full(t, np.cumsum(pop)[-1])  # summed in expert order, as the C loop
+    idx = np.empty((t, topk), dtype=np.int32)
+    logit = np.empty((t, topk))
+    rows = np.arange(t)
+    for j in range(topk):
+        u = uniform(z[:, j, 0]) * left
+        acc = np.cumsum(mass, axis=1)  # sequential, as the C loop's running sum (a 0 mass adds nothing)
+        live = mass > 0
+        over = live & (acc > u[:, None])
+        last_live = e_num - 1 - np.argmax(live[:, ::-1], axis=1)
+        pick = np.where(over.any(axis=1), np.argmax(over, axis=1), last_live)
+        left -= mass[rows, pick]
+        mass[rows, pick] = 0.0
+        idx[:, j] = pick
+        logit[:, j] = np.exp(normal(z[:, j, 1:].reshape(-1)))
+    norm = logit[:, 0].copy()
+    for j in range(1, topk):  # in order, as the C loop (numpy's sum pairs them)
+        norm += logit[:, j]
+    w = (logit / norm[:, None]).astype(np.float32)
+    return torch.from_numpy(idx).long().to(device), torch.from_numpy(w).to(device)
 
 
 GROUP_ALIGN = 8  # rows: 16 bytes of bf16
@@ -544,12 +603,12 @@ def main():
         layer = Layer((hidden, ffn, e_num, topk, tp, ep), rank, world, device, groups)
         for m in [int(v) for v in args.tokens.split(",")]:
             t = m // world
+            idx, w = routing(args.seed, [t] * world, hidden, e_num, topk, rank, args.skew, args.zero_experts, device)
             sets = []
-            for s in range(args.input_sets):
+            for s in range(args.input_sets):  # the routing's tokens rotated by s, as comet bench's input sets
                 gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + rank)
                 x = torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16)
-                idx, w = routing(gen, t, e_num, topk, args.skew, args.zero_experts, device)
-                sets.append((x, idx, w))
+                sets.append((x, idx.roll(-s, 0), w.roll(-s, 0)))
             if args.train:
                 records.append(train_one(args, layer, name, m, sets, rank, world, device))
                 continue

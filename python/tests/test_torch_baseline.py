@@ -43,3 +43,32 @@ def test_layouts_pass_their_check(nproc, layout):
     assert m, train
     errs = [float(v) for v in m.groups()]
     assert errs[0] < 2e-2 and max(errs) < 5e-2 and min(errs) > 0, errs  # 0: nothing compared
+
+
+def fnv1a_ids(ids):
+    """FNV-1a (64-bit) of expert ids, each id's four bytes little-endian (as tests/test_workload.c)."""
+    h = 0xCBF29CE484222325
+    for v in ids:
+        for b in int(v).to_bytes(4, "little"):
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def test_routing_is_comet_bench_s():
+    """torch_moe.routing draws the expert ids of `comet bench`'s problems (harness/workload.c): the values
+    tests/test_workload.c pins for the C draw, so the baselines route the rows the C calls route."""
+    pytest.importorskip("numpy", reason="numpy is not installed: torch_moe.routing needs it")
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        from torch_moe import routing
+    finally:
+        sys.path.pop(0)
+    ids = [routing(1, [3, 3], 16, 8, 2, r)[0].reshape(-1).tolist() for r in (0, 1)]
+    assert ids[0] + ids[1] == [5, 2, 2, 1, 1, 5, 6, 5, 4, 7, 4, 2]
+    tokens = [37, 29, 11, 0]
+    drawn = [routing(3, tokens, 40, 64, 4, r, skew=0.7, zero=5) for r in range(4)]
+    assert fnv1a_ids(v for idx, _ in drawn for v in idx.reshape(-1).tolist()) == 0x67ABBB2681713B18
+    for (idx, w), t in zip(drawn, tokens):  # distinct ids a token; weights a softmax
+        assert idx.shape == (t, 4) and w.shape == (t, 4)
+        assert all(len(set(row)) == 4 for row in idx.tolist())
+        assert t == 0 or abs(float(w.sum(1).max()) - 1) < 1e-6
