@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -187,7 +188,6 @@ MASK64 = (1 << 64) - 1
 def splitmix64(state, n):
     """The n outputs (numpy uint64) of harness/workload.c's comet_rng_next from `state` (a Python int): the
     k-th of them mixes state + k * GOLDEN, so any stretch of the stream is drawn at once."""
-    import numpy as np
     z = (np.uint64(state) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GOLDEN))
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -195,12 +195,12 @@ def splitmix64(state, n):
 
 
 def routing(seed, tokens, hidden, e_num, topk, rank, skew=0.0, zero=0, device="cpu"):
-    """Rank `rank`'s topk_idx (int64, torch's index type) and topk_w (fp32) of `comet bench`'s routing, drawn as harness/workload.c
-    draws it (comet_problem_redraw: every rank's x, then comet_routing_draw) for the seed, the ranks' token
-    counts `tokens` and the hidden size: expert popularity 1 + skew * N(0,1) floored at 0.01 (zero random experts
-    at 0), each token drawing topk distinct experts in proportion. The expert ids are the C draw's exactly (so
-    a comparison with the C calls routes the same rows); the weights may differ from C's in the last bit (libm)."""
-    import numpy as np
+    """Rank `rank`'s topk_idx (int64, torch's index type) and topk_w (fp32) of `comet bench`'s routing,
+    drawn as harness/workload.c draws it (comet_problem_redraw: every rank's x, then comet_routing_draw) for
+    the seed, the ranks' token counts `tokens` and the hidden size: expert popularity 1 + skew * N(0,1)
+    floored at 0.01 (zero random experts at 0), each token drawing topk distinct experts in proportion. The
+    expert ids are the C draw's exactly (so a comparison with the C calls routes the same rows); the weights
+    may differ from C's in the last bit (libm)."""
     state = (seed * GOLDEN + 7 + sum(tokens) * hidden * GOLDEN) & MASK64  # after the ranks' x
 
     def take(n, keep=True):  # the next n draws (skipped, without keep)
@@ -217,7 +217,7 @@ def routing(seed, tokens, hidden, e_num, topk, rank, skew=0.0, zero=0, device="c
         return np.sqrt(-2.0 * np.log(1.0 - u)) * np.cos(6.283185307179586 * v)
 
     pop = np.maximum(1.0 + skew * normal(take(2 * e_num)), 0.01)
-    for _ in range(zero) if zero else ():  # distinct random experts, one draw a try
+    for _ in range(zero):  # distinct random experts, one draw a try
         while True:
             e = int(take(1)[0] % np.uint64(e_num))
             if pop[e] > 0:

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: bench/torch_moe.py is not tested")
 pytest.importorskip("torch.distributed.run", reason="torch.distributed is not available")
+pytest.importorskip("numpy", reason="numpy is not installed: bench/torch_moe.py's routing needs it")
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "torch_moe.py")
 
@@ -57,7 +58,6 @@ def fnv1a_ids(ids):
 def test_routing_is_comet_bench_s():
     """torch_moe.routing draws the expert ids of `comet bench`'s problems (harness/workload.c): the values
     tests/test_workload.c pins for the C draw, so the baselines route the rows the C calls route."""
-    pytest.importorskip("numpy", reason="numpy is not installed: torch_moe.routing needs it")
     sys.path.insert(0, os.path.dirname(SCRIPT))
     try:
         from torch_moe import routing
