@@ -4,7 +4,7 @@ torch.distributed group, timed the way `comet bench --train` times the C
 calls (each step from an idle GPU) and back to back (as `--back-to-back`
 does, with the host's time to issue a step), so the Python layer's cost
 shows beside the C numbers (the same expert ids as comet bench's, from
-torch_moe.routing); and the op's overhead per call on a tiny layer
+torch_moe.routing, and its inputs' distributions); and the op's overhead per call on a tiny layer
 (eager, and replayed in a CUDA graph).
 
 Run with torchrun, one process per GPU:
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import comet
 import comet.torch as ct
-from torch_moe import MODELS, routing  # the presets, and comet bench's routing (same directory)
+from torch_moe import MODELS, routing, uniform_bf16  # the presets, comet bench's routing and inputs (same directory)
 
 
 def parse():
@@ -119,15 +119,15 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     t = m_tokens // w
     gen = torch.Generator(device=device).manual_seed(args.seed + rank)
     e_local, f_local = e_num // ep, ffn // tp
-    w1 = (torch.randn(e_local, 2 * f_local, hd, generator=gen, device=device) * hd ** -0.5).bfloat16()
-    w2 = (torch.randn(e_local, hd, f_local, generator=gen, device=device) * f_local ** -0.5).bfloat16()
+    w1 = uniform_bf16((e_local, 2 * f_local, hd), hd ** -0.5, gen, device)  # comet bench's distributions
+    w2 = uniform_bf16((e_local, hd, f_local), ffn ** -0.5, gen, device)
     mod = ct.MoEExperts(w1, w2, tp=tp, ep=ep, rank=rank, save=args.save, world=world, topk=topk,
                         max_tokens_per_rank=t).requires_grad_()
-    x = torch.randn(t, hd, generator=gen, device=device).bfloat16().requires_grad_()
+    x = uniform_bf16((t, hd), 1.0, gen, device).requires_grad_()
     idx, wts = routing(args.seed, [t] * w, hd, e_num, topk, rank, device=device)  # comet bench's ids (uniform)
     idx = idx.to(torch.int32).contiguous()
     wts.requires_grad_()
-    dy = torch.randn(t, hd, generator=gen, device=device).bfloat16()
+    dy = uniform_bf16((t, hd), 1.0, gen, device)
 
     def step(after_forward=None):
         for p in (x, wts, mod.w1, mod.w2):

@@ -18,7 +18,8 @@ tokens and gets y for them.
 
 The routing is `comet bench`'s (routing(): harness/workload.c's draw for the same
 --seed, --skew and --zero-experts, replayed in numpy), so both route the same rows
-to the same experts; --input-sets rotate its tokens, as comet bench's sets do.
+to the same experts; --input-sets rotate its tokens, as comet bench's sets do. x, dy
+and the weights come from comet bench's distributions (uniform_bf16).
 
 Run with torchrun (one process per GPU); one GPU works with plain python:
   torchrun --nproc-per-node 2 bench/torch_moe.py --models mixtral-8x7b --tokens 4096,8192 --ep 2
@@ -181,6 +182,13 @@ def rel_err(got, want):
     return float((got - want).norm() / den) if den > 0 else float((got - want).norm())
 
 
+def uniform_bf16(shape, scale, gen, device):
+    """bf16 values uniform in [-scale, scale): the distribution `comet bench` draws its x, dy (scale 1) and
+    weights (1/sqrt(H) for W1, 1/sqrt(F) for W2) from (harness/workload.c's fill_bf16), so both sides multiply
+    alike-distributed operands (a GEMM's power under the GPU's limit depends on its data)."""
+    return torch.empty(shape, device=device).uniform_(-scale, scale, generator=gen).to(torch.bfloat16)
+
+
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's step
 MASK64 = (1 << 64) - 1
 
@@ -288,8 +296,8 @@ class Layer:
         self.fl = self.ffn // self.tp
         gen = torch.Generator(device=device).manual_seed(1234)  # same full weights on every rank
         h, f = self.hidden, self.ffn
-        self.w1_full = (torch.randn(self.e_num, 2 * f, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
-        self.w2_full = (torch.randn(self.e_num, h, f, device=device, generator=gen) / f ** 0.5).to(torch.bfloat16)
+        self.w1_full = uniform_bf16((self.e_num, 2 * f, h), h ** -0.5, gen, device)
+        self.w2_full = uniform_bf16((self.e_num, h, f), f ** -0.5, gen, device)
         e0, s0 = self.ep_rank * self.el, self.tp_rank * self.fl
         gate = self.w1_full[e0:e0 + self.el, s0:s0 + self.fl]
         up = self.w1_full[e0:e0 + self.el, f + s0:f + s0 + self.fl]
@@ -541,7 +549,7 @@ def train_one(args, layer, name, m, sets, rank, world, device):
     dys = []
     for s, (x, _, _) in enumerate(sets):
         gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + 500 + rank)
-        dys.append(torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16))
+        dys.append(uniform_bf16(x.shape, 1.0, gen, device))
     errs = layer.check_train(*sets[0], dys[0])
     saved = autograd_saved_bytes(layer, *sets[0], dys[0])
     for i in range(args.warmup):
@@ -607,7 +615,7 @@ def main():
             sets = []
             for s in range(args.input_sets):  # the routing's tokens rotated by s, as comet bench's input sets
                 gen = torch.Generator(device=device).manual_seed(1000 * (args.seed + 7 * s) + rank)
-                x = torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16)
+                x = uniform_bf16((t, hidden), 1.0, gen, device)
                 sets.append((x, idx.roll(-s, 0), w.roll(-s, 0)))
             if args.train:
                 records.append(train_one(args, layer, name, m, sets, rank, world, device))
