@@ -4,8 +4,8 @@ torch.distributed group, timed the way `comet bench --train` times the C
 calls (each step from an idle GPU) and back to back (as `--back-to-back`
 does, with the host's time to issue a step), so the Python layer's cost
 shows beside the C numbers (the same expert ids as comet bench's, from
-torch_moe.routing, and its inputs' distributions); and the op's overhead per call on a tiny layer
-(eager, and replayed in a CUDA graph).
+torch_moe.routing, and its inputs' distributions); and the op's overhead
+per call on a tiny layer (eager, and replayed in a CUDA graph).
 
 Run with torchrun, one process per GPU:
   torchrun --standalone --nproc-per-node 2 bench/torch_comet.py --models mixtral-8x7b --tokens 8192 --ep 2
