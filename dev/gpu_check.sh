@@ -242,11 +242,13 @@ for step in $STEPS; do
     ncu) # one GPU: Nsight Compute's duration (and shared-memory bank conflicts) of the layer's small
          # kernels in one `comet bench --ep 1` (NCU_KERNELS regex: 7 kernels a forward by default, the
          # third forward measured; NCU_MODEL, NCU_TOKENS; a Firecracker
-         # machine: on gVisor ncu cannot read counters), the clocks left alone
+         # machine: on gVisor ncu cannot read counters), the clocks left alone. NCU_ARGS: more flags for
+         # comet bench; a training step's every kernel (the second step's 28 on the Hopper path):
+         #   NCU_ARGS=--train NCU_KERNELS=. NCU_SKIP=28 NCU_COUNT=28 NCU_MODEL=deepseek-v3 NCU_TOKENS=4096
         timeout 200 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-comet_plan_|k_stage|k_gather_routing|k_plan|k_final|k_dispatch}" \
             --launch-skip "${NCU_SKIP:-14}" --launch-count "${NCU_COUNT:-7}" \
             --metrics gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum \
-            build/comet bench --model "${NCU_MODEL:-qwen2-moe}" --tokens "${NCU_TOKENS:-16384}" --ep 1 --iters 3 --warmup 1 \
+            build/comet bench ${NCU_ARGS:-} --model "${NCU_MODEL:-qwen2-moe}" --tokens "${NCU_TOKENS:-16384}" --ep 1 --iters 3 --warmup 1 \
             > "$OUT/ncu.txt" 2>&1
         summary+=("ncu: exit $? (ncu.txt)")
         awk '/^  [a-z_]+\(/ {k=$1; sub(/\(.*/, "", k)} /gpu__time_duration/ {printf "  %-34s %8s us\n", k, $NF}' "$OUT/ncu.txt"
