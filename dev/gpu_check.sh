@@ -160,22 +160,29 @@ for step in $STEPS; do
         ;;
     pyvsc) # the training step through Python (bench/torch_comet.py) against the C calls (comet bench --train, from
            # an idle GPU and --back-to-back) on MODELS x TOKENS x LAYOUTS ("--ep N;--tp N", every GPU), ROUNDS rounds
-           # (C then Python each round: clock drift reaches both); report.py's table of the medians. The C rows
-           # check their gradients first (Mixtral ~20 s a cell); PYVSC_C="idle b2b" (default) the C runs a cell,
-           # "b2b" the back-to-back one only (half the C runs)
+           # (C then Python in odd rounds, Python then C in even ones: the clocks' drift under the power limit
+           # reaches both sides alike); report.py's table of the medians. The C rows check their gradients
+           # first (Mixtral ~20 s a cell); PYVSC_C="idle b2b" (default) the C runs a cell, "b2b" the
+           # back-to-back one only (half the C runs)
         pip_install
         n=$(nvidia-smi -L | wc -l)
         IFS=';' read -ra layouts <<<"${LAYOUTS:---ep $n;--tp $n}"
-        for round in $(seq "${ROUNDS:-1}"); do for layout in "${layouts[@]}"; do
+        pyvsc_c() { # $1: the layout
             for m in $MODELS; do for t in $TOKENS; do for c in ${PYVSC_C:-idle b2b}; do
                 b2b=; [ "$c" = b2b ] && b2b=--back-to-back
-                timeout 300 build/comet bench --train $b2b --model "$m" --tokens "$t" $layout --json "$OUT/pyvsc-comet.jsonl" \
-                    >> "$OUT/pyvsc.log" 2>&1 || summary+=("pyvsc comet $m $t $layout $b2b: exit $?")
+                timeout 300 build/comet bench --train $b2b --model "$m" --tokens "$t" $1 --json "$OUT/pyvsc-comet.jsonl" \
+                    >> "$OUT/pyvsc.log" 2>&1 || summary+=("pyvsc comet $m $t $1 $b2b: exit $?")
             done; done; done
+        }
+        pyvsc_py() { # $1: the layout, $2: the round
             timeout 600 torchrun --standalone --nproc-per-node "$n" bench/torch_comet.py --models "$(tr ' ' , <<<"$MODELS")" \
-                --tokens "$(tr ' ' , <<<"$TOKENS")" $layout --overhead-calls 0 --json "$OUT/pyvsc-python-r$round${layout// /}.json" \
+                --tokens "$(tr ' ' , <<<"$TOKENS")" $1 --overhead-calls 0 --json "$OUT/pyvsc-python-r$2${1// /}.json" \
                 >> "$OUT/pyvsc.log" 2>&1
-            summary+=("pyvsc torch_comet round $round $layout: exit $?")
+            summary+=("pyvsc torch_comet round $2 $1: exit $?")
+        }
+        for round in $(seq "${ROUNDS:-1}"); do for layout in "${layouts[@]}"; do
+            if ((round % 2)); then pyvsc_c "$layout"; pyvsc_py "$layout" "$round"
+            else pyvsc_py "$layout" "$round"; pyvsc_c "$layout"; fi
         done; done
         python3 bench/report.py "$OUT"/pyvsc-python-*.json "$OUT/pyvsc-comet.jsonl" 2>/dev/null | sed -n '/through Python/,$p'
         ;;
