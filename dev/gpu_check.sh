@@ -252,13 +252,23 @@ for step in $STEPS; do
          # machine: on gVisor ncu cannot read counters), the clocks left alone. NCU_ARGS: more flags for
          # comet bench; a training step's every kernel (the second step's 28 on the Hopper path):
          #   NCU_ARGS=--train NCU_KERNELS=. NCU_SKIP=28 NCU_COUNT=28 NCU_MODEL=deepseek-v3 NCU_TOKENS=4096
+         # NCU_SOURCE=1: also warp-stall sampling by SASS line (SourceCounters) into ncu-sass.csv.gz
+         # (read it with dev/ncu_sass.py); give it one kernel (NCU_KERNELS, NCU_COUNT=1)
+        src=()
+        [ -n "${NCU_SOURCE:-}" ] && src=(--section SourceCounters --section WarpStateStats --import-source no -o /tmp/comet-ncu -f)
         timeout 200 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-comet_plan_|k_stage|k_gather_routing|k_plan|k_final|k_dispatch}" \
             --launch-skip "${NCU_SKIP:-14}" --launch-count "${NCU_COUNT:-7}" \
-            --metrics gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum \
+            --metrics gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum "${src[@]}" \
             build/comet bench ${NCU_ARGS:-} --model "${NCU_MODEL:-qwen2-moe}" --tokens "${NCU_TOKENS:-16384}" --ep 1 --iters 3 --warmup 1 \
             > "$OUT/ncu.txt" 2>&1
         summary+=("ncu: exit $? (ncu.txt)")
-        awk '/^  [a-z_]+\(/ {k=$1; sub(/\(.*/, "", k)} /gpu__time_duration/ {printf "  %-34s %8s us\n", k, $NF}' "$OUT/ncu.txt"
+        if [ -n "${NCU_SOURCE:-}" ]; then
+            ncu -i /tmp/comet-ncu.ncu-rep --page details >> "$OUT/ncu.txt" 2>&1
+            ncu -i /tmp/comet-ncu.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu-sass.csv.gz"
+            summary+=("ncu source export: ${PIPESTATUS[0]} (ncu-sass.csv.gz)")
+        fi
+        # each kernel's name (a line "  name(args) (grid)x(block), ...") and its duration with the unit
+        awk '/^  [A-Za-z_][A-Za-z0-9_]*\(/ {k=$1; sub(/\(.*/, "", k)} /gpu__time_duration/ {printf "  %-34s %8s %s\n", k, $NF, $(NF-1)}' "$OUT/ncu.txt"
         ;;
     launch) # one process per GPU, as torchrun starts them (comet_world_create_nccl)
         n=$(nvidia-smi -L | wc -l)

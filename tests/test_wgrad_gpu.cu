@@ -14,8 +14,9 @@
  * ulp of the result for bf16 (rounded once) and for the accumulated add.
  * Also: the same bits from a repeated launch, from 7 CTAs instead of one per
  * SM and from a CUDA graph replay; skip leaves c untouched.
- * Small cases are checked element by element; the model-sized ones (Mixtral
- * and Qwen2-MoE dW2 and dW1) on 4096 sampled elements plus every element's
+ * Small cases are checked element by element (odd m tile counts and one
+ * expert of 11 m tiles among them); the model-sized ones (Mixtral,
+ * Qwen2-MoE and DeepSeek-V3-style dW2 and dW1) on 4096 sampled elements plus every element's
  * being written, and timed (informational: TFLOP/s over the valid rows).
  * Without a GPU, or on one that is not sm_90, it prints "skipped".
  */
@@ -363,10 +364,14 @@ int main(void) {
         {"slices of 64 rows m192 n320 E2", 192, 320, 2, 1, 256, 0, 0.0, 1, 0},
         {"long K m136 n264 E2 k1 skewed", 136, 264, 2, 1, 3000, 0, 1.0, 0, 0},
         {"qwen2-like m256 n192 E32 k4 skewed, 3 empty", 256, 192, 32, 4, 1024, 3, 1.0, 0, 0},
+        {"odd m tiles m320 n200 E4 k2 skewed, 1 empty", 320, 200, 4, 2, 300, 1, 1.0, 0, 0},
+        {"eleven m tiles m1408 n136 E3 k1", 1408, 136, 3, 1, 300, 0, 0.0, 0, 0},
         {"mixtral dW2 (EP2) H4096 F14336", 4096, 14336, 4, 1, 8192, 0, 0.0, 0, 1},
         {"mixtral dW1 (EP2) 2F28672 H4096", 28672, 4096, 4, 1, 8192, 0, 0.0, 0, 1},
         {"qwen2 dW2 H2048 F1408 E60", 2048, 1408, 60, 4, 4096, 0, 0.0, 0, 1},
         {"qwen2 dW1 2F2816 H2048 E60", 2816, 2048, 60, 4, 4096, 0, 0.0, 0, 1},
+        {"deepseek dW2 H7168 F2048 E32", 7168, 2048, 32, 8, 2048, 0, 0.0, 0, 1},
+        {"deepseek dW1 2F4096 H7168 E32", 4096, 7168, 32, 8, 2048, 0, 0.0, 0, 1},
     };
     const int small = getenv("COMET_WGRAD_TEST_SMALL") != NULL; /* only the small cases (e.g. under a sanitizer) */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
