@@ -182,8 +182,8 @@ for step in $STEPS; do
         }
         # one untimed C run first: the first timed cell of a fresh machine ran ~10% slow (Phi-3.5-MoE 4096
         # EP2: 4.335 ms, then 3.912 in round 2; bench/results/training/2026-11-28-py-vs-c-same-routing-h200x2.md)
-        set -- $MODELS; m0=$1; set -- $TOKENS
-        timeout 300 build/comet bench --train --back-to-back --model "$m0" --tokens "$1" ${layouts[0]} > /dev/null 2>&1
+        read -r m0 _ <<<"$MODELS"; read -r t0 _ <<<"$TOKENS"
+        timeout 300 build/comet bench --train --back-to-back --model "$m0" --tokens "$t0" ${layouts[0]} > /dev/null 2>&1
         for round in $(seq "${ROUNDS:-1}"); do for layout in "${layouts[@]}"; do
             if ((round % 2)); then pyvsc_c "$layout"; pyvsc_py "$layout" "$round"
             else pyvsc_py "$layout" "$round"; pyvsc_c "$layout"; fi
