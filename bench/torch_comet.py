@@ -69,19 +69,24 @@ def time_steps(step, iters, warmup, device):
 
 
 def time_back_to_back(step, iters):
-    """(GPU ms, host ms) a step over iters steps issued back to back (the host runs ahead, as in a training
-    loop): the median of the steps' times, each from its start event to the next step's (as `comet bench
-    --train --back-to-back` times the C calls: the first step's wait for the host counts once, not in a mean),
-    and the host's mean time to issue a step (at or above the GPU's, the GPU waits for it)."""
+    """(GPU ms, host ms, forward ms, backward ms) a step over iters steps issued back to back (the host runs
+    ahead, as in a training loop): the median of the steps' times, each from its start event to the next
+    step's (as `comet bench --train --back-to-back` times the C calls: the first step's wait for the host
+    counts once, not in a mean), the host's mean time to issue a step (at or above the GPU's, the GPU waits
+    for it), and the medians of the step's two parts split by an event between the forward and the
+    backward (as the C rows' fwd_ms and bwd_ms)."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    mid = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     t = time.perf_counter()
     for i in range(iters):
         ev[i].record()
-        step()
+        step(after_forward=mid[i].record)
     host = (time.perf_counter() - t) * 1e3 / iters
     ev[iters].record()
     ev[iters].synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters)), host
+    med = lambda f: statistics.median(f(i) for i in range(iters))  # noqa: E731
+    return (med(lambda i: ev[i].elapsed_time(ev[i + 1])), host, med(lambda i: ev[i].elapsed_time(mid[i])),
+            med(lambda i: mid[i].elapsed_time(ev[i + 1])))
 
 
 def profile_steps(step, path, tag, rank):
@@ -142,8 +147,7 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
             mod(x, idx, wts)
 
     step_ms = slowest(time_steps(step, args.iters, args.warmup, device), device)
-    b2b_ms, host_ms = time_back_to_back(step, args.iters)
-    b2b_ms, host_ms = slowest(b2b_ms, device), slowest(host_ms, device)
+    b2b = [slowest(v, device) for v in time_back_to_back(step, args.iters)]
     fwd_ms = slowest(time_steps(forward, args.iters, args.warmup, device), device)
     replays = replayed_training_forwards(step, ct._registered[mod._layer].layer, 8)
     if args.profile:
@@ -151,7 +155,8 @@ def cell(world, model, m_tokens, tp, ep, rank, args, device):
     mod.close()
     flop = 3 * 2 * 3 * m_tokens * topk * hd * ffn  # forward 2*(3 GEMMs of H x F) a routed row; training 3x
     return {"model": model, "tokens": m_tokens, "tp": tp, "ep": ep, "save": args.save, "python": True, "train": True,
-            "step_ms": step_ms, "step_ms_back_to_back": b2b_ms, "host_ms_back_to_back": host_ms, "fwd_ms": fwd_ms,
+            "step_ms": step_ms, "step_ms_back_to_back": b2b[0], "host_ms_back_to_back": b2b[1],
+            "fwd_ms_back_to_back": b2b[2], "bwd_ms_back_to_back": b2b[3], "fwd_ms": fwd_ms,
             "tflops": flop / w / (step_ms * 1e-3) / 1e12, "train_forwards_replayed": replays}
 
 
@@ -211,10 +216,12 @@ def main():
             records.append(cell(world, model, m, tp, ep, rank, args, device))
             if rank == 0:
                 r = records[-1]
-                print("%-14s M=%-6d TP=%d EP=%d %-11s step %8.3f ms (back to back %8.3f, the host's %8.3f)  "
-                      "forward %8.3f ms  %6.1f TFLOP/s a GPU  training forwards replayed %d of 8"
-                      % (model, m, tp, ep, r["save"], r["step_ms"], r["step_ms_back_to_back"],
-                         r["host_ms_back_to_back"], r["fwd_ms"], r["tflops"], r["train_forwards_replayed"]), flush=True)
+                print("%-14s M=%-6d TP=%d EP=%d %-11s step %8.3f ms (back to back %8.3f = forward %.3f + backward "
+                      "%.3f, the host's %8.3f)  forward alone %8.3f ms  %6.1f TFLOP/s a GPU  training forwards "
+                      "replayed %d of 8"
+                      % (model, m, tp, ep, r["save"], r["step_ms"], r["step_ms_back_to_back"], r["fwd_ms_back_to_back"],
+                         r["bwd_ms_back_to_back"], r["host_ms_back_to_back"], r["fwd_ms"], r["tflops"],
+                         r["train_forwards_replayed"]), flush=True)
     if args.overhead_calls and rank == 0:
         r = overhead(args, device)
         records.append(r)
