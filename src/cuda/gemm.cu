@@ -737,8 +737,7 @@ __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float 
  * miss fetches the aligned 256 bytes around it, so the other loads of the same row and plane hit
  * L2 instead of each missing to DRAM on its own sector (G 2.06-2.12 -> 1.81-1.84 ms on H100 at
  * Mixtral's 8192 rows; 16-byte loads with a quad transpose and an L2 prefetch by the producer's
- * idle warps were slower: dev/NOTES.md). asm volatile, so plane 1's re-read of g is not merged
- * with plane 0's, which would keep 64 words live. */
+ * idle warps were slower: dev/NOTES.md). */
 __device__ __forceinline__ uint32_t gm_ld_b32(const comet_bf16_t *ptr, int in) {
     uint32_t v;
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\nmov.b32 %0, 0;\n@p ld.global.nc.L2::256B.b32 %0, [%1];\n}\n"
@@ -747,15 +746,15 @@ __device__ __forceinline__ uint32_t gm_ld_b32(const comet_bf16_t *ptr, int in) {
     return v;
 }
 
-/* G's epilogue, one plane of dH for one half (128 columns, hf) of this consumer's 64 rows (row0..,
- * the first `rows` valid) x 256 columns, from G in d (fp32) and include/comet.h backward step 4:
- * dA = w G with the row's weight, then, from gu's bf16 values, plane 0 dg (gated SiLU: dA u s (1 +
- * g (1 - s)), s = sigmoid(g), as comet_silu_gated_backward; GELU: dA gm_gelu_grad(g)) or plane 1
- * du = dA g s, rounded into pk[0..31] (the half's gm_store_tma words); 0 in padding rows. Plane 0
- * also adds this thread's products G h, column by column ascending, to acc[e] (its rows r + 8e). */
-__device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *d, uint32_t *pk, int row0, int rows,
-                                             int col0, int col_lim, int tid, const int mode, const int plane,
-                                             const int hf, float *acc) {
+/* G's epilogue, one quarter (64 columns, q) of this consumer's 64 rows (row0.., the first `rows`
+ * valid) x 256 columns, both planes of dH at once, from G in d (fp32) and include/comet.h backward
+ * step 4: dA = w G with the row's weight, then, from gu's bf16 values, dg (gated SiLU: dA u s (1 + g
+ * (1 - s)), s = sigmoid(g), as comet_silu_gated_backward; GELU: dA gm_gelu_grad(g)) into pk[0..15]
+ * and, gated, du = dA g s into pk[16..31] (gm_store_quarter's words), each element's g and u loaded
+ * and its sigmoid computed once for both; 0 in padding rows. Also adds this thread's products G h,
+ * column by column ascending, to acc[e] (its rows r + 8e). */
+__device__ __forceinline__ void gm_dact_quarter(const gm_params_t &p, const float *d, uint32_t *pk, int row0, int rows,
+                                                int col0, int col_lim, int tid, const int mode, const int q, float *acc) {
     const int lane = tid & 31, wi = tid >> 5;
     const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
 #pragma unroll
@@ -765,52 +764,75 @@ __device__ __forceinline__ void gm_dact_half(const gm_params_t &p, const float *
         const float w = valid ? __ldg(&p.rows[row].weight) : 0.0f;
         const comet_bf16_t *gp = p.gu + row * p.gu_ld + col0, *hp = p.hin + row * p.n + col0;
 #pragma unroll
-        for (int jj = 0; jj < 16; jj++) {
-            const int j = hf * 16 + jj, col = cb + j * 8, in = valid && col < col_lim;
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = q * 8 + jj, col = cb + j * 8, in = valid && col < col_lim;
             const float G0 = d[4 * j + 2 * e], G1 = d[4 * j + 2 * e + 1], dA0 = w * G0, dA1 = w * G1;
             const uint32_t g2 = gm_ld_b32(gp + col, in);
             const float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
-            float v0, v1;
             if (mode == GM_MODE_DGELU) {
-                v0 = dA0 * gm_gelu_grad(g0), v1 = dA1 * gm_gelu_grad(g1);
+                pk[2 * jj + e] = valid ? gm_pack(dA0 * gm_gelu_grad(g0), dA1 * gm_gelu_grad(g1)) : 0u;
             } else {
                 const float s0 = gm_sigmoid(g0), s1 = gm_sigmoid(g1);
-                if (plane == 0) {
-                    const uint32_t u2 = gm_ld_b32(gp + p.up_off + col, in);
-                    const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
-                    v0 = dA0 * u0 * s0 * (1.0f + g0 * (1.0f - s0));
-                    v1 = dA1 * u1 * s1 * (1.0f + g1 * (1.0f - s1));
-                } else {
-                    v0 = dA0 * g0 * s0, v1 = dA1 * g1 * s1;
-                }
+                const uint32_t u2 = gm_ld_b32(gp + p.up_off + col, in);
+                const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+                const float dg0 = dA0 * u0 * s0 * (1.0f + g0 * (1.0f - s0));
+                const float dg1 = dA1 * u1 * s1 * (1.0f + g1 * (1.0f - s1));
+                const float du0 = dA0 * g0 * s0, du1 = dA1 * g1 * s1;
+                pk[2 * jj + e] = valid ? gm_pack(dg0, dg1) : 0u;
+                pk[16 + 2 * jj + e] = valid ? gm_pack(du0, du1) : 0u;
             }
-            pk[2 * jj + e] = valid ? gm_pack(v0, v1) : 0u;
-            if (plane == 0) {
-                const uint32_t h2 = gm_ld_b32(hp + col, in);
-                acc[e] += G0 * __uint_as_float(h2 << 16);
-                acc[e] += G1 * __uint_as_float(h2 & 0xffff0000u);
-            }
+            const uint32_t h2 = gm_ld_b32(hp + col, in);
+            acc[e] += G0 * __uint_as_float(h2 << 16);
+            acc[e] += G1 * __uint_as_float(h2 & 0xffff0000u);
         }
     }
 }
 
-/* G's epilogue for one consumer (gm_dact_half): each plane half by half, 32 words of pk at a time
- * (the whole tile's 64 spilled beside the loads), stored through the staging buffer (all 64 rows:
- * padding rows get zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256],
- * the four threads of a row adding their sums in a fixed tree. */
+/* One quarter's planes (nplanes 64-row x 64-column boxes, pk[16 * plane + ..]) staged in cbuf (box
+ * `plane` at plane x 8 KiB; all 64 rows: padding rows carry the zeros gm_dact_quarter put there) and
+ * sent by the TMA to columns col.. of each plane; before the stmatrix the previous quarter's TMA
+ * has read the buffer. */
+__device__ __forceinline__ void gm_store_quarter(const uint32_t *pk, unsigned char *cbuf, const CUtensorMap *map,
+                                                 int row0, int col, int tid, int c, const int nplanes) {
+    const int lane = tid & 31, wi = tid >> 5, mi = lane >> 3;
+    const int row = wi * 16 + (mi & 1) * 8 + (lane & 7); /* row (0..63) whose 16-byte chunk this lane addresses */
+    const uint32_t cb = gm_smem(cbuf);
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* buffer free again */
+    gm_named_bar(2 + c, 128);
+#pragma unroll
+    for (int plane = 0; plane < nplanes; plane++)
+#pragma unroll
+        for (int jj = 0; jj < 8; jj += 2) {
+            const int chunk = jj + (mi >> 1);
+            const uint32_t addr = cb + plane * 8192 + row * 128 + ((chunk ^ (row & 7)) << 4);
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                         "r"(pk[16 * plane + 2 * jj + 0]), "r"(pk[16 * plane + 2 * jj + 1]),
+                         "r"(pk[16 * plane + 2 * jj + 2]), "r"(pk[16 * plane + 2 * jj + 3])
+                         : "memory");
+        }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gm_named_bar(2 + c, 128);
+    if (tid == 0) {
+        for (int plane = 0; plane < nplanes; plane++) gm_tma_store3(map, cbuf + plane * 8192, col, plane, row0);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+
+/* G's epilogue for one consumer: quarter by quarter (gm_dact_quarter, gm_store_quarter: 32 words
+ * of pk at a time, both planes), stored through the staging buffer (all 64 rows: padding rows get
+ * zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256], the four threads of
+ * a row adding their sums in a fixed tree. */
 __device__ __forceinline__ void gm_dact_tile(const gm_params_t &p, const float *d, unsigned char *cbuf,
                                              const CUtensorMap *map, int row0, int rows, int col0, int col_lim, int tid,
                                              int c, const int mode) {
     uint32_t pk[32];
     float acc[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int plane = 0; plane < (mode == GM_MODE_DGATED ? 2 : 1); plane++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            if (hf * 128 >= col_lim) break;
-            gm_dact_half(p, d, pk, row0, rows, col0, col_lim, tid, mode, plane, hf, acc);
-            gm_store_tma(pk, cbuf, map, row0, col0 + hf * 128, 1, col_lim - hf * 128, tid, c, p, mode, plane);
-        }
+    for (int q = 0; q < 4; q++) {
+        if (q * 64 >= col_lim) break;
+        gm_dact_quarter(p, d, pk, row0, rows, col0, col_lim, tid, mode, q, acc);
+        gm_store_quarter(pk, cbuf, map, row0, col0 + q * 64, tid, c, mode == GM_MODE_DGATED ? 2 : 1);
+    }
     const int lane = tid & 31, r = (tid >> 5) * 16 + (lane >> 2);
 #pragma unroll
     for (int e = 0; e < 2; e++) {
