@@ -43,10 +43,14 @@
  * (E, H, F_local) as stored: a stage's B is four TMA boxes of 64 N columns x
  * 64 K rows (3D maps, so K rows past an expert's read zero), wgmma with the
  * transpose bit (gm_desc_mn). dX is GEMM1's walk with K = w1_rows (no tail
- * split); G is GEMM0's walk over 256-column tiles of F_local, and its
- * epilogue (gm_dact_tile) reads gu and h from global memory per element,
- * stores dH through the staging buffer, padding rows as zeros, and the
- * row partials of <G, h>.
+ * split); G is GEMM0's walk over 256-column tiles of F_local. G's epilogue
+ * operands come through the ring: after a tile's k-slices the producer
+ * fills the next stages with the tile's g, u and h, one 64-column quarter a
+ * stage (3 planes x 128 rows x 64 columns x 2 B = 48 KiB, a stage's size),
+ * as the last k-slices free them, so their loads run under the main loop's
+ * end and under the quarter before; the epilogue (gm_dact_tile) reads them
+ * from shared memory, stores dH through the staging buffer, padding rows as
+ * zeros, and the row partials of <G, h>.
  * Not here: the SIMT fallback (layer/simt_gemm.cuh) and the layer's other kernels
  * (layer_chain.cu and its rooms in layer/).
  */
@@ -67,6 +71,7 @@
 #define GM_B_BYTES (GM_BN * GM_BK * 2)           /* 32 KiB */
 #define GM_STAGE_BYTES (GM_A_BYTES + GM_B_BYTES) /* 48 KiB */
 #define GM_CBUF_BYTES (64 * 128 * 2)             /* 16 KiB: 64 rows x 128 cols, two 64x64 boxes */
+#define GM_G_BOX_BYTES (GM_BM * 64 * 2)          /* 16 KiB: one plane of a G epilogue stage, 128 rows x 64 cols */
 /* 2-CTA clusters: slots of CTA 1's claim ring. CTA 0 publishes claim i only
  * after the empty wait for the last stage of claim i-1, which needs CTA 1's
  * consumers to have released the stage GM_STAGES before it, which needs CTA
@@ -149,8 +154,7 @@ typedef struct {
     int split_ref;   /* the split rule's count of workers: num_sms / 2, whatever this launch's grid */
     uint32_t *split_count; /* per split CTA tile: pieces stored (the last one sums them and resets it) */
     float *split_part;     /* [key][piece][consumer][128 accumulators][128 threads] fp32 partials */
-    comet_bf16_t *gu;      /* GEMM0: also store the pre-activation here (NULL: not); G: read from here */
-    const comet_bf16_t *hin; /* G: the forward's h */
+    comet_bf16_t *gu;      /* GEMM0: also store the pre-activation here (NULL: not) */
     float *dwp;            /* G: row partials of <G, h>, (max_rows_padded, dwp_tiles) */
     int gu_ld;             /* row length of gu and dH: w1_rows */
     int dwp_tiles;         /* comet_gemm_dwp_tiles */
@@ -733,57 +737,74 @@ __device__ __forceinline__ int gm_split_piece(const gm_params_t &p, const float 
     return 1;
 }
 
-/* G's epilogue: the 4-byte word (two bf16) at ptr when in, else 0, loaded with .L2::256B: an L2
- * miss fetches the aligned 256 bytes around it, so the other loads of the same row and plane hit
- * L2 instead of each missing to DRAM on its own sector (G 2.06-2.12 -> 1.81-1.84 ms on H100 at
- * Mixtral's 8192 rows; 16-byte loads with a quad transpose and an L2 prefetch by the producer's
- * idle warps were slower: dev/NOTES.md). */
-__device__ __forceinline__ uint32_t gm_ld_b32(const comet_bf16_t *ptr, int in) {
+/* G's epilogue stages: the quarters (64 columns) of the tile at col0, each one ring stage after
+ * the tile's k-slices (gm_body's producer and gm_dact_tile count them alike). */
+__device__ __forceinline__ int gm_g_quarters(const gm_params_t &p, int col0) {
+    const int cols = p.n - col0 < GM_BN ? p.n - col0 : GM_BN;
+    return (cols + 63) / 64;
+}
+
+/* The 4-byte word at a shared-memory address (volatile: after the stage's full wait). */
+__device__ __forceinline__ uint32_t gm_lds(uint32_t addr) {
     uint32_t v;
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\nmov.b32 %0, 0;\n@p ld.global.nc.L2::256B.b32 %0, [%1];\n}\n"
-                 : "=r"(v)
-                 : "l"(ptr), "r"(in));
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
 }
 
-/* G's epilogue, one quarter (64 columns, q) of this consumer's 64 rows (row0.., the first `rows`
- * valid) x 256 columns, both planes of dH at once, from G in d (fp32) and include/comet.h backward
- * step 4: dA = w G with the row's weight, then, from gu's bf16 values, dg (gated SiLU: dA u s (1 + g
- * (1 - s)), s = sigmoid(g), as comet_silu_gated_backward; GELU: dA gm_gelu_grad(g)) into pk[0..15]
- * and, gated, du = dA g s into pk[16..31] (gm_store_quarter's words), each element's g and u loaded
- * and its sigmoid computed once for both; 0 in padding rows. Also adds this thread's products G h,
- * column by column ascending, to acc[e] (its rows r + 8e). */
-__device__ __forceinline__ void gm_dact_quarter(const gm_params_t &p, const float *d, uint32_t *pk, int row0, int rows,
-                                                int col0, int col_lim, int tid, const int mode, const int q, float *acc) {
+/* A consumer warp is done with ring stage s: its lane 0 arrives (and on the peer CTA's barrier in
+ * a cluster, as gm_kloop's releases). */
+__device__ __forceinline__ void gm_release(uint64_t *empty, int s, int cl, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        gm_mbar_arrive(&empty[s]);
+        if (cl) gm_mbar_arrive_peer(&empty[s], gm_cluster_rank() ^ 1u);
+    }
+}
+
+/* G's epilogue, one quarter (64 columns, q) of this consumer's (c) 64 rows (the first `rows` valid)
+ * x 256 columns, both planes of dH at once, from G in d (fp32) and include/comet.h backward step 4:
+ * dA = w G with the row's weight (w[e]: rows r + 8e), then, from gu's bf16 values, dg (gated SiLU:
+ * dA u s (1 + g (1 - s)), s = sigmoid(g), as comet_silu_gated_backward; GELU: dA gm_gelu_grad(g))
+ * into pk[0..15] and, gated, du = dA g s into pk[16..31] (gm_store_quarter's words); 0 in padding
+ * rows. Also adds this thread's products G h, column by column ascending, to acc[e]. g, u and h
+ * come from the ring stage at shared address st (planes of 128 rows x 128 bytes, 128B swizzle: the
+ * 16-byte chunk k of row R at chunk k ^ (R & 7), so a warp's 8 rows hit 8 different chunks);
+ * columns past col_lim read as 0. */
+__device__ __forceinline__ void gm_dact_quarter(const float *d, uint32_t *pk, uint32_t st, int c, int rows, int col_lim,
+                                                int tid, const int mode, const int q, const float *w, float *acc) {
     const int lane = tid & 31, wi = tid >> 5;
-    const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2;
+    const int r = wi * 16 + (lane >> 2), cb = (lane & 3) * 2, sw = lane >> 2; /* sw = R & 7 */
 #pragma unroll
     for (int e = 0; e < 2; e++) { /* accumulators 4j + 2e, 4j + 2e + 1: row r + 8e, columns cb + 8j, +1 */
         const int valid = r + 8 * e < rows;
-        const int64_t row = row0 + r + 8 * e;
-        const float w = valid ? __ldg(&p.rows[row].weight) : 0.0f;
-        const comet_bf16_t *gp = p.gu + row * p.gu_ld + col0, *hp = p.hin + row * p.n + col0;
+        const uint32_t rb = st + (uint32_t)(c * 64 + r + 8 * e) * 128u + (uint32_t)(lane & 3) * 4u;
+        uint32_t g2[8], u2[8], h2[8];
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) { /* every load first, then the arithmetic */
+            const uint32_t a = rb + (uint32_t)((jj ^ sw) << 4);
+            g2[jj] = gm_lds(a);
+            u2[jj] = mode == GM_MODE_DGELU ? 0u : gm_lds(a + GM_G_BOX_BYTES);
+            h2[jj] = gm_lds(a + 2 * GM_G_BOX_BYTES);
+        }
 #pragma unroll
         for (int jj = 0; jj < 8; jj++) {
-            const int j = q * 8 + jj, col = cb + j * 8, in = valid && col < col_lim;
-            const float G0 = d[4 * j + 2 * e], G1 = d[4 * j + 2 * e + 1], dA0 = w * G0, dA1 = w * G1;
-            const uint32_t g2 = gm_ld_b32(gp + col, in);
-            const float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+            const int j = q * 8 + jj, in = valid && cb + j * 8 < col_lim;
+            const float G0 = d[4 * j + 2 * e], G1 = d[4 * j + 2 * e + 1], dA0 = w[e] * G0, dA1 = w[e] * G1;
+            const uint32_t gw = in ? g2[jj] : 0u, uw = in ? u2[jj] : 0u, hw = in ? h2[jj] : 0u;
+            const float g0 = __uint_as_float(gw << 16), g1 = __uint_as_float(gw & 0xffff0000u);
             if (mode == GM_MODE_DGELU) {
                 pk[2 * jj + e] = valid ? gm_pack(dA0 * gm_gelu_grad(g0), dA1 * gm_gelu_grad(g1)) : 0u;
             } else {
                 const float s0 = gm_sigmoid(g0), s1 = gm_sigmoid(g1);
-                const uint32_t u2 = gm_ld_b32(gp + p.up_off + col, in);
-                const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+                const float u0 = __uint_as_float(uw << 16), u1 = __uint_as_float(uw & 0xffff0000u);
                 const float dg0 = dA0 * u0 * s0 * (1.0f + g0 * (1.0f - s0));
                 const float dg1 = dA1 * u1 * s1 * (1.0f + g1 * (1.0f - s1));
                 const float du0 = dA0 * g0 * s0, du1 = dA1 * g1 * s1;
                 pk[2 * jj + e] = valid ? gm_pack(dg0, dg1) : 0u;
                 pk[16 + 2 * jj + e] = valid ? gm_pack(du0, du1) : 0u;
             }
-            const uint32_t h2 = gm_ld_b32(hp + col, in);
-            acc[e] += G0 * __uint_as_float(h2 << 16);
-            acc[e] += G1 * __uint_as_float(h2 & 0xffff0000u);
+            acc[e] += G0 * __uint_as_float(hw << 16);
+            acc[e] += G1 * __uint_as_float(hw & 0xffff0000u);
         }
     }
 }
@@ -818,29 +839,48 @@ __device__ __forceinline__ void gm_store_quarter(const uint32_t *pk, unsigned ch
     }
 }
 
-/* G's epilogue for one consumer: quarter by quarter (gm_dact_quarter, gm_store_quarter: 32 words
- * of pk at a time, both planes), stored through the staging buffer (all 64 rows: padding rows get
- * zeros); then each valid row's <G, h> over the tile into dwp[row][col0 / 256], the four threads of
- * a row adding their sums in a fixed tree. */
-__device__ __forceinline__ void gm_dact_tile(const gm_params_t &p, const float *d, unsigned char *cbuf,
-                                             const CUtensorMap *map, int row0, int rows, int col0, int col_lim, int tid,
-                                             int c, const int mode) {
+/* G's epilogue for one consumer, from ring position it (returns the position after the tile's
+ * quarters): quarter by quarter, wait for the stage with its g, u, h (gm_body's producer), compute
+ * (gm_dact_quarter), release the stage, store through the staging buffer (gm_store_quarter: 32
+ * words of pk at a time, both planes; all 64 rows: padding rows get zeros); then each valid row's
+ * <G, h> over the tile into dwp[row][col0 / 256], the four threads of a row adding their sums in a
+ * fixed tree. A tile without a block (clusters: the pair's missing half) only passes its stages. */
+__device__ __forceinline__ int gm_dact_tile(const gm_params_t &p, const float *d, const unsigned char *base,
+                                            uint64_t *full, uint64_t *empty, int it, const gm_tile_t &tl,
+                                            unsigned char *cbuf, const CUtensorMap *map, int c, int tid, int cl,
+                                            const int mode) {
+    const int lane = tid & 31, r = (tid >> 5) * 16 + (lane >> 2), nq = gm_g_quarters(p, tl.col0);
+    if (tl.b < 0) {
+        for (int q = 0; q < nq; q++, it++) {
+            gm_mbar_wait(&full[it % GM_STAGES], (it / GM_STAGES) & 1);
+            gm_release(empty, it % GM_STAGES, cl, lane);
+        }
+        return it;
+    }
+    const comet_plan_block_t blk = p.blocks[tl.b];
+    const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
+    float w[2], acc[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int e = 0; e < 2; e++) w[e] = r + 8 * e < rows ? __ldg(&p.rows[row0 + r + 8 * e].weight) : 0.0f;
     uint32_t pk[32];
-    float acc[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        if (q * 64 >= col_lim) break;
-        gm_dact_quarter(p, d, pk, row0, rows, col0, col_lim, tid, mode, q, acc);
-        gm_store_quarter(pk, cbuf, map, row0, col0 + q * 64, tid, c, mode == GM_MODE_DGATED ? 2 : 1);
+        if (q >= nq) break;
+        const int s = it % GM_STAGES;
+        gm_mbar_wait(&full[s], (it / GM_STAGES) & 1);
+        gm_dact_quarter(d, pk, gm_smem(base + s * GM_STAGE_BYTES), c, rows, col_lim, tid, mode, q, w, acc);
+        gm_release(empty, s, cl, lane);
+        it++;
+        gm_store_quarter(pk, cbuf, map, row0, tl.col0 + q * 64, tid, c, mode == GM_MODE_DGATED ? 2 : 1);
     }
-    const int lane = tid & 31, r = (tid >> 5) * 16 + (lane >> 2);
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float v = acc[e];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (r + 8 * e < rows && (lane & 3) == 0) p.dwp[(int64_t)(row0 + r + 8 * e) * p.dwp_tiles + col0 / GM_BN] = v;
+        if (r + 8 * e < rows && (lane & 3) == 0) p.dwp[(int64_t)(row0 + r + 8 * e) * p.dwp_tiles + tl.col0 / GM_BN] = v;
     }
+    return it;
 }
 
 /* The kernel body; `mode` and `cl` are literals in each of the kernels below,
@@ -855,7 +895,8 @@ __device__ __forceinline__ void gm_dact_tile(const gm_params_t &p, const float *
  * once the consumers of both CTAs released it (16 arrivals). Otherwise, and
  * with cl = 0, each CTA loads its own B tile. tmbh: B with 128-row boxes (gated: 64-row boxes,
  * GM_NARROW's). tb = 1 (dX, G): B MN-major, tmb gm_map_mn's, four 64-column boxes a stage (a
- * shared tile: two from each CTA). tmg: GEMM0's pre-activation store (p.gu). */
+ * shared tile: two from each CTA). tmg: GEMM0's pre-activation store (p.gu). G: tmbh and tmg are
+ * its epilogue operands' maps, gu (column, plane, row) and h, 128-row boxes (gm_map_gu_rows, gm_map). */
 __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMap &tmb, const CUtensorMap &tmbh,
                                         const CUtensorMap &tmc, const CUtensorMap &tmg, const gm_params_t &p,
                                         const int mode, const int cl, const int tb) {
@@ -947,6 +988,19 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
                         gm_tma_load(st + GM_A_BYTES, &tmb, k * GM_BK, brow, &full[s]);
                     }
                 }
+                if (mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) { /* G's epilogue operands, a quarter a stage */
+                    const int nq = gm_g_quarters(p, tl.col0), planes = mode == GM_MODE_DGATED ? 2 : 1;
+                    for (int q = 0; q < nq; q++, it++) {
+                        const int s = it % GM_STAGES, ph = (it / GM_STAGES) & 1;
+                        gm_mbar_wait(&empty[s], ph ^ 1);
+                        gm_mbar_expect_tx(&full[s], tl.b >= 0 ? (planes + 1) * GM_G_BOX_BYTES : 0);
+                        if (tl.b < 0) continue;
+                        unsigned char *st = base + s * GM_STAGE_BYTES;
+                        for (int pl = 0; pl < planes; pl++) /* g, then u: tmbh is gu's (column, plane, row) map */
+                            gm_tma_load3(st + pl * GM_G_BOX_BYTES, &tmbh, tl.col0 + q * 64, pl, blk.row_start, &full[s], 0);
+                        gm_tma_load(st + 2 * GM_G_BOX_BYTES, &tmg, tl.col0 + q * 64, blk.row_start, &full[s]); /* h */
+                    }
+                }
             }
             gm_produce_end(p, full, empty, stage_tile, it, cl, rank);
         }
@@ -978,6 +1032,10 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
             /* the tile decoded only now: nothing but tv stays live across the main loop */
             const int t = tv & ~GM_NARROW;
             const gm_tile_t tl = gm_tile(p, nb, t, cl, cl ? gm_cluster_rank() : 0u, mode);
+            if (mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) {
+                it = gm_dact_tile(p, d, base, full, empty, it, tl, cbufs + c * GM_CBUF_BYTES, &tmc, c, tid, cl, mode);
+                continue;
+            }
             if (tl.b < 0) continue; /* the same for both consumers: the named barrier below stays matched */
             const comet_plan_block_t blk = p.blocks[tl.b];
 
@@ -986,10 +1044,6 @@ __device__ __forceinline__ void gm_body(const CUtensorMap &tma, const CUtensorMa
              * then the store path of this consumer's rows */
             const int rows = blk.num_rows - c * 64, col_lim = tl.col_end - tl.col0, row0 = blk.row_start + c * 64;
             unsigned char *cbuf = cbufs + c * GM_CBUF_BYTES;
-            if (mode == GM_MODE_DGATED || mode == GM_MODE_DGELU) {
-                gm_dact_tile(p, d, cbuf, &tmc, row0, rows, tl.col0, col_lim, tid, c, mode);
-                continue;
-            }
             uint32_t pk[64];
             if (mode == GM_MODE_GEMM1 && tl.piece >= 0) { /* a split tile's piece: only its last CTA goes on */
                 if (!gm_split_piece(p, d, pk, tl, c, tid, split_last)) continue;
@@ -1143,6 +1197,13 @@ static int gm_map_planes(CUtensorMap *m, const void *ptr, int64_t rows, int64_t 
     const int box[3] = {64, 1, 64};
     return gm_map3(m, ptr, dims, strides, box, 0);
 }
+/* G's epilogue operands from gu (rows, planes x F): (column, plane, row), box 64 columns x 1 plane x
+ * 128 rows (a G epilogue stage's plane). */
+static int gm_map_gu_rows(CUtensorMap *m, const void *ptr, int64_t rows, int64_t f, int planes) {
+    const int64_t dims[3] = {f, planes, rows}, strides[2] = {f, planes * f};
+    const int box[3] = {64, 1, GM_BM};
+    return gm_map3(m, ptr, dims, strides, box, 1);
+}
 /* A stacked weight (experts, k rows, n columns) read MN-major (the dgrad GEMMs' B): (column, K row,
  * expert), box 64 columns x 64 K rows; K rows past an expert's read zero. */
 static int gm_map_mn(CUtensorMap *m, const void *ptr, int64_t experts, int64_t k, int64_t n) {
@@ -1285,7 +1346,7 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
     const int gated = d->activation == 0, planes = gated ? 2 : 1;
     uint32_t *sched_bwd = t && t->sched ? t->sched : g->own_sched ? g->sched + 4 : NULL;
     /* the maps of the training buffers (A, C, gu store), encoded now */
-    CUtensorMap ta, tc, tg;
+    CUtensorMap ta, tc, tg, th;
     int bad = 0;
     if (which == GM_GEMM0 && t) {
         bad = !t->gu || gm_map_planes(&tg, t->gu, mr, fl, planes) || (t->h && gm_map(&tc, t->h, mr, fl, 64, 0));
@@ -1293,7 +1354,9 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
         bad = t->h && gm_map(&ta, t->h, mr, fl, 128, 1);
     } else if (which == GM_G) {
         bad = !t || !t->gu || !t->dy || !t->dh || !t->dwp || !(t->h || a->h) || !sched_bwd;
-        if (!bad) bad = gm_map(&ta, t->dy, mr, hd, 128, 1) || gm_map_planes(&tc, t->dh, mr, fl, planes);
+        if (!bad) /* A: dy; dH store; G's epilogue operands, 128-row boxes: gu (tg: column, plane, row) and h (th) */
+            bad = gm_map(&ta, t->dy, mr, hd, 128, 1) || gm_map_planes(&tc, t->dh, mr, fl, planes) ||
+                  gm_map_gu_rows(&tg, t->gu, mr, fl, planes) || gm_map(&th, t->h ? t->h : a->h, mr, fl, 128, 1);
     } else if (which == GM_DX) {
         bad = !t || !t->dh || !t->dx || !sched_bwd;
         if (!bad) bad = gm_map(&ta, t->dh, mr, d->w1_rows, 128, 1) || gm_map(&tc, t->dx, mr, hd, 64, 0);
@@ -1336,9 +1399,8 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
         p.chunk_cols = p.n;
         p.order = hk.l0_order ? plan.l0_order : NULL;
         p.c = which == GM_G ? t->dh : t && t->h ? t->h : a->h;
-        p.gu = t ? t->gu : NULL;
+        p.gu = which == GM_GEMM0 && t ? t->gu : NULL; /* GEMM0 stores the pre-activation (G reads gu by its map) */
         if (which == GM_G) {
-            p.hin = t->h ? t->h : a->h;
             p.dwp = t->dwp;
             p.dwp_tiles = (int)comet_gemm_dwp_tiles(d);
         }
@@ -1395,7 +1457,7 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
         memcpy(m, mm, sizeof m);
         kern = GM_K_GEMM1;
     } else if (which == GM_G) {
-        const CUtensorMap *mm[5] = {&ta, &g->b2, &g->b2, &tc, &tc};
+        const CUtensorMap *mm[5] = {&ta, &g->b2, &tg, &tc, &th}; /* tmbh: gu, tmg: h (G's epilogue operands) */
         memcpy(m, mm, sizeof m);
         kern = gated ? GM_K_G_GATED : GM_K_G_GELU;
     } else {
