@@ -1345,7 +1345,7 @@ static int gm_launch(const comet_gemm_t *g, int which, const comet_gemm_train_t 
     const int64_t mr = d->max_rows_padded, hd = d->hidden, fl = d->ffn_local;
     const int gated = d->activation == 0, planes = gated ? 2 : 1;
     uint32_t *sched_bwd = t && t->sched ? t->sched : g->own_sched ? g->sched + 4 : NULL;
-    /* the maps of the training buffers (A, C, gu store), encoded now */
+    /* the maps of the training buffers (A, C, gu store; G: its epilogue operands too), encoded now */
     CUtensorMap ta, tc, tg, th;
     int bad = 0;
     if (which == GM_GEMM0 && t) {
