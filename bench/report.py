@@ -156,14 +156,17 @@ def python_table(python_rows, comet_rows):
         return (f"{a:.3f} | {b:.3f} | {100 * (b / a - 1):+.1f}%" if a and b else
                 f"{a:.3f} | - | -" if a else f"- | {b:.3f} | -" if b else "- | - | -")
 
+    def key(r, m):  # a configuration: Python rows name M "tokens", the C rows "M"
+        return (r["model"], r[m], r["tp"], r["ep"], r.get("save", "activations"))
+
     print("\nThe training step through Python (comet.torch) against the C calls (ms, medians of the rows; "
           "+: Python slower):\n")
     print("| model | M | TP | EP | save | C from an idle GPU | Python | over C | C back to back | Python | over C "
           "| host ms a step back to back: C / Python | rows |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in sorted({(r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) for r in python_rows}):
-        py = [r for r in python_rows if (r["model"], r["tokens"], r["tp"], r["ep"], r.get("save", "activations")) == c]
-        cs = [r for r in ct if (r["model"], r["M"], r["tp"], r["ep"], r.get("save", "activations")) == c]
+    for c in sorted({key(r, "tokens") for r in python_rows}):
+        py = [r for r in python_rows if key(r, "tokens") == c]
+        cs = [r for r in ct if key(r, "M") == c]
         c_idle = med([r["ms"] for r in cs if not r.get("back_to_back")])
         c_b2b = med([r["ms"] for r in cs if r.get("back_to_back")])
         p_idle = med([r["step_ms"] for r in py])
