@@ -35,6 +35,11 @@ int check_summary(const char *name) {
     return failed ? 1 : 0;
 }
 
+uint64_t check_fnv1a(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const unsigned char *)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
 int check_listed(const char *var, int v) {
     const char *list = getenv(var);
     if (!list || !*list) return 1;

@@ -6,6 +6,8 @@
 #ifndef COMET_CHECK_H
 #define COMET_CHECK_H
 
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #ifdef __cplusplus
@@ -21,6 +23,10 @@ void check_skip(const char *what, const char *why);
  * variable var (unset or empty: every value is): the GPU tests' selectors of
  * world sizes and layouts. */
 int check_listed(const char *var, int v);
+/* FNV-1a (64-bit) over n bytes, continuing from h (CHECK_FNV1A_BASIS to
+ * start): the tests' digests of outputs they compare across builds or pin. */
+#define CHECK_FNV1A_BASIS 0xcbf29ce484222325ull
+uint64_t check_fnv1a(uint64_t h, const void *p, size_t n);
 
 #define CHECK(cond, ...) check_record(!!(cond), __FILE__, __LINE__, #cond, __VA_ARGS__)
 

@@ -155,13 +155,6 @@ __global__ void k_release_late(uint64_t *ready, int n, uint64_t epoch, unsigned 
     }
 }
 
-/* FNV-1a over n bytes, continuing from h: the backward line's digest of dH and dwp over the valid
- * rows, to compare the bits of two builds' kernels on the same case (the inputs are seeded). */
-static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
-    for (size_t i = 0; i < n; i++) h = (h ^ ((const unsigned char *)p)[i]) * 0x100000001b3ull;
-    return h;
-}
-
 static int is_padding_row(const comet_plan_t *pl, const comet_dims_t *d, int64_t row) {
     for (int64_t e = 0; e < d->experts_local; e++)
         if (row >= pl->expert_start[e] && row < pl->expert_start[e + 1])
@@ -393,11 +386,13 @@ static void check_backward(const bwd_ctx_t *x) {
           "%s: backward over tolerance: gu %lld, dH %lld, dwp %lld (worst relative %.3g), dX %lld (%lld rows checked)",
           c->tag, (long long)bad_gu, (long long)bad_dh, (long long)bad_dwp, worst_dwp, (long long)bad_dx,
           (long long)checked);
-    uint64_t bits = 0xcbf29ce484222325ull;
+    /* G's digest (dH, dwp over the valid rows): the inputs are seeded, so two builds' kernels can be
+     * compared on the same case */
+    uint64_t bits = CHECK_FNV1A_BASIS;
     for (int b = 0; b < nb; b++) {
         const int64_t r0 = pl->blocks[b].row_start, nr = pl->blocks[b].num_rows;
-        bits = fnv1a(bits, dh + r0 * W1, sizeof(uint16_t) * (size_t)(nr * W1));
-        bits = fnv1a(bits, dwp + r0 * NT, sizeof(float) * (size_t)(nr * NT));
+        bits = check_fnv1a(bits, dh + r0 * W1, sizeof(uint16_t) * (size_t)(nr * W1));
+        bits = check_fnv1a(bits, dwp + r0 * NT, sizeof(float) * (size_t)(nr * NT));
     }
     printf("%s: backward: %lld rows checked, gu/dH/dwp/dX bad %lld/%lld/%lld/%lld (dwp worst %.2g of sum |G h|), padding "
            "ok %d, push ok %d, G bits %016llx\n", c->tag, (long long)checked, (long long)bad_gu, (long long)bad_dh,

@@ -15,10 +15,14 @@
 
 /* FNV-1a (64-bit) of every rank's expert ids in rank order, each id's four bytes little-endian. */
 static uint64_t ids_hash(const comet_problem_t *p) {
-    uint64_t h = 0xcbf29ce484222325ull;
+    uint64_t h = CHECK_FNV1A_BASIS;
     for (int s = 0; s < p->world_size; s++)
-        for (int64_t i = 0; i < p->tokens[s] * p->cfg.topk; i++)
-            for (int b = 0; b < 4; b++) h = (h ^ (((uint32_t)p->topk_idx[s][i] >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+        for (int64_t i = 0; i < p->tokens[s] * p->cfg.topk; i++) {
+            const uint32_t v = (uint32_t)p->topk_idx[s][i];
+            const unsigned char le[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16),
+                                         (unsigned char)(v >> 24)};
+            h = check_fnv1a(h, le, 4);
+        }
     return h;
 }
 
